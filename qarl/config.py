@@ -1,0 +1,121 @@
+"""Recipes: OmegaConf YAML with `defaults:` inheritance and `a.b=c` overrides, validated into dataclasses.
+
+A recipe file may list `defaults: [other.yaml, ...]` (paths relative to the file); those are merged
+first, in order, then the file itself, then command-line overrides. The result is merged onto the
+dataclass schema below, so a misspelt key or a wrongly typed value is an error that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A recipe, override or setting that cannot be used; the message says what to change."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    """The rollout engine (vLLM) and how it samples."""
+
+    backend: str = "vllm"
+    # Must equal policy.quant_cfg (the engine quantizes exactly as the policy trains) unless
+    # allow_quant_mismatch is set, for experiments on what a mismatch costs. "none" = unquantized.
+    quant_cfg: str | None = "${policy.quant_cfg}"
+    allow_quant_mismatch: bool = False
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # vLLM engine settings. kv_cache_gib only matters on CPU (VLLM_CPU_KVCACHE_SPACE).
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 256
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class PolicyConfig:
+    # "embedded:tiny" (made locally, the default) or any Hugging Face causal LM directory or hub name.
+    model_name: str = "embedded:tiny"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    # A built-in ModelOpt config name (NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG, FP8_DEFAULT_CFG, ...),
+    # a YAML path (absolute, relative to the working directory, or to quant_configs/), or "none".
+    quant_cfg: str = "quant_configs/nvfp4_a16.yaml"
+    # "task" (the task's own prompts), a local .jsonl/.json/.parquet/.txt file, or a datasets hub name.
+    quant_calib_data: str = "task"
+    quant_calib_text_column: str = "prompt"
+    quant_calib_size: int = 64
+    quant_batch_size: int = 16
+    quant_sequence_length: int = 64
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    num_digits: int = 2
+    num_train: int = 2000
+    num_eval: int = 100
+
+
+@dataclass
+class ParityConfig:
+    """`qarl parity`: which formats to compare and how many samples."""
+
+    formats: list[str] = field(default_factory=lambda: ["quant_configs/nvfp4_a16.yaml"])
+    num_prompts: int = 16
+    max_new_tokens: int = 32
+
+
+@dataclass
+class RecipeConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    if path in seen:
+        raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(map(str, seen + (path,)))}")
+    node = OmegaConf.load(path)
+    defaults = node.pop("defaults", [])
+    merged = OmegaConf.create()
+    for parent in defaults:
+        merged = OmegaConf.merge(merged, _load_with_defaults((path.parent / str(parent)).resolve(), seen + (path,)))
+    return OmegaConf.merge(merged, node)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), schema: type = RecipeConfig) -> Any:
+    """Load a recipe file, apply `a.b=c` overrides, and validate it into `schema` (a dataclass)."""
+    raw = _load_with_defaults(Path(path).resolve())
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key.sub=value; got {bad}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.resolve(merged)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid recipe {path}: {e.msg if hasattr(e, 'msg') else e}".strip()) from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain dict of a validated config, for logging next to a run's outputs."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,180 @@
+"""The rollout engine: vLLM in this process, fed the policy's fake-quantized weights and its amax.
+
+Why it quantizes exactly like the policy:
+  * weights arrive pre-folded: the policy runs each weight through its own ModelOpt weight quantizer
+    and sends the result, so vLLM multiplies with the very tensors the policy's forward uses;
+  * ModelOpt's vLLM plugin puts input quantizers into vLLM's (fused) linear layers, configured from
+    the same QuantizeConfig with the weight quantizers switched off, and every refit copies the
+    policy's per-tensor input amax into them (q/k/v and gate/up already share one amax on the policy).
+A refit writes into the running engine's parameters; nothing restarts and nothing is read from disk.
+
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a refit is a tensor copy, not a
+serialization; the caller's entry point must be guarded by `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qarl.config import GenerationConfig
+from qarl.quant import QuantFormat, folded_weights, input_amaxes
+
+
+@dataclass
+class Completion:
+    """One sampled completion: token ids, the engine's log-prob of each, and why it stopped."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class RefitTiming:
+    weights_s: float
+    amax_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.weights_s + self.amax_s
+
+
+def _keep_cpu_weights_plain() -> None:
+    """On CPU, vLLM repacks linear and embedding weights into oneDNN handles after loading and frees
+    `layer.weight`; a later in-place refit would then write into nothing. Keep them as plain tensors
+    used through torch.nn.functional.linear (the same math, and the engine stays refittable)."""
+    from vllm.model_executor.layers import utils as vllm_layer_utils
+
+    def plain_linear(layer: nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+class VLLMEngine:
+    """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
+
+    def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
+        from vllm import LLM
+
+        if not torch.cuda.is_available():
+            _keep_cpu_weights_plain()
+        self.cfg = cfg
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=False,
+        )
+        self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        self.format: QuantFormat | None = None
+        self._quantized = False
+
+    # -- quantization -------------------------------------------------------------------------
+    def set_quant_format(self, fmt: QuantFormat | None) -> None:
+        """Configure the engine's input quantizers for `fmt` (None: no quantization). Refit after."""
+        import modelopt.torch.quantization as mtq
+
+        import qarl.quant.nvfp4_cpu as nvfp4_cpu
+
+        nvfp4_cpu.install()
+        if fmt is not None:
+            mtq.quantize(self.model, fmt.with_weights_disabled())
+            self._quantized = True
+        elif self._quantized:
+            mtq.set_quantizer_by_cfg(self.model, [{"quantizer_name": "*", "enable": False}])
+        self.format = fmt
+
+    def _engine_input_quantizers(self) -> dict[str, nn.Module]:
+        """{engine layer name: its enabled input quantizer}."""
+        found = {}
+        for name, module in self.model.named_modules():
+            quantizer = getattr(module, "input_quantizer", None)
+            if quantizer is not None and quantizer.is_enabled:
+                found[name] = quantizer
+        return found
+
+    def _policy_name(self, engine_name: str) -> str:
+        """The policy layer whose amax an engine layer takes: a fused layer takes its first part's."""
+        parent, _, leaf = engine_name.rpartition(".")
+        parts = getattr(self.model, "packed_modules_mapping", {}).get(leaf)
+        return f"{parent}.{parts[0]}" if parts else engine_name
+
+    # -- refit --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def refit(self, policy_model: nn.Module, sync_amax: bool = True) -> RefitTiming:
+        """Load the policy's (folded) weights and, if `sync_amax`, its input amax into the engine."""
+        start = time.perf_counter()
+        self.model.load_weights(folded_weights(policy_model))
+        loaded = time.perf_counter()
+        if sync_amax:
+            self.load_input_amax(input_amaxes(policy_model))
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded)
+
+    def load_input_amax(self, amaxes: dict[str, torch.Tensor]) -> None:
+        for engine_name, quantizer in self._engine_input_quantizers().items():
+            policy_name = self._policy_name(engine_name)
+            if policy_name not in amaxes:
+                raise RuntimeError(
+                    f"engine layer {engine_name} quantizes its input but the policy has no input amax for "
+                    f"{policy_name}: policy and generation quant configs differ"
+                )
+            quantizer.amax = amaxes[policy_name]
+
+    # -- sampling -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        num_samples: int = 1,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Completion]:
+        """Sample `num_samples` completions per prompt (prompt-major order), with per-token log-probs.
+
+        Each sample gets its own seed (seed + index), so a run is reproducible sample by sample.
+        """
+        from vllm import SamplingParams
+
+        params, requests = [], []
+        for i, prompt in enumerate(p for p in prompts for _ in range(num_samples)):
+            params.append(
+                SamplingParams(
+                    n=1,
+                    max_tokens=max_new_tokens or self.cfg.max_new_tokens,
+                    temperature=0.0 if greedy else (temperature if temperature is not None else self.cfg.temperature),
+                    top_p=1.0 if greedy else self.cfg.top_p,
+                    logprobs=0,
+                    seed=seed + i,
+                )
+            )
+            requests.append({"prompt_token_ids": list(prompt)})
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = []
+        for request, out in zip(requests, outputs):
+            sample = out.outputs[0]
+            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+            completions.append(
+                Completion(request["prompt_token_ids"], list(sample.token_ids), logprobs, sample.finish_reason)
+            )
+        return completions

@@ -1,0 +1,165 @@
+"""The policy: a Hugging Face causal LM, fake-quantized by ModelOpt, and its log-probs.
+
+`build_policy` goes recipe -> model directory -> (checks) -> model -> quantizers -> calibration.
+Everything that can be wrong with the input is checked before the expensive steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from qarl.config import ConfigError, PolicyConfig
+from qarl.quant import QuantFormat, quantize_policy, resolve_format
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QARL_CACHE_DIR", Path.home() / ".cache" / "qarl"))
+
+
+def resolve_model_dir(model_name: str) -> str:
+    """"embedded:<size>" -> a locally made model directory; a local directory -> itself; else a hub name."""
+    if model_name.startswith(EMBEDDED_PREFIX):
+        from qarl.models.tiny import make_tiny_model
+
+        size = model_name[len(EMBEDDED_PREFIX):]
+        return str(make_tiny_model(cache_dir() / "embedded" / size, size=size))
+    path = Path(model_name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return str(path)
+    if model_name.startswith((".", "/", "~")) or model_name.count("/") != 1:
+        raise ConfigError(f"model not found: {model_name!r} is neither a local model directory nor a hub id (org/name)")
+    return model_name  # a hub id: transformers and vLLM resolve it (needs a reachable hub or a warm cache)
+
+
+def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str]:
+    """`quant_calib_data`: "task" (the task's prompts), a local file, or a datasets hub name."""
+    source = cfg.quant_calib_data
+    if source == "task":
+        texts = task_texts
+    else:
+        import datasets
+
+        path = Path(source).expanduser()
+        builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+        try:
+            if path.suffix in builders or path.exists():
+                if not path.is_file():
+                    raise ConfigError(f"calibration data file not found: {source}")
+                data = datasets.load_dataset(builders.get(path.suffix, "json"), data_files=str(path), split="train")
+            else:
+                data = datasets.load_dataset(source, split="train")
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(
+                f"calibration data {source!r} could not be loaded ({type(e).__name__}: {e}). Use "
+                "policy.quant_calib_data=task, a local .jsonl/.parquet/.txt file, or a reachable hub dataset."
+            ) from None
+        column = cfg.quant_calib_text_column if cfg.quant_calib_text_column in data.column_names else "text"
+        if column not in data.column_names:
+            raise ConfigError(
+                f"calibration data {source!r} has no column {cfg.quant_calib_text_column!r} (columns: "
+                f"{data.column_names}); set policy.quant_calib_text_column"
+            )
+        texts = [str(t) for t in data[column][: cfg.quant_calib_size]]
+    texts = texts[: cfg.quant_calib_size]
+    if not texts:
+        raise ConfigError(f"calibration data {source!r} is empty")
+    return texts
+
+
+def calibration_batches(
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, cfg: PolicyConfig, device: torch.device
+) -> Iterator[dict[str, torch.Tensor]]:
+    for start in range(0, len(texts), cfg.quant_batch_size):
+        enc = tokenizer(
+            texts[start : start + cfg.quant_batch_size],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=cfg.quant_sequence_length,
+        )
+        yield {k: v.to(device) for k, v in enc.items()}
+
+
+@dataclass
+class Policy:
+    """The trainable model, its tokenizer, its quantization format, and where the engine starts from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    format: QuantFormat | None
+    model_dir: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code
+    )
+    return model.to(device)
+
+
+def build_policy(
+    cfg: PolicyConfig,
+    task_texts: list[str],
+    model_dir: str | None = None,
+    fmt: QuantFormat | None | str = "from-config",
+    calibrate: bool = True,
+) -> Policy:
+    """Load and quantize the policy. `fmt` overrides `cfg.quant_cfg`; `calibrate=False` leaves amax
+    to be loaded from a saved quantizer state."""
+    if fmt == "from-config":
+        fmt = resolve_format(cfg.quant_cfg)
+    model_dir = model_dir or resolve_model_dir(cfg.model_name)
+    texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
+    device = default_device()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = load_model(model_dir, cfg, device)
+    if fmt is not None:
+        batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
+        quantize_policy(model, fmt, batches)
+    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir)
+
+
+def completion_logprobs(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Teacher-forced log-prob of each completion token given its prompt and the tokens before it.
+
+    Returns one 1-D tensor per completion (with grad if grad is enabled), computed in fp32.
+    """
+    device = next(model.parameters()).device
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq, device=device)
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return [logprobs[i, len(p) - 1 : len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(prompts, completions))]

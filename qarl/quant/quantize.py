@@ -1,0 +1,174 @@
+"""ModelOpt on the policy: insert fake quantizers, calibrate amax, share amax across fused siblings,
+fold weights for the rollout engine, and save/restore the quantizer state.
+
+Every ModelOpt call of the policy side lives here, so the rest of qarl sees four verbs:
+`quantize_policy`, `folded_weights`, `input_amaxes`, `quantizer_state`/`load_quantizer_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from qarl.config import ConfigError
+from qarl.quant.formats import QuantFormat
+
+# Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
+# siblings must share one per-tensor amax for their weights and one for their inputs: the fused
+# matrix has a single global scale. Keys are the fused names vLLM uses (its packed_modules_mapping).
+FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _quantizer_modules():
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return TensorQuantizer
+
+
+def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every module ModelOpt gave a weight quantizer."""
+    quantizer_cls = _quantizer_modules()
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "weight_quantizer", None), quantizer_cls):
+            yield name, module
+
+
+def _block_size(quantizer: nn.Module) -> int | None:
+    sizes = getattr(quantizer, "block_sizes", None) or {}
+    return sizes.get(-1) if quantizer.is_enabled else None
+
+
+def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
+    """Every quantized layer's input width must be a multiple of the format's block size."""
+    bad = []
+    for name, module in quantized_linears(model):
+        width = module.weight.shape[-1]
+        for quantizer in (module.weight_quantizer, getattr(module, "input_quantizer", None)):
+            block = _block_size(quantizer) if quantizer is not None else None
+            if block and width % block:
+                bad.append(f"{name} (input width {width}, block size {block})")
+                break
+    if bad:
+        example = bad[0].split(" ")[0].split(".")[-1]
+        raise ConfigError(
+            f"quant config {fmt.source}: the block size does not divide the input width of "
+            f"{len(bad)} layer(s): {', '.join(bad)}. Keep such layers in full precision by adding to the "
+            f"config's quant_cfg, after the entries that enable quantizers:\n"
+            f"  - quantizer_name: '*{example}*'\n    enable: false"
+        )
+
+
+def share_fused_amax(model: nn.Module) -> int:
+    """Give fused siblings (q/k/v, gate/up) the max of their per-tensor amaxes; returns groups merged."""
+    modules = dict(model.named_modules())
+    merged = 0
+    for name, module in modules.items():
+        for siblings in FUSED_SIBLINGS.values():
+            members = [modules.get(f"{name}.{s}") for s in siblings]
+            if not all(m is not None and hasattr(m, "weight_quantizer") for m in members):
+                continue
+            for attr in ("weight_quantizer", "input_quantizer"):
+                quantizers = [getattr(m, attr, None) for m in members]
+                amaxes = [q.amax for q in quantizers if q is not None and q.is_enabled and q.amax is not None]
+                if len(amaxes) != len(members) or any(a.numel() != 1 for a in amaxes):
+                    continue  # disabled, or per-channel amax (concatenates naturally when fused)
+                shared = torch.stack([a.reshape(()) for a in amaxes]).max()
+                for q in quantizers:
+                    q.amax = shared.reshape(q.amax.shape)
+            merged += 1
+    return merged
+
+
+def quantize_policy(
+    model: nn.Module,
+    fmt: QuantFormat,
+    calibration_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None,
+) -> nn.Module:
+    """Insert `fmt`'s quantizers, check block sizes, calibrate amax on the batches, share fused amax.
+
+    `calibration_batches` is called only after the cheap checks pass. Pass None when the amax will be
+    loaded from a saved quantizer state instead.
+    """
+    import modelopt.torch.quantization as mtq
+
+    import qarl.quant.nvfp4_cpu as nvfp4_cpu
+
+    nvfp4_cpu.install()
+    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    check_block_sizes(model, fmt)
+    if calibration_batches is None:
+        return model
+    batches = list(calibration_batches())
+
+    def forward_loop(m: nn.Module) -> None:
+        with torch.no_grad():
+            for batch in batches:
+                m(**batch)
+
+    mtq.calibrate(model, algorithm=fmt.algorithm, forward_loop=forward_loop)
+    missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
+    if missing:
+        raise ConfigError(f"calibration left {len(missing)} quantizer(s) without amax (no data reached them): {missing[:5]}")
+    share_fused_amax(model)
+    return model
+
+
+def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    quantizer_cls = _quantizer_modules()
+    for name, module in model.named_modules():
+        if isinstance(module, quantizer_cls) and module.is_enabled:
+            yield name, module
+
+
+@torch.no_grad()
+def folded_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter by its Hugging Face name; quantized weights come quantized-dequantized.
+
+    This is what the rollout engine loads: its weight quantizers stay off, so it computes with exactly
+    the tensors the policy's forward computes with.
+    """
+    folded = {}
+    for name, module in quantized_linears(model):
+        if module.weight_quantizer.is_enabled:
+            folded[f"{name}.weight" if name else "weight"] = module.weight_quantizer(module.weight)
+    for name, param in model.named_parameters():
+        yield name, folded.get(name, param.detach())
+
+
+def input_amaxes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{layer name: amax} of every enabled input quantizer (what the engine's input quantizers need)."""
+    return {
+        name: module.input_quantizer.amax
+        for name, module in quantized_linears(model)
+        if getattr(module, "input_quantizer", None) is not None
+        and module.input_quantizer.is_enabled
+        and module.input_quantizer.amax is not None
+    }
+
+
+def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{quantizer name: amax} of every quantizer that has one: the calibrated state a checkpoint keeps."""
+    quantizer_cls = _quantizer_modules()
+    return {
+        name: module.amax.detach().clone().contiguous()
+        for name, module in model.named_modules()
+        if isinstance(module, quantizer_cls) and module.amax is not None
+    }
+
+
+def load_quantizer_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Restore amaxes saved by `quantizer_state` into a model quantized with the same format."""
+    quantizers = dict(model.named_modules())
+    unknown = [n for n in state if n not in quantizers]
+    if unknown:
+        raise ConfigError(f"quantizer state does not fit this model: no quantizer named {unknown[:3]}")
+    for name, amax in state.items():
+        quantizers[name].amax = amax
+    missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
+    if missing:
+        raise ConfigError(f"quantizer state has no amax for enabled quantizers {missing[:5]}")
