@@ -35,7 +35,7 @@ class QuantFormat:
 
     def fingerprint(self) -> str:
         """A canonical text of the resolved config: equal fingerprints quantize identically."""
-        return json.dumps(self.modelopt_cfg, sort_keys=True, default=str)
+        return json.dumps(_canonical(self.modelopt_cfg))
 
     def with_weights_disabled(self) -> dict[str, Any]:
         """The rollout engine's config: weights arrive already fake-quantized, so only inputs quantize."""
@@ -43,6 +43,15 @@ class QuantFormat:
         cfg["quant_cfg"] = cfg["quant_cfg"] + [{"quantizer_name": "*weight_quantizer", "enable": False}]
         cfg["algorithm"] = None
         return cfg
+
+
+def _canonical(obj: Any) -> Any:
+    """Dicts as key-sorted pairs (keys may mix int and str, as ModelOpt's block_sizes do)."""
+    if isinstance(obj, dict):
+        return sorted(([str(k), _canonical(v)] for k, v in obj.items()), key=lambda kv: kv[0])
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
 
 
 def builtin_names() -> list[str]:
@@ -64,21 +73,18 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
     if spec is None or str(spec).strip().lower() in NO_QUANT:
         return None
     spec = str(spec).strip()
-    looks_like_file = spec.endswith((".yaml", ".yml")) or "/" in spec
-    if not looks_like_file:
+    path = _find_yaml(spec)
+    if path is None:
         import modelopt.torch.quantization as mtq
 
         cfg = getattr(mtq, spec, None)
-        if not (spec.endswith("_CFG") and isinstance(cfg, dict)):
-            raise ConfigError(
-                f"unknown quant config {spec!r}: not a ModelOpt built-in and not a YAML file. "
-                f"Use a path such as quant_configs/nvfp4_a16.yaml or one of: {', '.join(builtin_names())}"
-            )
-        return QuantFormat(name=spec, source=f"modelopt:{spec}", modelopt_cfg=copy.deepcopy(cfg))
-    path = _find_yaml(spec)
-    if path is None:
-        shipped = sorted(p.name for p in (REPO_ROOT / "quant_configs").glob("*.yaml"))
-        raise ConfigError(f"quant config file not found: {spec!r}. Shipped configs in quant_configs/: {shipped}")
+        if spec.endswith("_CFG") and isinstance(cfg, dict):
+            return QuantFormat(name=spec, source=f"modelopt:{spec}", modelopt_cfg=copy.deepcopy(cfg))
+        shipped = sorted(p.stem for p in (REPO_ROOT / "quant_configs").glob("*.yaml"))
+        raise ConfigError(
+            f"unknown quant config {spec!r}: neither a YAML file nor a ModelOpt built-in. Use a shipped "
+            f"config {shipped} (name or path), your own YAML path, or one of ModelOpt's: {', '.join(builtin_names())}"
+        )
     from modelopt.torch.opt.config_loader import load_config
     from modelopt.torch.quantization.config import QuantizeConfig
 
@@ -102,3 +108,30 @@ def check_generation_matches(policy: QuantFormat | None, generation: QuantFormat
             "sampled from a differently quantized model than the one trained. Remove the override, or set "
             "policy.generation.allow_quant_mismatch=true to run that experiment on purpose."
         )
+
+
+
+def _plain(obj: Any) -> Any:
+    """Tuples to lists, recursively: YAML-safe, with ModelOpt's int dict keys (block_sizes -1) kept."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def format_to_yaml(fmt: QuantFormat) -> str:
+    """The resolved format as YAML, saved next to checkpoints (YAML keeps block_sizes' int keys)."""
+    import yaml
+
+    return yaml.safe_dump({"name": fmt.name, "source": fmt.source, "modelopt_cfg": _plain(fmt.modelopt_cfg)})
+
+
+def format_from_yaml(text: str) -> QuantFormat:
+    """Inverse of `format_to_yaml`; ModelOpt's schema turns the lists back into its tuples."""
+    import yaml
+    from modelopt.torch.quantization.config import QuantizeConfig
+
+    record = yaml.safe_load(text)
+    cfg = QuantizeConfig.model_validate(record["modelopt_cfg"]).model_dump(exclude_unset=True)
+    return QuantFormat(name=record["name"], source=record["source"], modelopt_cfg=cfg)
