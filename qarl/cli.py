@@ -1,4 +1,9 @@
-"""The `qarl` command: `qarl parity RECIPE [a.b=c ...] [--json]` (more subcommands per workflow)."""
+"""The `qarl` command.
+
+  qarl train RECIPE [a.b=c ...]            QA-GRPO (GRPO with policy.quant_cfg=none)
+  qarl eval CHECKPOINT_OR_MODEL [a.b=c ...]  held-out accuracy, quantized and unquantized (JSON)
+  qarl parity RECIPE [a.b=c ...] [--json]  train/rollout log-prob mismatch per quant format
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,20 @@ def _parity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from qarl.train import train
+
+    train(load_recipe(args.recipe, args.overrides, RecipeConfig))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from qarl.evaluate import run_eval
+
+    print(json.dumps(run_eval(args.target, args.overrides), indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parity.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
     parity.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parity.set_defaults(func=_parity)
+    train = sub.add_parser("train", help="QA-GRPO (or GRPO with policy.quant_cfg=none) from a recipe")
+    train.add_argument("recipe")
+    train.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. run.dir=runs/x trainer.resume=true")
+    train.set_defaults(func=_train)
+    evaluate = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model, quantized and not, as JSON")
+    evaluate.add_argument("target", help="a checkpoint, a run directory (newest checkpoint) or a model")
+    evaluate.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
+    evaluate.set_defaults(func=_eval)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -66,10 +66,74 @@ class PolicyConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"
+    """Where prompts and answers come from: the embedded arithmetic task, or a prompt dataset."""
+
+    name: str = "arithmetic"  # "arithmetic" (embedded) or "dataset"
     num_digits: int = 2
     num_train: int = 2000
     num_eval: int = 100
+    # name=dataset: local .jsonl/.json/.parquet files or hub names (datasets.load_dataset), with a
+    # prompt and an answer column; eval_data is the held-out split.
+    train_data: str = ""
+    eval_data: str = ""
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+
+
+@dataclass
+class RewardSpec:
+    """A registered reward name (see qarl.rewards.REWARDS) or a dotted path `pkg.module:function`."""
+
+    name: str = "arithmetic"
+    weight: float = 1.0
+
+
+@dataclass
+class WarmStartConfig:
+    """A short supervised warm start so the embedded model sometimes succeeds (RL needs reward > 0)."""
+
+    enabled: bool = True
+    steps: int = 150
+    batch_size: int = 64
+    lr: float = 3e-3
+
+
+@dataclass
+class TrainerConfig:
+    """GRPO. Names follow TRL's GRPOConfig where it has the same knob."""
+
+    steps: int = 100
+    batch_size: int = 64  # completions per step; num_generations must divide it
+    num_generations: int = 8
+    micro_batch_size: int = 64
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    scale_rewards: str = "group"  # group | batch | none
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # clip-higher (DAPO); None = epsilon
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    beta: float = 0.0  # KL to a frozen reference (k3); 0 loads no reference
+    mask_truncated_completions: bool = False
+    num_iterations: int = 1
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_cap: float = 2.0
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    reward_error: str = "raise"  # raise | zero: what a reward function that raises on a sample does
+    resume: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # also at step 0 and at the end
+    num_prompts: int = 100
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 25
+    keep: int = 2
 
 
 @dataclass
@@ -86,6 +150,10 @@ class RecipeConfig:
     run: RunConfig = field(default_factory=RunConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
 
 

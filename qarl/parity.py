@@ -14,7 +14,7 @@ import torch
 
 from qarl.config import RecipeConfig
 from qarl.generation import VLLMEngine
-from qarl.policy import Policy, build_policy, completion_logprobs, resolve_model_dir
+from qarl.policy import Policy, build_policy, resolve_model_dir, score_completions
 from qarl.quant import resolve_format
 from qarl.tasks import build_task
 
@@ -40,12 +40,12 @@ def measure(engine: VLLMEngine, policy: Policy, prompts: list[list[int]], max_ne
     """Sample with the engine at temperature 1, score with the policy, compare per token."""
     completions = [c for c in engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
                    if c.token_ids]
-    policy_lp = completion_logprobs(
+    scores = score_completions(
         policy.model, [c.prompt_ids for c in completions], [c.token_ids for c in completions],
         pad_id=policy.tokenizer.pad_token_id,
     )
-    diffs = torch.cat([(lp.cpu().double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs()
-                       for lp, c in zip(policy_lp, completions)])
+    diffs = torch.cat([(scores.logprobs[i, : len(c.token_ids)].cpu().double()
+                        - torch.tensor(c.logprobs, dtype=torch.float64)).abs() for i, c in enumerate(completions)])
     return Mismatch(diffs.mean().item(), diffs.max().item(), diffs.numel(), int((diffs > FLIP_THRESHOLD).sum()))
 
 

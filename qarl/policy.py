@@ -141,25 +141,45 @@ def build_policy(
     return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir)
 
 
-def completion_logprobs(
+@dataclass
+class TokenScores:
+    """Per completion token, padded to [batch, longest completion]: log-prob, entropy, and a 0/1 mask."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+
+
+def score_completions(
     model: PreTrainedModel,
     prompts: list[list[int]],
     completions: list[list[int]],
     pad_id: int,
     temperature: float = 1.0,
-) -> list[torch.Tensor]:
-    """Teacher-forced log-prob of each completion token given its prompt and the tokens before it.
+) -> TokenScores:
+    """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
 
-    Returns one 1-D tensor per completion (with grad if grad is enabled), computed in fp32.
+    Computed in fp32 from logits / temperature, the same distribution the engine samples from;
+    carries grad when grad is enabled.
     """
     device = next(model.parameters()).device
-    sequences = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.tensor(seq, device=device)
-        mask[i, : len(seq)] = 1
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return [logprobs[i, len(p) - 1 : len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(prompts, completions))]
+    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
+    longest = max(len(c) for c in completions)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros_like(ids)
+    # index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j
+    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
+    mask = torch.zeros((batch, longest), device=device)
+    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
+        attention[i, : len(p) + len(c)] = 1
+        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
+        mask[i, : len(c)] = 1
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
+    log_probs = torch.log_softmax(picked, dim=-1)
+    token_logprobs = log_probs.gather(-1, targets[..., None]).squeeze(-1) * mask
+    entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
+    return TokenScores(logprobs=token_logprobs, entropy=entropy, mask=mask)

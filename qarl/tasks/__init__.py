@@ -1,15 +1,20 @@
-"""Tasks with verifiable rewards. The embedded default is arithmetic."""
+"""Where prompts come from: the embedded arithmetic task, or a prompt dataset with answers."""
+
+from __future__ import annotations
 
 from qarl.config import ConfigError, TaskConfig
 from qarl.tasks.arithmetic import ArithmeticTask, Problem
+from qarl.tasks.dataset import DatasetTask
 
-TASKS = {"arithmetic": ArithmeticTask}
-
-
-def build_task(cfg: TaskConfig, seed: int) -> ArithmeticTask:
-    if cfg.name not in TASKS:
-        raise ConfigError(f"unknown task {cfg.name!r}; choose one of {sorted(TASKS)}")
-    return TASKS[cfg.name](num_digits=cfg.num_digits, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed)
+Task = ArithmeticTask | DatasetTask
 
 
-__all__ = ["ArithmeticTask", "Problem", "TASKS", "build_task"]
+def build_task(cfg: TaskConfig, seed: int) -> Task:
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(num_digits=cfg.num_digits, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed)
+    if cfg.name == "dataset":
+        return DatasetTask(cfg)
+    raise ConfigError(f"unknown task {cfg.name!r}; choose 'arithmetic' (embedded) or 'dataset'")
+
+
+__all__ = ["ArithmeticTask", "DatasetTask", "Problem", "Task", "build_task"]

@@ -7,7 +7,6 @@ held-out split is disjoint from the training split (no pair (a, b) appears in bo
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
 
@@ -18,7 +17,7 @@ class Problem:
 
 
 class ArithmeticTask:
-    """Addition of two `num_digits`-digit numbers; reward 1 for exactly the right digits."""
+    """Addition of two `num_digits`-digit numbers; the `arithmetic` reward checks the digits."""
 
     name = "arithmetic"
 
@@ -39,16 +38,6 @@ class ArithmeticTask:
         make = lambda a, b: Problem(prompt=f"{a}+{b}=", answer=str(a + b))  # noqa: E731
         self.train = [make(a, b) for a, b in ordered[:num_train]]
         self.eval = [make(a, b) for a, b in ordered[num_train:]]
-
-    @staticmethod
-    def extract_answer(completion: str) -> str | None:
-        """The digits the model wrote before anything else; None if it wrote no number first."""
-        match = re.match(r"\s*(-?\d+)", completion)
-        return match.group(1) if match else None
-
-    def score(self, completion: str, problem: Problem) -> float:
-        """1.0 if the completion is exactly the answer (trailing whitespace allowed), else 0.0."""
-        return 1.0 if completion.strip() == problem.answer else 0.0
 
     def calibration_texts(self, n: int) -> list[str]:
         """Prompts with their answers: the activations the policy sees in training."""

@@ -1,0 +1,72 @@
+"""Held-out accuracy: greedy completions from the rollout engine, scored by the task's verifier.
+
+`qarl eval CHECKPOINT_OR_MODEL` reports it for the quantized policy (the engine synced with the
+checkpoint's quantizers and amax) and for the same master weights unquantized.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.generation import VLLMEngine
+from qarl.policy import Policy, build_policy
+from qarl.rewards import WeightedRewards
+from qarl.tasks import Problem, build_task
+
+
+def evaluate(engine: VLLMEngine, policy: Policy, problems: list[Problem], rewards: WeightedRewards) -> float:
+    """Greedy accuracy: the fraction of problems the first reward (the verifier) scores 1."""
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
+    completions = engine.generate(prompts, greedy=True)
+    texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    name, verifier, _ = rewards.fns[0]
+    scores = rewards._call(name, verifier, texts, [p.answer for p in problems])
+    return sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+
+
+def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:
+    """The recipe a checkpoint was trained with (its run's config.yaml), else the defaults."""
+    for candidate in (target / "config.yaml", target.parent.parent / "config.yaml", target.parent / "config.yaml"):
+        if candidate.is_file():
+            return load_recipe(candidate, overrides, RecipeConfig)
+    return load_recipe(Path(__file__).parent / "recipe_defaults.yaml", overrides, RecipeConfig)
+
+
+def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
+    """Accuracy of a checkpoint (or run directory, or model) quantized and unquantized."""
+    from qarl.checkpoint import checkpoint_format, load_policy_checkpoint, resolve_checkpoint
+    from qarl.quant import resolve_format
+
+    path = Path(target)
+    is_checkpoint = path.is_dir() and ((path / "policy").is_dir() or (path / "checkpoints").is_dir())
+    cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
+        Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
+    task = build_task(cfg.task, cfg.run.seed)
+    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    problems = task.eval[: cfg.eval.num_prompts]
+    if is_checkpoint:
+        checkpoint = resolve_checkpoint(path)
+        quantized = load_policy_checkpoint(checkpoint, cfg.policy)
+        fmt = checkpoint_format(checkpoint)
+        model_dir = str(checkpoint / "policy")
+    else:
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ConfigError(f"{path} is neither a qarl checkpoint/run directory nor a Hugging Face model")
+        fmt = resolve_format(cfg.policy.quant_cfg)
+        model_dir = str(path) if path.is_dir() else None
+        quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size), model_dir=model_dir)
+        model_dir = quantized.model_dir
+    plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    results = {}
+    if fmt is not None:
+        engine.set_quant_format(fmt)
+        engine.refit(quantized.model)
+        results["quantized"] = evaluate(engine, quantized, problems, rewards)
+        results["format"] = fmt.name
+    engine.set_quant_format(None)
+    engine.refit(plain.model)
+    results["unquantized"] = evaluate(engine, plain, problems, rewards)
+    results["num_prompts"] = len(problems)
+    return results

@@ -1,0 +1,149 @@
+"""Reward functions, by registered name or dotted path, combined with weights.
+
+A reward function takes the completions and the reference answers of a batch and returns one float
+per completion: `fn(completions: list[str], answers: list[str]) -> list[float]` (TRL's convention of
+batch-in, list-out).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from qarl.config import ConfigError, RewardSpec
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    def add(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+
+    return add
+
+
+def _normalize_number(text: str) -> str:
+    text = text.strip().replace(",", "").rstrip(".")
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return str(int(value)) if value.is_integer() else str(value)
+
+
+@register("arithmetic")
+def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """The embedded task's verifier: 1 if the completion is exactly the answer."""
+    return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answers)]
+
+
+@register("format")
+def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1 if the completion is a bare (signed) integer, whatever its value: the answer format."""
+    return [1.0 if re.fullmatch(r"\s*-?\d+\s*", c) else 0.0 for c in completions]
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+@register("boxed_math")
+def boxed_math_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1 if the last \\boxed{} answer equals the reference (numbers compared by value)."""
+    out = []
+    for c, a in zip(completions, answers):
+        boxed = _last_boxed(c)
+        out.append(1.0 if boxed is not None and _normalize_number(boxed) == _normalize_number(a) else 0.0)
+    return out
+
+
+@register("gsm8k")
+def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """GSM8K convention: the final answer follows '####'; references may hold the whole solution."""
+    out = []
+    for c, a in zip(completions, answers):
+        got = re.search(r"####\s*(-?[\d,\.]+)", c)
+        ref = a.split("####")[-1]
+        out.append(1.0 if got and _normalize_number(got.group(1)) == _normalize_number(ref) else 0.0)
+    return out
+
+
+def resolve_reward(name: str) -> RewardFn:
+    if name in REWARDS:
+        return REWARDS[name]
+    module_name, sep, attr = name.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ConfigError(f"unknown reward {name!r}: registered rewards are {sorted(REWARDS)}; "
+                          "or give a dotted path such as my_pkg.rewards:my_reward")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"reward {name!r} could not be imported ({e}); registered rewards are {sorted(REWARDS)}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward {name!r} is not callable")
+    return fn
+
+
+class RewardError(RuntimeError):
+    """A reward function failed; the message names it."""
+
+
+@dataclass
+class WeightedRewards:
+    """Several reward functions, summed with weights. `on_error`: "raise" or "zero" (that sample gets 0)."""
+
+    fns: list[tuple[str, RewardFn, float]]
+    on_error: str = "raise"
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[RewardSpec], on_error: str = "raise") -> WeightedRewards:
+        if not specs:
+            raise ConfigError("trainer.rewards is empty: name at least one reward")
+        if on_error not in ("raise", "zero"):
+            raise ConfigError(f"trainer.reward_error must be 'raise' or 'zero', not {on_error!r}")
+        return cls([(s.name, resolve_reward(s.name), s.weight) for s in specs], on_error)
+
+    def _call(self, name: str, fn: RewardFn, completions: list[str], answers: list[str]) -> list[float]:
+        try:
+            values = fn(completions, answers)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e} (set trainer.reward_error=zero "
+                                  "to score such samples 0 instead)") from e
+            return [self._one(name, fn, c, a) for c, a in zip(completions, answers)]
+        values = list(values) if values is not None else []
+        if len(values) != len(completions):
+            raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
+        return [float(v) for v in values]
+
+    def _one(self, name: str, fn: RewardFn, completion: str, answer: str) -> float:
+        """Score one sample alone, so that only the sample that breaks the function gets 0."""
+        try:
+            value = float(fn([completion], [answer])[0])
+        except Exception:
+            return 0.0
+        return value if math.isfinite(value) else 0.0
+
+    def __call__(self, completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, float]]:
+        """Total reward per completion, and the mean of each named reward (for metrics)."""
+        total = [0.0] * len(completions)
+        means = {}
+        for name, fn, weight in self.fns:
+            values = self._call(name, fn, completions, answers)
+            total = [t + weight * v for t, v in zip(total, values)]
+            means[f"reward/{name}"] = sum(values) / max(len(values), 1)
+        return total, means

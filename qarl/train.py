@@ -1,0 +1,218 @@
+"""QA-GRPO: the training loop, top to bottom.
+
+    recipe -> checks -> policy (warm start, quantize, calibrate | resume from a checkpoint)
+    -> vLLM engine (refit: weights + amax) -> for each step:
+         rollout (G completions per prompt) -> rewards -> group-relative advantages
+         -> policy update on the fake-quantized policy (straight-through to the master weights)
+         -> refit -> metrics row -> checkpoint
+    -> final evaluation, plot, summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from qarl.checkpoint import latest_checkpoint, load_policy_checkpoint, load_trainer_state, save_checkpoint
+from qarl.config import RecipeConfig, to_dict
+from qarl.evaluate import evaluate
+from qarl.generation import Completion, VLLMEngine
+from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
+from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
+from qarl.policy import Policy, build_policy, cache_dir, resolve_model_dir, score_completions
+from qarl.quant import check_generation_matches, resolve_format
+from qarl.rewards import WeightedRewards
+from qarl.tasks import Problem, Task, build_task
+from qarl.warm_start import warm_start
+
+
+@dataclass
+class Rollout:
+    """One step's samples, flattened prompt-major: completion i belongs to problem i // G."""
+
+    problems: list[Problem]
+    completions: list[Completion]
+    texts: list[str]
+    seconds: float
+
+
+def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
+    """The step-0 policy: the base model (warm-started if asked), quantized and calibrated.
+    Deterministic, so a resumed run rebuilds the same KL reference."""
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    if cfg.warm_start.enabled:
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, cfg.run.seed, cache_dir())
+    calibration = task.calibration_texts(cfg.policy.quant_calib_size)
+    return build_policy(cfg.policy, calibration, model_dir=model_dir)
+
+
+def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
+    """The prompts of a step: consecutive slices of per-epoch shuffles, a pure function of the step
+    (so a resumed run reads exactly the prompts the uninterrupted run would have read)."""
+    out = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, index = divmod(position, len(task.train))
+        order = list(range(len(task.train)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(task.train[order[index]])
+    return out
+
+
+def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_generations: int, seed: int) -> Rollout:
+    start = time.perf_counter()
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
+    completions = engine.generate(prompts, num_samples=num_generations, seed=seed)
+    texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    return Rollout(problems, completions, texts, time.perf_counter() - start)
+
+
+def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
+                  batch: Rollout, advantages: torch.Tensor, cfg: RecipeConfig) -> dict[str, float]:
+    """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches."""
+    t = cfg.trainer
+    temperature = cfg.policy.generation.temperature
+    pad = policy.tokenizer.pad_token_id
+    comps = batch.completions
+    keep = [i for i, c in enumerate(comps) if c.token_ids and not (t.mask_truncated_completions and c.truncated)]
+    if not keep:
+        return {}
+    max_len = max(len(c.token_ids) for c in comps)
+    total_tokens = sum(len(comps[i].token_ids) for i in keep)
+    micro = [keep[s : s + t.micro_batch_size] for s in range(0, len(keep), t.micro_batch_size)]
+    engine_lp, old_lp, ref_lp = {}, {}, {}
+    for rows in micro:  # the rollout-time log-probs: engine's, policy's (old) and reference's
+        width = max(len(comps[i].token_ids) for i in rows)
+        engine_lp[rows[0]] = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in (comps[i] for i in rows)],
+                                          device=policy.device)
+        with torch.no_grad():
+            args = ([comps[i].prompt_ids for i in rows], [comps[i].token_ids for i in rows], pad, temperature)
+            old_lp[rows[0]] = score_completions(policy.model, *args)
+            if reference is not None:
+                ref_lp[rows[0]] = score_completions(reference, *args).logprobs
+    stats: dict[str, list[float]] = {"loss": [], "clip": [], "kl": [], "is_weight": [], "grad_norm": []}
+    policy.model.train()
+    for _ in range(t.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for rows in micro:
+            old = old_lp[rows[0]]
+            scores = score_completions(policy.model, [comps[i].prompt_ids for i in rows],
+                                       [comps[i].token_ids for i in rows], pad, temperature)
+            weights = sequence_weights(old.mask, t.loss_type, len(keep), max_len, total_tokens, len(micro))
+            terms = grpo_loss(scores.logprobs, old.logprobs, engine_lp[rows[0]], ref_lp.get(rows[0]),
+                              advantages[rows].to(policy.device), old.mask, weights, t)
+            terms.loss.backward()
+            stats["loss"].append(terms.loss.item())
+            stats["clip"].append(terms.clip_fraction.item())
+            stats["kl"].append(terms.kl.item() if terms.kl is not None else float("nan"))
+            stats["is_weight"].append(terms.is_weight_mean.item() if terms.is_weight_mean is not None else float("nan"))
+        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), t.max_grad_norm).item())
+        optimizer.step()
+    policy.model.eval()
+    # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
+    diffs, k3, entropy, tokens = [], 0.0, 0.0, 0.0
+    for rows in micro:
+        old, eng = old_lp[rows[0]], engine_lp[rows[0]]
+        delta = (old.logprobs - eng) * old.mask
+        diffs.append(delta.abs().max().item())
+        k3 += ((torch.exp(delta) - delta - 1) * old.mask).sum().item()
+        entropy += old.entropy.sum().item()
+        tokens += old.mask.sum().item()
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"loss": sum(stats["loss"]) / t.num_iterations, "clip_fraction": mean(stats["clip"]),
+            "kl/ref": mean(stats["kl"]), "is_weight_mean": mean(stats["is_weight"]),
+            "grad_norm": mean(stats["grad_norm"]), "entropy": entropy / tokens, "mismatch/kl": k3 / tokens,
+            "mismatch/max_abs_logprob_diff": max(diffs)}
+
+
+def train(cfg: RecipeConfig) -> Path:
+    # 1. Check everything cheap before anything expensive.
+    check_trainer_config(cfg.trainer)
+    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    check_generation_matches(resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg),
+                             cfg.policy.generation.allow_quant_mismatch)
+    task = build_task(cfg.task, cfg.run.seed)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
+    t = cfg.trainer
+    prompts_per_step = t.batch_size // t.num_generations
+
+    # 2. The policy: resumed from the newest complete checkpoint, or built fresh.
+    checkpoint = latest_checkpoint(run_dir) if t.resume else None
+    torch.manual_seed(cfg.run.seed)
+    fresh = initial_policy(cfg, task) if (checkpoint is None or t.beta > 0) else None
+    policy = load_policy_checkpoint(checkpoint, cfg.policy) if checkpoint else fresh
+    reference = None
+    if t.beta > 0:
+        reference = copy.deepcopy(fresh.model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    start_step = 0
+    if checkpoint is not None:
+        state = load_trainer_state(checkpoint)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        start_step = state["step"]
+    policy.model.eval()
+
+    # 3. The rollout engine, synced to the policy (weights + amax).
+    engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    engine.refit(policy.model)
+    eval_problems = task.eval[: cfg.eval.num_prompts]
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+
+    # 4. The loop.
+    bar = tqdm(range(start_step, t.steps), desc="QA-GRPO" if policy.format else "GRPO", initial=start_step, total=t.steps)
+    last_accuracy = None
+    for step in bar:
+        step_start = time.perf_counter()
+        row: dict[str, float | int | None] = {"step": step}
+        if step % cfg.eval.every == 0:
+            row["eval/accuracy"] = evaluate(engine, policy, eval_problems, rewards)
+
+        problems = step_problems(task, step, prompts_per_step, cfg.run.seed)
+        batch = rollout(engine, policy, problems, t.num_generations, seed=cfg.run.seed * 1_000_003 + step * t.batch_size)
+        answers = [p.answer for p in problems for _ in range(t.num_generations)]
+        reward_values, reward_parts = rewards(batch.texts, answers)
+        reward_tensor = torch.tensor(reward_values, dtype=torch.float32)
+        advantages, frac_zero_std = group_advantages(reward_tensor, t.num_generations, t.scale_rewards)
+
+        train_start = time.perf_counter()
+        update = policy_update(policy, reference, optimizer, batch, advantages, cfg)
+        refit_start = time.perf_counter()
+        refit = engine.refit(policy.model)
+        done = time.perf_counter()
+
+        generated = sum(len(c.token_ids) for c in batch.completions)
+        row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),
+                    "reward/frac_zero_std": frac_zero_std, **reward_parts, **update,
+                    "completion/mean_length": generated / len(batch.completions),
+                    "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
+                    "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
+                    "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
+                    "perf/step_s": done - step_start})
+        metrics.write(row)
+        last_accuracy = row.get("eval/accuracy", last_accuracy)
+        bar.set_postfix(reward=f"{row['reward/mean']:.2f}", eval_acc=last_accuracy)
+        if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
+            save_checkpoint(run_dir, step + 1, policy.model, policy.tokenizer, policy.format,
+                            {"step": step + 1, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                             "python_rng": random.getstate(), "data_position": (step + 1) * prompts_per_step},
+                            keep=cfg.checkpoint.keep)
+
+    # 5. Final evaluation, plot, summary.
+    if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
+        metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards)})
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    plot_runs({run_dir.name: rows}, run_dir / "metrics.png")
+    print(summary(rows))
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")
+    return run_dir

@@ -1,0 +1,110 @@
+"""GRPO math against direct computations, and the trainer's input checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qarl.config import ConfigError, TrainerConfig
+from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv, frac_zero = group_advantages(rewards, 4, "group")
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item()
+    assert adv[0].item() == pytest.approx(0.75 / (std + 1e-4))
+    assert adv[4:].abs().max().item() == 0.0
+    assert frac_zero == 0.5
+    adv_none, _ = group_advantages(rewards, 4, "none")
+    assert adv_none[:4].tolist() == [0.75, -0.25, -0.25, -0.25]
+    adv_batch, _ = group_advantages(rewards, 4, "batch")
+    assert adv_batch[0].item() == pytest.approx(0.75 / (rewards.std().item() + 1e-4))
+
+
+def _direct_loss(lp, old, eng, ref, adv, mask, cfg):
+    """Loop-by-loop reference of the GRPO objective for one batch."""
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    per_seq, all_tokens = [], []
+    batch, width = len(lp), len(lp[0])
+    for i in range(batch):
+        n = int(mask[i].sum())
+        seq_ratio = math.exp(sum(lp[i][t] - old[i][t] for t in range(n)) / n)
+        terms = []
+        for t in range(n):
+            r = seq_ratio if cfg.importance_sampling_level == "sequence" else math.exp(lp[i][t] - old[i][t])
+            clipped = min(max(r, 1 - cfg.epsilon), 1 + eps_high)
+            term = -min(r * adv[i], clipped * adv[i])
+            if cfg.vllm_importance_sampling_correction:
+                term *= min(math.exp(old[i][t] - eng[i][t]), cfg.vllm_importance_sampling_cap)
+            if cfg.beta:
+                d = ref[i][t] - lp[i][t]
+                term += cfg.beta * (math.exp(d) - d - 1)
+            terms.append(term)
+        per_seq.append(terms)
+        all_tokens += terms
+    if cfg.loss_type == "grpo":
+        return sum(sum(s) / len(s) for s in per_seq) / batch
+    if cfg.loss_type == "dr_grpo":
+        return sum(all_tokens) / (batch * width)
+    return sum(all_tokens) / len(all_tokens)  # dapo, and bnpo with a single micro-batch
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta, tis", [(0.0, False), (0.04, True)])
+def test_loss_matches_direct_computation(loss_type, level, beta, tis):
+    torch.manual_seed(0)
+    cfg = TrainerConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                        vllm_importance_sampling_correction=tis, vllm_importance_sampling_cap=1.5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
+    old = -torch.rand(3, 4, dtype=torch.float64)
+    lp = (old + 0.3 * torch.randn(3, 4, dtype=torch.float64)) * mask
+    eng = old + 0.2 * torch.randn(3, 4, dtype=torch.float64)
+    ref = old + 0.1 * torch.randn(3, 4, dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    weights = sequence_weights(mask, loss_type, 3, 4, int(mask.sum()), 1)
+    terms = grpo_loss(lp, old * mask, eng, ref, adv, mask, weights, cfg)
+    expected = _direct_loss(lp.tolist(), (old * mask).tolist(), eng.tolist(), ref.tolist(), adv.tolist(), mask, cfg)
+    assert terms.loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_micro_batches_sum_to_the_full_batch_loss():
+    torch.manual_seed(1)
+    cfg = TrainerConfig(loss_type="grpo")
+    mask = (torch.rand(6, 5) > 0.3).float()
+    mask[:, 0] = 1
+    old = -torch.rand(6, 5)
+    lp = old + 0.1 * torch.randn(6, 5)
+    adv = torch.randn(6)
+    for loss_type in ["grpo", "dr_grpo", "dapo"]:
+        cfg.loss_type = loss_type
+        total = int(mask.sum())
+        full = grpo_loss(lp, old, old, None, adv, mask, sequence_weights(mask, loss_type, 6, 5, total, 1), cfg).loss
+        parts = sum(grpo_loss(lp[s], old[s], old[s], None, adv[s], mask[s],
+                              sequence_weights(mask[s], loss_type, 6, 5, total, 2), cfg).loss
+                    for s in (slice(0, 3), slice(3, 6)))
+        assert parts.item() == pytest.approx(full.item(), rel=1e-5)
+
+
+def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
+    """At the rollout point (ratio 1, no clipping) d loss / d logp = -A * weight."""
+    cfg = TrainerConfig(loss_type="dapo", vllm_importance_sampling_correction=False)
+    mask = torch.ones(2, 3)
+    old = -torch.rand(2, 3)
+    lp = old.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0])
+    grpo_loss(lp, old, old, None, adv, mask, sequence_weights(mask, "dapo", 2, 3, 6, 1), cfg).loss.backward()
+    assert torch.allclose(lp.grad, -adv[:, None].expand(2, 3) / 6)
+
+
+@pytest.mark.parametrize("changes, needle", [({"num_generations": 1}, "at least 2"),
+                                             ({"batch_size": 30, "num_generations": 8}, "not divisible"),
+                                             ({"loss_type": "ppo"}, "loss_type"),
+                                             ({"scale_rewards": "std"}, "scale_rewards"),
+                                             ({"importance_sampling_level": "seq"}, "importance_sampling_level")])
+def test_bad_trainer_settings_are_named(changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_trainer_config(TrainerConfig(**changes))
