@@ -12,6 +12,7 @@ import json
 import sys
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.rewards import RewardError
 
 
 def _parity(args: argparse.Namespace) -> int:
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:
+        print(f"qarl: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

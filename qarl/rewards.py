@@ -42,6 +42,20 @@ def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]
     return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answers)]
 
 
+@register("arithmetic_digits")
+def arithmetic_digits_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """Partial credit for the embedded task: the fraction of answer digits right, position by position
+    (a denser signal than exact match while the policy rarely gets everything right)."""
+    out = []
+    for c, a in zip(completions, answers):
+        c, a = c.strip(), a.strip()
+        if not c.isdigit():
+            out.append(0.0)
+            continue
+        out.append(sum(x == y for x, y in zip(c, a)) / max(len(c), len(a)))
+    return out
+
+
 @register("format")
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1 if the completion is a bare (signed) integer, whatever its value: the answer format."""
