@@ -68,8 +68,9 @@ class PolicyConfig:
 class TaskConfig:
     """Where prompts and answers come from: the embedded arithmetic task, or a prompt dataset."""
 
-    name: str = "arithmetic"  # "arithmetic" (embedded) or "dataset"
-    num_digits: int = 2
+    name: str = "arithmetic"  # "arithmetic" (embedded, see qarl/tasks/arithmetic.py) or "dataset"
+    op: str = "reverse"  # arithmetic: reverse | add
+    num_digits: int = 5
     num_train: int = 2000
     num_eval: int = 100
     # name=dataset: local .jsonl/.json/.parquet files or hub names (datasets.load_dataset), with a

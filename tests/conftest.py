@@ -15,7 +15,7 @@ FORMATS = ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "qua
 
 @pytest.fixture(scope="session")
 def task() -> ArithmeticTask:
-    return ArithmeticTask(num_digits=2, num_train=400, num_eval=32, seed=0)
+    return ArithmeticTask(num_train=400, num_eval=32, seed=0)
 
 
 @pytest.fixture(scope="session")

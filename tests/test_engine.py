@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 
 import psutil
 import pytest
@@ -105,20 +104,13 @@ def test_200_refits_do_not_grow_memory(engine, make_policy):
 
 
 def test_amax_sync_costs_little_next_to_weights(engine, make_policy):
-    """Refit weights+amax vs weights only (both send folded weights): medians over 30 refits each.
-    The full figure, with a 20M-parameter model, is benchmarks/refit_time.py."""
+    """Refit weights+amax vs weights only, timed inside each refit (so both parts see the same machine
+    load): the median of (weights + amax) / weights over 30 refits. benchmarks/refit_time.py reports
+    the whole-refit figures for the tiny and a 20M-parameter model."""
     policy = make_policy("nvfp4_w4a4")
     engine.set_quant_format(policy.format)
-
-    def median(sync_amax: bool) -> float:
-        times = []
-        for _ in range(30):
-            start = time.perf_counter()
-            engine.refit(policy.model, sync_amax=sync_amax)
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    median(True)
-    ratio = median(True) / median(False)
-    print(f"refit weights+amax / weights only: {ratio:.3f}")
-    assert ratio < 1.25  # goal 1.05; the tolerance absorbs scheduler noise on a shared 2-core machine
+    engine.refit(policy.model)
+    ratios = sorted((t.weights_s + t.amax_s) / t.weights_s for t in (engine.refit(policy.model) for _ in range(30)))
+    ratio = ratios[len(ratios) // 2]
+    print(f"refit weights+amax / weights only: {ratio:.4f}")
+    assert ratio <= 1.05

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from qarl.config import GenerationConfig
-from qarl.quant import QuantFormat, folded_weights, input_amaxes
+from qarl.quant import QuantFormat, folded_weights
 
 
 @dataclass
@@ -88,6 +89,7 @@ class VLLMEngine:
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         self.format: QuantFormat | None = None
         self._quantized = False
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:
@@ -103,21 +105,34 @@ class VLLMEngine:
         elif self._quantized:
             mtq.set_quantizer_by_cfg(self.model, [{"quantizer_name": "*", "enable": False}])
         self.format = fmt
-
-    def _engine_input_quantizers(self) -> dict[str, nn.Module]:
-        """{engine layer name: its enabled input quantizer}."""
-        found = {}
-        for name, module in self.model.named_modules():
-            quantizer = getattr(module, "input_quantizer", None)
-            if quantizer is not None and quantizer.is_enabled:
-                found[name] = quantizer
-        return found
+        self._links.clear()
 
     def _policy_name(self, engine_name: str) -> str:
-        """The policy layer whose amax an engine layer takes: a fused layer takes its first part's."""
+        """The policy layer whose amax an engine layer takes: a fused layer takes its first part's
+        (the parts share one amax on the policy side)."""
         parent, _, leaf = engine_name.rpartition(".")
         parts = getattr(self.model, "packed_modules_mapping", {}).get(leaf)
         return f"{parent}.{parts[0]}" if parts else engine_name
+
+    def _input_quantizer_links(self, policy_model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+        """(engine input quantizer, policy input quantizer) pairs, found once per policy model and format."""
+        links = self._links.get(policy_model)
+        if links is None:
+            policy_modules = dict(policy_model.named_modules())
+            links = []
+            for name, module in self.model.named_modules():
+                quantizer = getattr(module, "input_quantizer", None)
+                if quantizer is None or not quantizer.is_enabled:
+                    continue
+                source = getattr(policy_modules.get(self._policy_name(name)), "input_quantizer", None)
+                if source is None or not source.is_enabled or source.amax is None:
+                    raise RuntimeError(
+                        f"engine layer {name} quantizes its input but the policy has no input amax for "
+                        f"{self._policy_name(name)}: policy and generation quant configs differ"
+                    )
+                links.append((quantizer, source))
+            self._links[policy_model] = links
+        return links
 
     # -- refit --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,19 +142,10 @@ class VLLMEngine:
         self.model.load_weights(folded_weights(policy_model))
         loaded = time.perf_counter()
         if sync_amax:
-            self.load_input_amax(input_amaxes(policy_model))
+            for engine_quantizer, policy_quantizer in self._input_quantizer_links(policy_model):
+                engine_quantizer.amax = policy_quantizer.amax
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded)
-
-    def load_input_amax(self, amaxes: dict[str, torch.Tensor]) -> None:
-        for engine_name, quantizer in self._engine_input_quantizers().items():
-            policy_name = self._policy_name(engine_name)
-            if policy_name not in amaxes:
-                raise RuntimeError(
-                    f"engine layer {engine_name} quantizes its input but the policy has no input amax for "
-                    f"{policy_name}: policy and generation quant configs differ"
-                )
-            quantizer.amax = amaxes[policy_name]
 
     # -- sampling -----------------------------------------------------------------------------
     def generate(

@@ -4,7 +4,6 @@ from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_fo
 from qarl.quant.quantize import (
     FUSED_SIBLINGS,
     folded_weights,
-    input_amaxes,
     load_quantizer_state,
     quantize_policy,
     quantizer_state,
@@ -15,7 +14,6 @@ __all__ = [
     "QuantFormat",
     "check_generation_matches",
     "folded_weights",
-    "input_amaxes",
     "load_quantizer_state",
     "quantize_policy",
     "quantizer_state",

@@ -1,8 +1,8 @@
 """ModelOpt on the policy: insert fake quantizers, calibrate amax, share amax across fused siblings,
 fold weights for the rollout engine, and save/restore the quantizer state.
 
-Every ModelOpt call of the policy side lives here, so the rest of qarl sees four verbs:
-`quantize_policy`, `folded_weights`, `input_amaxes`, `quantizer_state`/`load_quantizer_state`.
+Every ModelOpt call of the policy side lives here, so the rest of qarl sees three verbs:
+`quantize_policy`, `folded_weights`, `quantizer_state`/`load_quantizer_state`.
 """
 
 from __future__ import annotations
@@ -138,17 +138,6 @@ def folded_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             folded[f"{name}.weight" if name else "weight"] = module.weight_quantizer(module.weight)
     for name, param in model.named_parameters():
         yield name, folded.get(name, param.detach())
-
-
-def input_amaxes(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{layer name: amax} of every enabled input quantizer (what the engine's input quantizers need)."""
-    return {
-        name: module.input_quantizer.amax
-        for name, module in quantized_linears(model)
-        if getattr(module, "input_quantizer", None) is not None
-        and module.input_quantizer.is_enabled
-        and module.input_quantizer.amax is not None
-    }
 
 
 def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,15 @@
-"""The embedded task: multi-digit addition with a verifiable answer.
+"""The embedded task: operations on digit strings with one verifiable answer.
 
-Prompt "37+45=", expected completion "82" then end-of-text. Problems are drawn from a seed; the
-held-out split is disjoint from the training split (no pair (a, b) appears in both).
+  op=reverse  "40213>"  -> "31204"   reverse the digits (the default for the embedded tiny model)
+  op=add      "37+45="  -> "82"      addition of two num_digits-digit numbers
+
+The answer is written in a fixed format (digits, then end-of-text) and checked exactly. Problems are
+drawn from a seed; the held-out split is disjoint from the training split.
+
+Why reversal is the default: the embedded 2-layer model learns the reversal's attention pattern in a
+few dozen SFT steps, so a short warm start leaves it partly right and RL has room to finish the job on
+2 CPU cores. Two-digit addition needs a larger model or far longer training (measured: 10 % held-out
+accuracy after 600 SFT steps); it is here for larger models.
 """
 
 from __future__ import annotations
@@ -16,28 +24,42 @@ class Problem:
     answer: str
 
 
+def _problem(op: str, num_digits: int, rng: random.Random) -> Problem:
+    if op == "reverse":
+        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        return Problem(prompt=f"{digits}>", answer=digits[::-1])
+    low, high = 10 ** (num_digits - 1), 10**num_digits - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    return Problem(prompt=f"{a}+{b}=", answer=str(a + b))
+
+
+def _distinct_problems(op: str, num_digits: int) -> int:
+    return 10**num_digits if op == "reverse" else (9 * 10 ** (num_digits - 1)) ** 2
+
+
 class ArithmeticTask:
-    """Addition of two `num_digits`-digit numbers; the `arithmetic` reward checks the digits."""
+    """Digit-string problems; the `arithmetic` reward checks the answer exactly."""
 
     name = "arithmetic"
+    OPS = ("reverse", "add")
 
-    def __init__(self, num_digits: int = 2, num_train: int = 2000, num_eval: int = 100, seed: int = 0):
+    def __init__(self, num_digits: int = 5, num_train: int = 2000, num_eval: int = 100, seed: int = 0, op: str = "reverse"):
+        if op not in self.OPS:
+            raise ValueError(f"task.op={op!r}; choose one of {self.OPS}")
         if num_digits < 1:
             raise ValueError("task.num_digits must be at least 1")
-        low, high = 10 ** (num_digits - 1), 10**num_digits - 1
-        total = (high - low + 1) ** 2
-        if num_train + num_eval > total:
-            raise ValueError(f"only {total} distinct {num_digits}-digit problems; ask for fewer than "
-                             f"num_train + num_eval = {num_train + num_eval}")
+        total = _distinct_problems(op, num_digits)
+        if num_train + num_eval > total // 2:
+            raise ValueError(f"only {total} distinct problems with op={op}, num_digits={num_digits}: ask for at most "
+                             f"{total // 2} in num_train + num_eval")
         rng = random.Random(seed)
-        pairs: set[tuple[int, int]] = set()
-        while len(pairs) < num_train + num_eval:
-            pairs.add((rng.randint(low, high), rng.randint(low, high)))
-        ordered = sorted(pairs)
-        rng.shuffle(ordered)
-        make = lambda a, b: Problem(prompt=f"{a}+{b}=", answer=str(a + b))  # noqa: E731
-        self.train = [make(a, b) for a, b in ordered[:num_train]]
-        self.eval = [make(a, b) for a, b in ordered[num_train:]]
+        problems: dict[str, Problem] = {}
+        while len(problems) < num_train + num_eval:
+            p = _problem(op, num_digits, rng)
+            problems.setdefault(p.prompt, p)
+        ordered = list(problems.values())
+        self.train = ordered[:num_train]
+        self.eval = ordered[num_train:]
 
     def calibration_texts(self, n: int) -> list[str]:
         """Prompts with their answers: the activations the policy sees in training."""
