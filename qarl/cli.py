@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -21,7 +22,8 @@ def _parity(args: argparse.Namespace) -> int:
     from qarl.parity import format_table, run_parity
 
     cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
-    results = run_parity(cfg)
+    with contextlib.redirect_stdout(sys.stderr):  # libraries print progress; stdout carries the result
+        results = run_parity(cfg)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0
 
@@ -36,7 +38,9 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from qarl.evaluate import run_eval
 
-    print(json.dumps(run_eval(args.target, args.overrides), indent=2))
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run_eval(args.target, args.overrides)
+    print(json.dumps(results, indent=2))
     return 0
 
 

@@ -108,3 +108,13 @@ def test_dataset_without_the_answer_column_is_named(tmp_path):
                                                     f"task.train_data={data}", f"task.eval_data={data}"], RecipeConfig)
     with pytest.raises(ConfigError, match="no column 'answer'"):
         train(cfg)
+
+
+def test_eval_reports_quantized_and_unquantized_accuracy(uninterrupted):
+    out = subprocess.run([sys.executable, "-m", "qarl", "eval", str(uninterrupted)], check=True, capture_output=True,
+                         text=True, timeout=600).stdout
+    result = json.loads(out)
+    assert result["format"] == "nvfp4_a16" and result["num_prompts"] == 16
+    assert 0.0 <= result["quantized"] <= 1.0 and 0.0 <= result["unquantized"] <= 1.0
+    final = read_metrics(uninterrupted / "metrics.jsonl")[-1]
+    assert result["quantized"] == final["eval/accuracy"]  # the same greedy evaluation as the training run's

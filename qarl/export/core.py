@@ -1,0 +1,393 @@
+"""Export a trained, fake-quantized policy as a real low-precision Hugging Face checkpoint.
+
+    export_checkpoint(CHECKPOINT | Policy, TARGET, OUT_DIR) -> summary dict
+
+Order of work: everything that can be wrong with the input (target file, checkpoint, quantizer state,
+trained format vs target) is checked before the model is loaded. Then each quantized linear layer is
+encoded from the policy's own fake-quantized weight with the kernel's scales (`qarl.export.encode`:
+never rounded again, checked bit for bit), the on-disk format module names and lays out the tensors,
+and everything else (embeddings, norms, biases, excluded layers) is written in its training dtype.
+The directory is assembled under a temporary name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from qarl.config import ConfigError, PolicyConfig
+from qarl.export.encode import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
+from qarl.export.targets import ExportTarget, check_target_matches, load_target, quantizer_settings
+from qarl.quant import FUSED_SIBLINGS
+
+# (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
+SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
+MANIFEST = "qarl_export.json"
+
+
+@dataclass
+class QuantizedLayer:
+    """One quantized linear layer, encoded from the policy's fake-quantized weight (of `dtype`)."""
+
+    name: str
+    weight_kind: str
+    input_kind: str | None
+    weight: NVFP4Weight | FP8Weight
+    input_amax: torch.Tensor | None
+    dtype: torch.dtype
+    params: int
+
+    @property
+    def scheme(self) -> str:
+        return SCHEMES[(self.weight_kind, self.input_kind)]
+
+
+def quantizer_kind(quantizer: Any, where: str) -> str | None:
+    """'nvfp4', 'fp8' or None (absent/disabled); any other ModelOpt setting is not exportable here."""
+    if quantizer is None or not quantizer.is_enabled:
+        return None
+    bits = tuple(quantizer.num_bits) if isinstance(quantizer.num_bits, (list, tuple)) else quantizer.num_bits
+    blocks = quantizer.block_sizes or {}
+    scale_bits = blocks.get("scale_bits")
+    nvfp4_blocks = blocks.get(-1) == 16 and blocks.get("type") == "dynamic" and tuple(scale_bits or ()) == (4, 3)
+    if bits == (2, 1) and nvfp4_blocks:
+        return "nvfp4"
+    if bits == (4, 3) and not blocks and quantizer.axis is None:
+        return "fp8"
+    raise ConfigError(f"{where}: quantizer num_bits={bits} block_sizes={blocks} axis={quantizer.axis} is not "
+                      "NVFP4 (E2M1, E4M3 block-16 scales) or per-tensor FP8 E4M3: no export format for it")
+
+
+def target_scheme(target: ExportTarget) -> str:
+    """The scheme a target's quant format gives linear layers (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8)."""
+    kinds = {(2, 1): "nvfp4", (4, 3): "fp8"}
+    settings = quantizer_settings(target.resolved_format())
+    weight, inputs = (kinds.get(tuple(s["num_bits"])) if s else None for s in (settings["weight"], settings["input"]))
+    scheme = SCHEMES.get((weight, inputs))
+    if scheme is None:
+        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear layers "
+                          f"as {settings}; exportable schemes are {sorted(SCHEMES.values())}")
+    return scheme
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+def checkpoint_dtype(policy_dir: Path) -> str:
+    """The dtype the policy was saved (= trained) in, from its config.json."""
+    config = json.loads((policy_dir / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(dtype).replace("torch.", "")
+
+
+def load_source(source: str | Path, target: ExportTarget, calibrate: bool = False, calib_data: str = "task"):
+    """Check a checkpoint (or, with calibrate, any model) cheaply, then load the quantized policy.
+
+    Returns (policy, source label). With `calibrate`, the policy is quantized now (PTQ) and a
+    warning says so.
+    """
+    from qarl.checkpoint import checkpoint_format, load_policy_checkpoint, resolve_checkpoint
+    from qarl.policy import build_policy, resolve_model_dir
+
+    path = Path(str(source)).expanduser()
+    is_checkpoint = (path / "policy").is_dir() or (path / "checkpoints").is_dir()
+    if not is_checkpoint and not calibrate:
+        if not path.exists():
+            raise ConfigError(f"checkpoint not found: {source}")
+        raise ConfigError(f"{source} is not a qarl checkpoint (no policy/ directory) or run directory (no "
+                          "checkpoints/). To quantize a plain model now (PTQ), pass --calibrate.")
+    if is_checkpoint:
+        checkpoint = resolve_checkpoint(path)
+        model_dir = checkpoint / "policy"
+        trained = checkpoint_format(checkpoint)
+        has_state = (checkpoint / "quantizer_state.safetensors").is_file()
+        if trained is not None and not has_state:
+            raise ConfigError(f"checkpoint {checkpoint} names a quant format but has no quantizer_state.safetensors: "
+                              "the calibrated amax the policy trained with is lost; it cannot be exported faithfully")
+        if trained is not None:
+            if calibrate:
+                raise ConfigError(f"checkpoint {checkpoint} was trained quantized ({trained.source}); --calibrate "
+                                  "would replace the trained amax. Drop --calibrate to export what was trained.")
+            check_target_matches(trained, target)
+            cfg = PolicyConfig(model_name=str(model_dir), dtype=checkpoint_dtype(model_dir))
+            return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
+        if not calibrate:
+            raise ConfigError(f"checkpoint {checkpoint} has no quantizer state (trained unquantized, "
+                              "policy.quant_cfg=none). Export it with --calibrate for post-training quantization "
+                              "with fresh calibration, or export a checkpoint trained with the target's format.")
+        source_label = str(checkpoint)
+    else:
+        model_dir = Path(resolve_model_dir(str(source)))
+        source_label = str(source)
+    fmt = target.resolved_format()
+    warnings.warn(ptq_warning(source_label, fmt.source, calib_data), UserWarning, stacklevel=2)
+    cfg = PolicyConfig(model_name=str(model_dir), dtype=checkpoint_dtype(model_dir), quant_calib_data=calib_data)
+    texts = _task_texts(cfg) if calib_data == "task" else []
+    return build_policy(cfg, texts, model_dir=str(model_dir), fmt=fmt, calibrate=True), source_label
+
+
+def ptq_warning(source: str, fmt_source: str, calib_data: str) -> str:
+    return (f"PTQ export: {source} was not trained with quantization; quantizing it now with {fmt_source} and "
+            f"fresh calibration ({calib_data}). The exported model was never trained or evaluated in this format.")
+
+
+def _task_texts(cfg: PolicyConfig) -> list[str]:
+    from qarl.config import TaskConfig
+    from qarl.tasks import build_task
+
+    return build_task(TaskConfig(), seed=0).calibration_texts(cfg.quant_calib_size)
+
+
+# --- layers ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
+    """Every linear layer with an enabled weight quantizer, encoded from W_q = weight_quantizer(W)."""
+    from qarl.quant.quantize import quantized_linears
+
+    for name, module in quantized_linears(model):
+        weight_kind = quantizer_kind(module.weight_quantizer, f"{name}.weight_quantizer")
+        if weight_kind is None:
+            continue
+        input_quantizer = getattr(module, "input_quantizer", None)
+        input_kind = quantizer_kind(input_quantizer, f"{name}.input_quantizer")
+        if (weight_kind, input_kind) not in SCHEMES:
+            raise ConfigError(f"{name}: weights {weight_kind} with inputs {input_kind or 'unquantized'} is not an "
+                              f"exportable scheme ({sorted(SCHEMES.values())})")
+        amax = module.weight_quantizer.amax
+        if amax is None:
+            raise ConfigError(f"{name}.weight_quantizer has no amax: the quantizer state was not loaded")
+        input_amax = None
+        if input_kind is not None:
+            if input_quantizer.amax is None:
+                raise ConfigError(f"{name}.input_quantizer has no amax: the quantizer state was not loaded")
+            input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
+        w_q = module.weight_quantizer(module.weight).detach()
+        if weight_kind == "nvfp4":
+            weight = encode_nvfp4(w_q, module.weight, amax, name)
+        else:
+            weight = encode_fp8(w_q, amax, name)
+        yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())
+
+
+def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
+    """Fused siblings (q/k/v, gate/up) must carry one weight global scale and one input scale.
+
+    Serving engines fuse them into one matrix with one per-tensor scale; qarl's policy shares the amax
+    across siblings (`share_fused_amax`), so they come out equal. A checkpoint where they differ cannot
+    be exported without re-rounding weights, so it stops here. Returns the number of fused groups.
+    """
+    groups = 0
+    for name in layers:
+        for fused, parts in FUSED_SIBLINGS.items():
+            if not name.endswith("." + parts[0]):
+                continue
+            prefix = name[: -len(parts[0])]
+            members = [layers.get(prefix + p) for p in parts]
+            if any(m is None for m in members):
+                continue
+            groups += 1
+            for what, values in (
+                ("weight global scale", [m.weight.scale if isinstance(m.weight, FP8Weight) else m.weight.global_scale
+                                         for m in members]),
+                ("input amax value", [m.input_amax for m in members]),
+            ):
+                if any(v is None for v in values):
+                    continue
+                if len({float(v) for v in values}) != 1:
+                    raise ConfigError(
+                        f"{prefix}{{{','.join(parts)}}} fuse into {prefix}{fused} in serving engines but have "
+                        f"different {what}s {[float(v) for v in values]}; engines need one. The policy must share "
+                        "fused amax (qarl.quant.quantize.share_fused_amax) before training; re-rounding here would "
+                        "break fidelity."
+                    )
+    return groups
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own tensors (no quantizer buffers), tied aliases dropped as save_pretrained does."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for key, value in model.state_dict().items():
+        if "_quantizer." in key:
+            continue
+        ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        out[key] = value.detach().cpu()
+    return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> list[Path]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than one shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: names[i] for i, shard in enumerate(shards) for k in shard}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+    return [out_dir / n for n in names]
+
+
+def _copy_side_files(policy, source_dir: Path | None, out_dir: Path) -> None:
+    """Tokenizer and generation config: copied from the checkpoint, or saved from the in-memory policy."""
+    copied = False
+    if source_dir is not None and source_dir.is_dir():
+        for path in source_dir.iterdir():
+            if path.is_file() and path.name != "config.json" and not path.name.startswith("model") \
+                    and path.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+                shutil.copy2(path, out_dir / path.name)
+                copied = copied or path.name.startswith("tokenizer")
+    if not copied:
+        policy.tokenizer.save_pretrained(out_dir)
+    if not (out_dir / "generation_config.json").is_file() and getattr(policy.model, "generation_config", None):
+        policy.model.generation_config.save_pretrained(out_dir)
+
+
+def format_module(disk_format: str):
+    """The module that names and lays out tensors for an on-disk format (modelopt_hf, compressed_tensors)."""
+    if disk_format == "modelopt_hf":
+        from qarl.export import modelopt_hf as module
+    else:
+        from qarl.export import compressed_tensors as module
+    return module
+
+
+def _bytes(files: list[Path]) -> int:
+    return sum(p.stat().st_size for p in files)
+
+
+def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path, *, source: str = "in-memory policy",
+                  source_dir: Path | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Write the quantized `policy` (a qarl Policy) in the target's on-disk format; returns a summary.
+
+    `source_dir`, when given, is the Hugging Face directory the policy was loaded from: its tokenizer
+    and generation config are copied (else they are saved from the policy).
+    """
+    target = target if isinstance(target, ExportTarget) else load_target(target)
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite)
+    if policy.format is None:
+        raise ConfigError("the policy is not quantized: nothing to export in a quantized format "
+                          "(export its checkpoint with --calibrate for PTQ)")
+    check_target_matches(policy.format, target)
+    scheme = target_scheme(target)
+    fmt_module = format_module(target.disk_format)
+
+    model = policy.model
+    master = master_tensors(model)
+    tensors = dict(master)
+    layers: dict[str, QuantizedLayer] = {}
+    layer_stats: dict[str, dict[str, Any]] = {}
+    for layer in encoded_layers(model):
+        if layer.scheme != scheme:
+            raise ConfigError(f"{layer.name} is quantized as {layer.scheme}, target {target.name} writes {scheme}: "
+                              "the model's quantizers are not uniform")
+        key = f"{layer.name}.weight"
+        if key not in tensors:
+            raise ConfigError(f"{key} is quantized but shares its storage with another tensor (tied weights); "
+                              "a tied quantized layer cannot be exported as one low-precision tensor")
+        del tensors[key]
+        on_disk, stats = fmt_module.layer_tensors(layer)
+        tensors.update(on_disk)
+        layers[layer.name] = layer
+        layer_stats[layer.name] = {**stats, "params": layer.params, "training_dtype": str(layer.dtype)[6:],
+                                   "bytes": sum(t.numel() * t.element_size() for t in on_disk.values()),
+                                   "tensors": sorted(on_disk)}
+    if not layers:
+        raise ConfigError("the policy has no enabled weight quantizer: nothing to export")
+    fused_groups = check_fused_scales(layers)
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    files = write_safetensors(dict(sorted(tensors.items())), tmp, target.max_shard_bytes)
+    config = json.loads(model.config.to_json_string())  # what save_pretrained writes
+    config["quantization_config"] = fmt_module.write_config(tmp, model, layers, scheme)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _copy_side_files(policy, source_dir, tmp)
+
+    quantized_keys = {k for stats in layer_stats.values() for k in stats["tensors"]}
+    q_params = sum(s["params"] for s in layer_stats.values())
+    q_bytes = sum(s["bytes"] for s in layer_stats.values())
+    differing = sum(s["differing"] for s in layer_stats.values())
+    source_files = sorted(source_dir.glob("*.safetensors")) if source_dir is not None else []
+    summary = {
+        "target": target.name,
+        "disk_format": target.disk_format,
+        "scheme": scheme,
+        "source": source,
+        "out_dir": str(out_dir),
+        "quantized_layers": len(layers),
+        "fused_groups_sharing_scales": fused_groups,
+        "quantized_params": q_params,
+        "quantized_bytes": q_bytes,
+        "bytes_per_param_quantized": q_bytes / q_params,
+        "weights_bit_identical": q_params - differing,
+        "weights_differing": differing,
+        "export_bytes": _bytes(files),
+        "source_checkpoint_bytes": _bytes(source_files) or None,
+        "bf16_bytes": 2 * sum(v.numel() for v in master.values()),
+        "unquantized_tensors": {k: str(v.dtype)[6:] for k, v in sorted(tensors.items()) if k not in quantized_keys},
+    }
+    summary["export_vs_bf16"] = summary["export_bytes"] / summary["bf16_bytes"]
+    manifest = {**summary, "quant_format": policy.format.name, "quant_format_source": policy.format.source,
+                "layers": layer_stats}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return summary
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ConfigError(f"output directory {out_dir} exists and is not empty; choose another or pass --overwrite")
+
+
+def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: str | Path, *,
+                      calibrate: bool = False, calib_data: str = "task", overwrite: bool = False) -> dict[str, Any]:
+    """Export a qarl checkpoint (a step_N dir or a run dir: its newest complete checkpoint), or an
+    in-memory Policy, to `out_dir` in `target`'s format. Needs no rollout engine and no trainer state.
+
+    `calibrate=True` is post-training quantization of an unquantized checkpoint or model directory
+    with fresh calibration on `calib_data` ("task": the embedded task's prompts); it warns, because the
+    result was never trained in that format.
+    """
+    from qarl.policy import Policy
+
+    target = target if isinstance(target, ExportTarget) else load_target(target)
+    _check_out_dir(Path(out_dir), overwrite)
+    if isinstance(checkpoint, Policy):
+        return export_policy(checkpoint, target, out_dir, overwrite=overwrite)
+    policy, source = load_source(checkpoint, target, calibrate, calib_data)
+    summary = export_policy(policy, target, out_dir, source=source, source_dir=Path(policy.model_dir),
+                            overwrite=overwrite)
+    summary["ptq"] = calibrate
+    return summary

@@ -1,0 +1,160 @@
+"""Export targets: which quantization format an export expects and which on-disk format it writes.
+
+A target is a small YAML file in the top-level `export/` folder:
+
+    name: nvfp4_w4a16_modelopt
+    quant_format: nvfp4_a16        # a quant_configs/ name: what the model must have been trained with
+    disk_format: modelopt_hf       # modelopt_hf | compressed_tensors
+    settings:                      # optional
+      max_shard_size: 5GB
+
+The checkpoint's trained format and the target's `quant_format` are compared by the quantizer
+settings they give a linear layer's weight and input quantizers (not by spelling), so a model
+trained with ModelOpt's built-in `W4A16_NVFP4_CFG` exports with the `nvfp4_a16` targets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qarl.config import REPO_ROOT, ConfigError
+from qarl.quant import QuantFormat, resolve_format
+
+DISK_FORMATS = ("modelopt_hf", "compressed_tensors")
+TARGET_DIR = REPO_ROOT / "export"
+_SETTINGS = {"max_shard_size": "5GB"}
+# Quantizer fields that decide the numbers on disk; the rest (effective_bits, calibrator, ...) do not.
+_NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes")
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    name: str
+    quant_format: str
+    disk_format: str
+    source: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_format(self) -> QuantFormat:
+        fmt = resolve_format(self.quant_format)
+        if fmt is None:
+            raise ConfigError(f"export target {self.source}: quant_format must name a quantization format, not "
+                              f"{self.quant_format!r} (there is nothing to export unquantized)")
+        return fmt
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.settings["max_shard_size"])
+
+
+def shipped_targets() -> list[str]:
+    return sorted(p.stem for p in TARGET_DIR.glob("*.yaml"))
+
+
+def load_target(spec: str | Path) -> ExportTarget:
+    """A target YAML path, or the name of one in export/."""
+    import yaml
+
+    path = Path(spec)
+    for candidate in (path, REPO_ROOT / path, TARGET_DIR / path, TARGET_DIR / f"{spec}.yaml"):
+        if candidate.is_file():
+            path = candidate
+            break
+    else:
+        raise ConfigError(f"export target {str(spec)!r} not found: give a YAML path or one of {shipped_targets()}")
+    record = yaml.safe_load(path.read_text()) or {}
+    allowed = {"name", "quant_format", "disk_format", "settings"}
+    unknown = sorted(set(record) - allowed)
+    missing = sorted({"quant_format", "disk_format"} - set(record))
+    if unknown or missing:
+        raise ConfigError(f"export target {path}: unknown keys {unknown}, missing keys {missing} "
+                          f"(a target has {sorted(allowed)})")
+    if record["disk_format"] not in DISK_FORMATS:
+        raise ConfigError(f"export target {path}: disk_format {record['disk_format']!r} is not one of "
+                          f"{list(DISK_FORMATS)}")
+    settings = dict(record.get("settings") or {})
+    bad = sorted(set(settings) - set(_SETTINGS))
+    if bad:
+        raise ConfigError(f"export target {path}: unknown settings {bad} (known: {sorted(_SETTINGS)})")
+    target = ExportTarget(
+        name=str(record.get("name", path.stem)),
+        quant_format=str(record["quant_format"]),
+        disk_format=record["disk_format"],
+        source=str(path),
+        settings={**_SETTINGS, **settings},
+    )
+    parse_size(target.settings["max_shard_size"])
+    return target
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    if text.isdigit():
+        return int(text)
+    raise ConfigError(f"max_shard_size {size!r}: expected a size like 5GB, 500MB or a byte count")
+
+
+def _probe(fmt: QuantFormat, quantizer: str) -> dict[str, Any] | None:
+    """The settings `fmt` gives the named quantizer of a plain decoder nn.Linear (None = disabled).
+
+    Follows ModelOpt's list semantics: entries apply in order; a `cfg` entry sets and enables, an
+    `enable`-only entry toggles; entries scoped to another `parent_class` do not apply.
+    """
+    name = f"model.layers.0.mlp.down_proj.{quantizer}"
+    cfg, enabled = None, False
+    for entry in fmt.quant_cfg:
+        parent = entry.get("parent_class")
+        if parent not in (None, "nn.Linear") or not fnmatch.fnmatch(name, entry["quantizer_name"]):
+            continue
+        if entry.get("cfg") is not None:
+            cfg, enabled = entry["cfg"], entry.get("enable", True) is not False
+        elif "enable" in entry:
+            enabled = bool(entry["enable"])
+    if not enabled or cfg is None:
+        return None
+    cfg = cfg if isinstance(cfg, dict) else dict(cfg)
+    return {k: _plain(cfg.get(k)) for k in _NUMERIC_FIELDS if cfg.get(k) is not None}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-comparable: tuples -> lists, dict keys -> str (ModelOpt mixes int and str keys)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
+    """{'weight': settings or None, 'input': settings or None} of a linear layer under `fmt`."""
+    if fmt is None:
+        return {"weight": None, "input": None}
+    return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}
+
+
+def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
+    """The export writes the format the model was trained in, or stops and names both."""
+    expected = target.resolved_format()
+    have, want = quantizer_settings(trained), quantizer_settings(expected)
+    if have != want:
+        fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]
+        raise ConfigError(
+            f"export target {target.name} ({target.source}) expects a model trained with {expected.source}: "
+            f"linear layers {json.dumps(want)}; the checkpoint was trained with {trained.source}: "
+            f"{json.dumps(have)}. Exporting would change the numbers the policy was trained with. Targets that fit "
+            f"this checkpoint: {fitting or 'none shipped; write one (see export/README.md)'}."
+        )

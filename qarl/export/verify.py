@@ -1,0 +1,301 @@
+"""Verify an export against the fake-quant policy it came from: weights bit for bit, then logits
+through every loader that runs on this machine.
+
+Checks, in order (each is a key of the returned report):
+  weights       every quantized weight decoded from the files by the format's written definition
+                (not by qarl's encoder) vs the policy's weight_quantizer(W), bit for bit; every other
+                tensor vs the policy's master tensor, bit for bit and same dtype.
+  fused_scales  q/k/v and gate/up carry one weight global scale and one input scale on disk.
+  loaders       logits on fixed prompts vs the fake-quant policy's logits (max |Δ|):
+    qarl-decode                     the decoded files loaded into a copy of the policy with its weight
+                                    quantizers off (input quantizers on): how the rollout engine runs.
+    transformers+compressed-tensors AutoModelForCausalLM with compressed-tensors decompression
+                                    (compressed_tensors exports only); also reports the weights the
+                                    library decoded vs W_q.
+    ... (fp32 decompression)        NVFP4 only: the same with the library's unpack dtype set to the
+                                    model's dtype (compressed-tensors 0.17 unpacks NVFP4 to bf16).
+    vllm                            (vllm=True) vLLM in a subprocess, prompt log-probs vs the
+                                    policy's log-softmax. Needs a kernel for the format on this
+                                    platform: on CPU only ModelOpt FP8 runs (bf16 activations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from qarl.config import ConfigError, PolicyConfig
+from qarl.export.core import MANIFEST, checkpoint_dtype, format_module, master_tensors
+from qarl.export.encode import same_bits
+from qarl.quant import FUSED_SIBLINGS
+
+PROMPTS = ["12+34=46", "57+68=125", "The quick brown fox jumps over the lazy dog.",
+           "def f(x):\n    return 2 * x + 1", "Question: 7 * 8? Answer: 56", "~!@#$%^&*()_+{}|:<>?"]
+
+
+def _disk_format(config: dict) -> str:
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method == "modelopt":
+        return "modelopt_hf"
+    if method == "compressed-tensors":
+        return "compressed_tensors"
+    raise ConfigError(f"config.json has quantization_config.quant_method={method!r}: not a modelopt or "
+                      "compressed-tensors export")
+
+
+def _scheme(config: dict) -> str:
+    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 from config.json alone (for exports without a manifest)."""
+    q = config["quantization_config"]
+    algo = q.get("quant_algo") or ""
+    if q.get("quant_method") == "compressed-tensors":
+        group = next(iter(q.get("config_groups", {}).values()), {})
+        nvfp4 = (group.get("weights") or {}).get("num_bits") == 4
+        algo = ("NVFP4" if group.get("input_activations") else "W4A16_NVFP4") if nvfp4 else "FP8"
+    return {"W4A16_NVFP4": "nvfp4_w4a16", "NVFP4": "nvfp4_w4a4", "FP8": "fp8_w8a8"}.get(algo, algo.lower())
+
+
+def _load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(export_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    if not tensors:
+        raise ConfigError(f"{export_dir} has no .safetensors files")
+    return tensors
+
+
+def _reference_policy(export_dir: Path, checkpoint: str | Path | None):
+    from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint
+
+    if checkpoint is None:
+        manifest = export_dir / MANIFEST
+        checkpoint = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
+        if not checkpoint or not (Path(checkpoint) / "policy").is_dir():
+            raise ConfigError(f"no checkpoint to compare {export_dir} with: pass --checkpoint (the export's "
+                              f"{MANIFEST} names {checkpoint!r})")
+    checkpoint = resolve_checkpoint(checkpoint)
+    cfg = PolicyConfig(model_name=str(checkpoint / "policy"), dtype=checkpoint_dtype(checkpoint / "policy"))
+    policy = load_policy_checkpoint(checkpoint, cfg)
+    if policy.format is None:
+        raise ConfigError(f"checkpoint {checkpoint} is not quantized; verify a PTQ export with the in-memory policy "
+                          "(verify_export(dir, policy=...))")
+    return policy, str(checkpoint)
+
+
+def _quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from qarl.quant.quantize import quantized_linears
+
+    return {n: m for n, m in quantized_linears(model) if m.weight_quantizer.is_enabled}
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    got = got.to(want.dtype) if got.dtype != want.dtype else got
+    same = same_bits(got.cpu(), want.cpu())
+    return {"params": want.numel(), "bit_identical": int(same.sum()),
+            "max_abs_diff": float((got.float().cpu() - want.float().cpu()).abs().max()) if want.numel() else 0.0}
+
+
+def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"params": sum(p["params"] for p in parts), "bit_identical": sum(p["bit_identical"] for p in parts),
+            "max_abs_diff": max((p["max_abs_diff"] for p in parts), default=0.0)}
+
+
+@torch.no_grad()
+def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_module) -> dict[str, Any]:
+    """Decode every quantized layer from the file tensors and compare with the policy, bit for bit."""
+    modules = _quantized_modules(policy.model)
+    stored = fmt_module.read_weights(tensors, config)
+    if set(stored) != set(modules):
+        raise ConfigError(f"the export's quantized layers {sorted(set(stored) ^ set(modules))[:4]} do not match "
+                          "the policy's quantized layers")
+    per_layer = {}
+    for name, module in modules.items():
+        w_q = module.weight_quantizer(module.weight).detach()
+        per_layer[name] = _compare(fmt_module.dequantize(stored[name], w_q.dtype), w_q)
+    quantized = _sum(list(per_layer.values()))
+    master = master_tensors(policy.model)
+    owned = {k for name in stored for k in tensors if k.startswith(name + ".") and k.rsplit(".", 1)[1] != "bias"}
+    others = {k: v for k, v in tensors.items() if k not in owned}
+    wrong_dtype = [k for k, v in others.items() if k in master and v.dtype != master[k].dtype]
+    missing = sorted(set(master) - set(others) - {f"{n}.weight" for n in stored})
+    unquantized = _sum([_compare(v, master[k]) for k, v in others.items() if k in master and k not in wrong_dtype])
+    return {"quantized": {**quantized, "layers": len(per_layer)},
+            "quantized_per_layer_differing": {n: r["params"] - r["bit_identical"] for n, r in per_layer.items()
+                                              if r["bit_identical"] != r["params"]},
+            "unquantized": {**unquantized, "tensors": len(others), "wrong_dtype": wrong_dtype,
+                            "missing": missing, "unexpected": sorted(set(others) - set(master))}}
+
+
+def check_fused_scales(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every fused group on disk has one value per per-tensor scale (weight global scale, input scale)."""
+    names = ("weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale")
+    groups, unequal = 0, []
+    for key in tensors:
+        for parts in FUSED_SIBLINGS.values():
+            if not key.endswith(f".{parts[0]}.weight_scale"):
+                continue
+            prefix = key[: -len(f"{parts[0]}.weight_scale")]
+            groups += 1
+            for scale in names + (("weight_scale",) if tensors[key].dtype == torch.float32 else ()):
+                values = [tensors.get(f"{prefix}{p}.{scale}") for p in parts]
+                if all(v is not None for v in values) and len({v.float().item() for v in values}) != 1:
+                    unequal.append(f"{prefix}{{{','.join(parts)}}}.{scale}")
+    return {"groups": groups, "shared": not unequal, "unequal": unequal}
+
+
+def _batch(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+
+
+def _delta(logits: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((logits - reference).abs()[mask.bool()].max())
+
+
+@torch.no_grad()
+def _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference) -> dict[str, Any]:
+    model = copy.deepcopy(policy.model)
+    stored = fmt_module.read_weights(tensors, config)
+    state = model.state_dict()
+    for name, module in _quantized_modules(model).items():
+        module.weight.copy_(fmt_module.dequantize(stored[name], module.weight.dtype))
+        module.weight_quantizer.disable()
+    for key, value in tensors.items():
+        if key in state and not any(key.startswith(n + ".") and not key.endswith(".bias") for n in stored):
+            state[key].copy_(value)
+    return {"status": "ok", "max_abs_logit_diff": _delta(_logits(model, ids, mask), reference, mask)}
+
+
+@contextlib.contextmanager
+def _nvfp4_unpack_dtype(dtype: torch.dtype):
+    """compressed-tensors 0.17 unpacks NVFP4 to bf16 whatever the model dtype; unpack to `dtype`."""
+    from compressed_tensors.compressors.nvfp4 import base
+
+    original = base.unpack_fp4_from_uint8
+    base.unpack_fp4_from_uint8 = partial(original, dtype=dtype)
+    try:
+        yield
+    finally:
+        base.unpack_fp4_from_uint8 = original
+
+
+@torch.no_grad()
+def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: torch.dtype | None) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    patch = _nvfp4_unpack_dtype(unpack_dtype) if unpack_dtype is not None else contextlib.nullcontext()
+    try:
+        with patch:
+            model = AutoModelForCausalLM.from_pretrained(
+                export_dir, quantization_config=CompressedTensorsConfig(dequantize=True), dtype="auto")
+        weights = []
+        loaded = dict(model.named_modules())
+        dtypes = set()
+        for name, module in _quantized_modules(policy.model).items():
+            w_q = module.weight_quantizer(module.weight).detach()
+            dtypes.add(str(loaded[name].weight.dtype).replace("torch.", ""))
+            weights.append(_compare(loaded[name].weight.detach(), w_q))
+        result = {"status": "ok", "decompressed_weight_dtype": sorted(dtypes), "weights": _sum(weights)}
+        result["max_abs_logit_diff"] = _delta(_logits(model, ids, mask), reference, mask)
+        return result
+    except Exception as e:  # a loader that fails is a finding to report, not a crash of the verifier
+        return {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor,
+          scheme: str) -> dict[str, Any]:
+    """vLLM in a subprocess (it sets process-wide state); compares prompt log-probs over the vocab."""
+    if not torch.cuda.is_available() and scheme.startswith("nvfp4"):
+        return {"status": "needs GPU", "why": "vLLM has no NVFP4 linear kernel for its CPU platform "
+                "(NVFP4 kernels: CUDA, emulation on ROCm)"}
+    prompts = [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids.tolist(), mask.tolist())]
+    with tempfile.TemporaryDirectory() as tmp:
+        request = Path(tmp) / "request.json"
+        request.write_text(json.dumps({"model": str(export_dir), "prompts": prompts, "dtype": "bfloat16"}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        proc = subprocess.run([sys.executable, "-m", "qarl.export.vllm_probe", str(request)], env=env,
+                              capture_output=True, text=True, timeout=900)
+        answer = Path(tmp) / "answer.json"
+        if proc.returncode != 0 or not answer.is_file():
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line] or proc.stderr.splitlines()[-1:]
+            return {"status": "error", "error": (errors[-1] if errors else f"exit {proc.returncode}")[:400]}
+        logprobs = json.loads(answer.read_text())["logprobs"]
+    reference_lp = torch.log_softmax(reference, dim=-1)
+    worst = 0.0
+    for row, positions in enumerate(logprobs):
+        for i, dist in enumerate(positions):  # dist: the distribution of token i+1 given tokens <= i
+            got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
+            worst = max(worst, float((got - reference_lp[row, i]).abs().nan_to_num(0.0).max()))
+    return {"status": "ok", "dtype": "bfloat16", "max_abs_logprob_diff": worst}
+
+
+def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,
+                  prompts: list[str] | None = None, vllm: bool = False) -> dict[str, Any]:
+    """Check the export in `export_dir` against the fake-quant policy of `checkpoint` (default: the
+    checkpoint the export's qarl_export.json names) or an in-memory `policy`. Returns a report dict."""
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").is_file():
+        raise ConfigError(f"{export_dir} is not an exported model directory (no config.json)")
+    config = json.loads((export_dir / "config.json").read_text())
+    disk_format = _disk_format(config)
+    fmt_module = format_module(disk_format)
+    reference_name = "in-memory policy"
+    if policy is None:
+        policy, reference_name = _reference_policy(export_dir, checkpoint)
+    tensors = _load_tensors(export_dir)
+    manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
+    scheme = manifest.get("scheme") or _scheme(config)
+    report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
+                              "reference": reference_name}
+    report["weights"] = check_weights(tensors, config, policy, fmt_module)
+    report["fused_scales"] = check_fused_scales(tensors)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    ids, mask = _batch(tokenizer, prompts or PROMPTS)
+    reference = _logits(policy.model, ids, mask)
+    loaders: dict[str, Any] = {"qarl-decode": _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference)}
+    if disk_format == "compressed_tensors":
+        loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference, None)
+        if scheme.startswith("nvfp4"):
+            dtype = next(policy.model.parameters()).dtype
+            loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
+                export_dir, policy, ids, mask, reference, dtype)
+    else:
+        loaders["transformers"] = {"status": "unsupported", "why": "transformers has no loader for "
+                                   "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
+    if vllm:
+        loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme)
+    else:
+        loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
+    report["loaders"] = loaders
+    w = report["weights"]
+    w["quantized"]["declared_differing"] = manifest.get("weights_differing", 0)
+    report["ok"] = (w["quantized"]["params"] - w["quantized"]["bit_identical"] == w["quantized"]["declared_differing"]
+                    and w["unquantized"]["bit_identical"] == w["unquantized"]["params"]
+                    and not (w["unquantized"]["wrong_dtype"] or w["unquantized"]["missing"]
+                             or w["unquantized"]["unexpected"])
+                    and report["fused_scales"]["shared"])
+    return report

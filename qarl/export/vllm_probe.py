@@ -1,0 +1,33 @@
+"""`python -m qarl.export.vllm_probe REQUEST.json`: load an export in vLLM, write prompt log-probs.
+
+Run by the verifier in a subprocess (vLLM changes process-wide state: threads, signal handlers).
+REQUEST holds {"model": dir, "prompts": [[token ids]], "dtype": ...}; the answer, next to it in
+answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of token i.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(request_path: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    request = json.loads(Path(request_path).read_text())
+    config = json.loads((Path(request["model"]) / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    llm = LLM(model=request["model"], dtype=request["dtype"], enforce_eager=True, max_model_len=128,
+              max_logprobs=vocab, seed=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]],
+                           SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
+    logprobs = [[{str(t): lp.logprob for t, lp in position.items()} for position in out.prompt_logprobs[1:]]
+                for out in outputs]
+    (Path(request_path).parent / "answer.json").write_text(json.dumps({"logprobs": logprobs}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,312 @@
+"""qarl export: real low-precision checkpoints from fake-quant policies, on the embedded tiny model.
+
+Real ModelOpt quantizers (NVFP4 through qarl's CPU kernel), real safetensors files, real loaders.
+The decoders here are written from the formats' definitions, independently of qarl.export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qarl.checkpoint import save_checkpoint
+from qarl.config import ConfigError, PolicyConfig
+from qarl.export import export_checkpoint, export_policy, verify_export
+from qarl.export.cli import add_export_command
+from qarl.policy import build_policy, resolve_model_dir
+from qarl.quant import folded_weights, resolve_format
+from qarl.quant.quantize import quantized_linears
+
+QUANT = {"nvfp4_w4a16": "nvfp4_a16", "nvfp4_w4a4": "nvfp4_w4a4", "fp8_w8a8": "fp8_w8a8"}
+DISK = ["modelopt", "compressed_tensors"]
+TARGETS = [f"{scheme}_{disk}" for scheme in QUANT for disk in DISK]
+CALIB = [f"{a}+{b}={a + b}" for a in range(10, 42) for b in (17, 58)]
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [r, c/2] -> fp32 [r, c/16, 16]; the low nibble is the even element."""
+    values = E2M1[torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()]
+    return values.view(packed.shape[0], -1, 16)
+
+
+def dequantize(t: dict[str, torch.Tensor], layer: str, disk: str) -> torch.Tensor:
+    """fp32 weight of `layer` by the format's definition."""
+    if t.get(f"{layer}.weight") is not None and t[f"{layer}.weight"].dtype == torch.float8_e4m3fn:
+        return t[f"{layer}.weight"].float() * t[f"{layer}.weight_scale"].float()
+    if disk == "modelopt":  # E2M1 * (weight_scale * weight_scale_2)
+        scale = t[f"{layer}.weight_scale"].float() * t[f"{layer}.weight_scale_2"].float()
+        return (e2m1(t[f"{layer}.weight"]) * scale.unsqueeze(-1)).flatten(-2)
+    scale = t[f"{layer}.weight_scale"].float() / t[f"{layer}.weight_global_scale"].float()  # a divisor
+    return (e2m1(t[f"{layer}.weight_packed"]) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def tensors(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{scheme: (run dir, {layer: W_q of the in-memory policy that was saved})}, one checkpoint each."""
+    root = tmp_path_factory.mktemp("runs")
+    model_dir = resolve_model_dir("embedded:tiny")
+    made = {}
+    for scheme, quant in QUANT.items():
+        torch.manual_seed(0)
+        policy = build_policy(PolicyConfig(quant_calib_size=64), CALIB, model_dir=model_dir, fmt=resolve_format(quant))
+        w_q = dict(folded_weights(policy.model))
+        layers = {name: w_q[f"{name}.weight"] for name, m in quantized_linears(policy.model)
+                  if m.weight_quantizer.is_enabled}
+        save_checkpoint(root / scheme, 3, policy.model, policy.tokenizer, policy.format, {"step": 3})
+        made[scheme] = (root / scheme, layers)
+    return made
+
+
+@pytest.fixture(scope="module")
+def exports(runs, tmp_path_factory):
+    """{target: (out dir, summary)}: every shipped target exported from its run directory."""
+    root = tmp_path_factory.mktemp("exports")
+    done = {}
+    for target in TARGETS:
+        out = root / target
+        done[target] = (out, export_checkpoint(runs[_scheme(target)][0], f"export/{target}.yaml", out))
+    return done
+
+
+def _scheme(target: str) -> str:
+    return target.removesuffix("_compressed_tensors").removesuffix("_modelopt")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dequantized_export_is_the_trained_weight(target, runs, exports):
+    out, summary = exports[target]
+    disk = "modelopt" if target.endswith("modelopt") else "compressed_tensors"
+    t = tensors(out)
+    w_q = runs[_scheme(target)][1]
+    assert summary["quantized_layers"] == len(w_q) == 14
+    differing = 0
+    for layer, want in w_q.items():
+        got = dequantize(t, layer, disk).to(want.dtype)
+        same = bits(got) == bits(want)
+        differing += int((~same).sum())
+        if not same.all():  # only compressed-tensors' NVFP4 divisor global scale: at most two fp32 ulps
+            assert disk == "compressed_tensors" and _scheme(target).startswith("nvfp4")
+            assert (bits(got) - bits(want)).abs().max() <= 2
+    assert differing == summary["weights_differing"]
+    if disk == "modelopt" or _scheme(target) == "fp8_w8a8":
+        assert differing == 0  # bit for bit, sign of zero included
+    else:
+        assert differing < 0.25 * summary["quantized_params"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_layout_dtypes_sizes_and_side_files(target, exports):
+    out, summary = exports[target]
+    t = tensors(out)
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    layer = "model.layers.0.mlp.down_proj"
+    nvfp4 = target.startswith("nvfp4")
+    if target.endswith("modelopt"):
+        hf = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+        algo = {"nvfp4_w4a16": "W4A16_NVFP4", "nvfp4_w4a4": "NVFP4", "fp8_w8a8": "FP8"}[_scheme(target)]
+        assert hf["quant_algo"] == algo
+        assert "lm_head" in hf["exclude_modules"] and q["quant_method"] == "modelopt"
+        weight = t[f"{layer}.weight"]
+        assert weight.dtype == (torch.uint8 if nvfp4 else torch.float8_e4m3fn)
+        assert t[f"{layer}.weight_scale"].dtype == (torch.float8_e4m3fn if nvfp4 else torch.float32)
+        if nvfp4:
+            assert tuple(weight.shape) == (128, 192) and tuple(t[f"{layer}.weight_scale"].shape) == (128, 24)
+            assert t[f"{layer}.weight_scale_2"].dtype == torch.float32 and t[f"{layer}.weight_scale_2"].dim() == 0
+        assert (f"{layer}.input_scale" in t) == (target.startswith(("nvfp4_w4a4", "fp8")))
+    else:
+        assert q["quant_method"] == "compressed-tensors" and q["quantization_status"] == "compressed"
+        assert q["format"] == ("nvfp4-pack-quantized" if nvfp4 else "float-quantized")
+        assert q["ignore"] == ["lm_head"]
+        if nvfp4:
+            assert t[f"{layer}.weight_packed"].dtype == torch.uint8 and t[f"{layer}.weight_global_scale"].shape == (1,)
+        assert (f"{layer}.input_global_scale" in t) == target.startswith("nvfp4_w4a4")
+    # Layers that were not quantized stay in the training dtype (fp32); the tied lm_head is not duplicated.
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.bias"):
+        assert t[key].dtype == torch.float32
+    assert "lm_head.weight" not in t
+    assert summary["unquantized_tensors"]["model.embed_tokens.weight"] == "float32"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).is_file()
+    # Size: NVFP4 is 4 bits + one E4M3 scale per 16 (0.5625 B/param) plus per-tensor scalars.
+    assert summary["bytes_per_param_quantized"] == pytest.approx(0.5625 if nvfp4 else 1.0, abs=1e-3)
+    assert summary["export_bytes"] < summary["bf16_bytes"] * (0.4 if nvfp4 else 0.6)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fused_layers_share_one_global_scale(target, exports):
+    out, summary = exports[target]
+    t = tensors(out)
+    assert summary["fused_groups_sharing_scales"] == 4
+    names = ["weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale"]
+    if target.startswith("fp8"):
+        names.append("weight_scale")
+    checked = 0
+    for i in range(2):
+        for parts in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            block = "self_attn" if parts[0] == "q_proj" else "mlp"
+            for name in names:
+                values = [t.get(f"model.layers.{i}.{block}.{p}.{name}") for p in parts]
+                if values[0] is not None:
+                    assert all(torch.equal(v, values[0]) for v in values), (i, parts, name)
+                    checked += 1
+    assert checked >= 4
+
+
+def test_unshared_fused_amax_is_refused(runs, tmp_path):
+    from qarl.checkpoint import load_policy_checkpoint
+
+    policy = load_policy_checkpoint(runs["nvfp4_w4a16"][0], PolicyConfig())
+    q = policy.model.model.layers[0].self_attn.q_proj.weight_quantizer
+    q.amax = q.amax * 1.5
+    with pytest.raises(ConfigError, match="one"):
+        export_policy(policy, "nvfp4_w4a16_modelopt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["fp8_w8a8_compressed_tensors", "nvfp4_w4a16_compressed_tensors",
+                                    "nvfp4_w4a4_compressed_tensors"])
+def test_transformers_loads_compressed_tensors_and_logits_match(target, exports):
+    out, _ = exports[target]
+    report = verify_export(out)
+    assert report["ok"], report
+    assert report["loaders"]["qarl-decode"]["max_abs_logit_diff"] <= 1e-5
+    name = "transformers+compressed-tensors" + (" (float32 decompression)" if target.startswith("nvfp4") else "")
+    loaded = report["loaders"][name]
+    assert loaded["status"] == "ok", loaded
+    assert loaded["max_abs_logit_diff"] <= 1e-5  # fp32 accumulation noise
+    if target.startswith("fp8"):
+        assert loaded["weights"]["bit_identical"] == loaded["weights"]["params"]
+
+
+def test_vllm_loads_modelopt_fp8_on_cpu(exports):
+    """The one loader/format pair vLLM runs on CPU here (bf16 activations: vLLM's modelopt method refuses fp32)."""
+    out, _ = exports["fp8_w8a8_modelopt"]
+    report = verify_export(out, vllm=True)
+    assert report["ok"] and report["weights"]["quantized"]["max_abs_diff"] == 0.0
+    vllm = report["loaders"]["vllm"]
+    assert vllm["status"] == "ok", vllm
+    assert vllm["max_abs_logprob_diff"] < 0.2  # bf16 activations against the fp32 fake-quant policy
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, dict]:
+    parser = argparse.ArgumentParser(prog="qarl")
+    add_export_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["export", *argv])
+    code = args.func(args)
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_cli_export_from_run_dir_then_verify(runs, tmp_path, capsys):
+    out = tmp_path / "nvfp4"
+    code, result = _cli([str(runs["nvfp4_w4a16"][0]), "--target", "export/nvfp4_w4a16_modelopt.yaml",
+                         "--out", str(out), "--then-verify"], capsys)
+    assert code == 0 and result["verify"]["ok"]
+    assert result["export"]["source"].endswith("step_3")  # the run dir's newest complete checkpoint
+    assert result["export"]["bytes_per_param_quantized"] == pytest.approx(0.5625, abs=1e-3)
+    assert result["verify"]["weights"]["quantized"]["max_abs_diff"] == 0.0
+    code, again = _cli(["--verify", str(out)], capsys)
+    assert code == 0 and again["verify"]["loaders"]["qarl-decode"]["max_abs_logit_diff"] == 0.0
+
+
+def test_errors_before_any_work(runs, tmp_path, capsys):
+    nvfp4_run = runs["nvfp4_w4a16"][0]
+    with pytest.raises(ConfigError, match="not found"):
+        export_checkpoint(tmp_path / "nope", "nvfp4_w4a16_modelopt", tmp_path / "o1")
+    with pytest.raises(ConfigError, match="export target .* not found"):
+        export_checkpoint(nvfp4_run, "export/no_such_target.yaml", tmp_path / "o2")
+    # The target's format must be the one the model was trained with; the message names both.
+    with pytest.raises(ConfigError, match=r"(?s)fp8_w8a8\.yaml.*nvfp4_a16"):
+        export_checkpoint(nvfp4_run, "fp8_w8a8_modelopt", tmp_path / "o3")
+    with pytest.raises(ConfigError, match="nvfp4_w4a4"):
+        export_checkpoint(nvfp4_run, "nvfp4_w4a4_compressed_tensors", tmp_path / "o4")
+    # A checkpoint whose quantizer state is gone.
+    broken = tmp_path / "broken" / "checkpoints"
+    import shutil
+
+    shutil.copytree(nvfp4_run / "checkpoints" / "step_3", broken / "step_3")
+    (broken / "step_3" / "quantizer_state.safetensors").unlink()
+    with pytest.raises(ConfigError, match="quantizer_state"):
+        export_checkpoint(broken.parent, "nvfp4_w4a16_modelopt", tmp_path / "o5")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ConfigError, match="not empty"):
+        export_checkpoint(nvfp4_run, "nvfp4_w4a16_modelopt", tmp_path / "full")
+    parser_missing = pytest.raises(ConfigError, match="--target")
+    with parser_missing:
+        _cli([str(nvfp4_run), "--out", str(tmp_path / "o6")], capsys)
+
+
+def test_unquantized_checkpoint_needs_calibrate_and_ptq_warns(tmp_path):
+    policy = build_policy(PolicyConfig(), [], model_dir=resolve_model_dir("embedded:tiny"), fmt=None)
+    save_checkpoint(tmp_path / "bf", 1, policy.model, policy.tokenizer, None, {"step": 1})
+    with pytest.raises(ConfigError, match="no quantizer state.*--calibrate"):
+        export_checkpoint(tmp_path / "bf", "fp8_w8a8_modelopt", tmp_path / "out")
+    with pytest.warns(UserWarning, match="PTQ export"):
+        summary = export_checkpoint(tmp_path / "bf", "fp8_w8a8_modelopt", tmp_path / "out", calibrate=True)
+    assert summary["ptq"] and summary["weights_differing"] == 0 and summary["quantized_layers"] == 14
+
+
+def test_target_files_are_valid():
+    from qarl.export import load_target, shipped_targets
+
+    assert sorted(shipped_targets()) == sorted(TARGETS)
+    for name in TARGETS:
+        target = load_target(name)
+        assert target.disk_format == ("modelopt_hf" if name.endswith("modelopt") else "compressed_tensors")
+        assert target.quant_format == QUANT[_scheme(name)] and target.max_shard_bytes == 5 * 10**9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # A ModelOpt built-in with the same linear-layer settings matches the shipped YAML's target.
+        from qarl.export.targets import check_target_matches
+
+        check_target_matches(resolve_format("W4A16_NVFP4_CFG"), load_target("nvfp4_w4a16_modelopt"))
+
+
+def test_fp8_encode_follows_the_kernel_that_quantized():
+    """ModelOpt's CPU FP8 kernel rounds 448/amax as reciprocal(amax)*448 (Python), its CUDA extension as a
+    true division (C++); the encoder stores the inv_scale of whichever produced W_q, exactly."""
+    from modelopt.torch.quantization.tensor_quant import fp8_eager
+
+    from qarl.export.encode import encode_fp8, fp8_kernel_scale
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    amax = next(a for a in torch.linspace(1.0, 3.0, 200).tolist()
+                if fp8_kernel_scale(torch.tensor(a), "cpu") != fp8_kernel_scale(torch.tensor(a), "cuda"))
+    amax = torch.tensor(amax)
+    for kernel, scale in (("cpu", torch.reciprocal(amax) * 448.0), ("cuda", torch.full_like(amax, 448.0) / amax)):
+        w_q = (w * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * torch.reciprocal(scale)
+        if kernel == "cpu":
+            assert torch.equal(bits(w_q), bits(fp8_eager(w, amax)))
+        encoded = encode_fp8(w_q, amax, "w")
+        assert encoded.kernel == kernel
+        assert torch.equal(bits(encoded.codes.float() * encoded.scale), bits(w_q))
+
+
+def test_sharded_export_loads(runs, tmp_path):
+    target = tmp_path / "fp8_small_shards.yaml"
+    target.write_text("name: fp8_small_shards\nquant_format: fp8_w8a8\ndisk_format: compressed_tensors\n"
+                      "settings:\n  max_shard_size: 100KB\n")
+    out = tmp_path / "sharded"
+    export_checkpoint(runs["fp8_w8a8"][0], target, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    report = verify_export(out)
+    assert report["ok"] and report["loaders"]["transformers+compressed-tensors"]["max_abs_logit_diff"] == 0.0
