@@ -56,6 +56,9 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, ms=3, label=label)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not computed\n(trainer.beta = 0)" if key == "kl/ref" else "no data",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -68,7 +68,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a refit per step would log a line each
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
         from vllm import LLM
 
