@@ -26,7 +26,7 @@ from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
-from qarl.policy import Policy, build_policy, cache_dir, resolve_model_dir, score_completions
+from qarl.policy import Policy, TokenScores, build_policy, cache_dir, resolve_model_dir, score_completions
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -87,23 +87,26 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     total_tokens = sum(len(comps[i].token_ids) for i in keep)
     micro = [keep[s : s + t.micro_batch_size] for s in range(0, len(keep), t.micro_batch_size)]
     engine_lp, old_lp, ref_lp = {}, {}, {}
-    for rows in micro:  # the rollout-time log-probs: engine's, policy's (old) and reference's
+    args = {rows[0]: ([comps[i].prompt_ids for i in rows], [comps[i].token_ids for i in rows], pad, temperature)
+            for rows in micro}
+    for rows in micro:  # the rollout-time log-probs: the engine's, and the reference's if there is one
         width = max(len(comps[i].token_ids) for i in rows)
         engine_lp[rows[0]] = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in (comps[i] for i in rows)],
                                           device=policy.device)
         with torch.no_grad():
-            args = ([comps[i].prompt_ids for i in rows], [comps[i].token_ids for i in rows], pad, temperature)
-            old_lp[rows[0]] = score_completions(policy.model, *args)
             if reference is not None:
-                ref_lp[rows[0]] = score_completions(reference, *args).logprobs
+                ref_lp[rows[0]] = score_completions(reference, *args[rows[0]]).logprobs
+            if t.num_iterations > 1:  # later passes compare against the policy as it was at rollout
+                old_lp[rows[0]] = score_completions(policy.model, *args[rows[0]])
     stats: dict[str, list[float]] = {"loss": [], "clip": [], "kl": [], "is_weight": [], "grad_norm": []}
     policy.model.train()
     for _ in range(t.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for rows in micro:
+            scores = score_completions(policy.model, *args[rows[0]])
+            if rows[0] not in old_lp:  # one pass: the policy has not moved since rollout, old = current
+                old_lp[rows[0]] = TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
             old = old_lp[rows[0]]
-            scores = score_completions(policy.model, [comps[i].prompt_ids for i in rows],
-                                       [comps[i].token_ids for i in rows], pad, temperature)
             weights = sequence_weights(old.mask, t.loss_type, len(keep), max_len, total_tokens, len(micro))
             terms = grpo_loss(scores.logprobs, old.logprobs, engine_lp[rows[0]], ref_lp.get(rows[0]),
                               advantages[rows].to(policy.device), old.mask, weights, t)
