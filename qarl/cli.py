@@ -1,6 +1,7 @@
 """The `qarl` command.
 
   qarl train RECIPE [a.b=c ...]            QA-GRPO (GRPO with policy.quant_cfg=none)
+  qarl distill RECIPE [a.b=c ...]          on-policy QAD: quantized student, full-precision teacher
   qarl eval CHECKPOINT_OR_MODEL [a.b=c ...]  held-out accuracy, quantized and unquantized (JSON)
   qarl parity RECIPE [a.b=c ...] [--json]  train/rollout log-prob mismatch per quant format
   qarl export CHECKPOINT --target export/T.yaml --out DIR   real NVFP4/FP8 Hugging Face checkpoint
@@ -60,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("target", help="a checkpoint, a run directory (newest checkpoint) or a model")
     evaluate.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
     evaluate.set_defaults(func=_eval)
+    from qarl.distill import add_distill_command
     from qarl.export.cli import add_export_command
 
+    add_distill_command(sub)
     add_export_command(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,509 @@
+"""QAD: on-policy quantization-aware distillation, top to bottom.
+
+    recipe -> checks (settings; teacher and student tokenizers match; teacher + student + engine fit)
+    -> student: the fake-quantized policy (warm start, quantize, calibrate | resume from a checkpoint)
+    -> teacher: full precision, frozen (default: the student's own starting point, unquantized)
+    -> vLLM engine: the teacher's held-out accuracy once (engine unquantized), then the student's
+       format and a refit (weights + amax) -> for each step:
+         rollout (the quantized student samples) -> student and teacher score the same sequences
+         -> per-token reverse KL(student || teacher) over the vocabulary (qarl/distill_loss.py)
+         -> update of the fake-quantized student (straight-through to the master weights)
+         -> refit -> metrics row -> checkpoint
+    -> final evaluation, plot, summary.
+
+Evaluation (step 0 = plain post-training quantization of the teacher, every `eval.every` steps, and
+at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy, and
+`eval/teacher_kl`, the same reverse KL as the loss on the student's samples for held-out prompts.
+
+What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, evaluation,
+checkpoints, metrics) comes from qarl.train and the modules it uses; this file holds what
+distillation adds. `python -m qarl.distill RECIPE [a.b=c ...]` runs it (`qarl distill` once wired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from qarl.checkpoint import latest_checkpoint, load_policy_checkpoint, load_trainer_state, resolve_checkpoint, save_checkpoint
+from qarl.config import ConfigError, RecipeConfig, load_recipe, to_dict
+from qarl.distill_loss import reverse_kl
+from qarl.evaluate import evaluate
+from qarl.generation import Completion, VLLMEngine
+from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
+from qarl.policy import Policy, build_policy, cache_dir, resolve_model_dir
+from qarl.quant import check_generation_matches, resolve_format
+from qarl.rewards import WeightedRewards
+from qarl.tasks import Problem, Task, build_task
+from qarl.train import Rollout, initial_policy, rollout, step_problems
+from qarl.warm_start import warm_start
+
+GiB = 2**30
+WARM_START_TEACHER = "warm-start"
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "cosine")
+MEMORY_MARGIN = 0.1  # of the available memory, left for activations and allocator slack
+EVAL_SEED_OFFSET = 2**30  # held-out samples' seeds: apart from every rollout's (run.seed * 1_000_003 + position)
+
+
+# -- settings (to move into qarl/config.py: see the report) --------------------------------------
+@dataclass
+class TeacherConfig:
+    """The frozen full-precision teacher of QAD."""
+
+    # "warm-start": the student's own starting point (policy.model_name, warm-started when
+    # warm_start.enabled), unquantized. Else a Hugging Face model directory or hub id, or a qarl
+    # checkpoint / run directory (its policy/ master weights, unquantized).
+    model_name: str = WARM_START_TEACHER
+    dtype: str = "${policy.dtype}"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DistillConfig:
+    """The QAD loss. Both models' distributions are taken at policy.generation.temperature, the
+    temperature the student samples at, so the loss is the KL of what the engine actually samples.
+    Steps, batch, micro-batch, optimizer, resume and the evaluation verifier come from `trainer`
+    (its GRPO-only keys are unused)."""
+
+    top_k: int = 0  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
+    # "constant" (trainer.lr throughout) or "cosine" (trainer.lr decayed to 0 at trainer.steps): the
+    # KL's gradient is a noisy estimate from one batch of samples, and a decaying step averages it out.
+    lr_schedule: str = "constant"
+    eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0, in the engine
+
+
+@dataclass
+class DistillRecipe(RecipeConfig):
+    """RecipeConfig with the QAD sections, until they are fields of RecipeConfig itself."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+# -- checks before anything heavy ------------------------------------------------------------------
+def check_distill_config(cfg: DistillRecipe) -> None:
+    t = cfg.trainer
+    if t.steps < 1 or t.micro_batch_size < 1 or t.num_generations < 1:
+        raise ConfigError("trainer.steps, trainer.micro_batch_size and trainer.num_generations must be >= 1")
+    if t.batch_size % t.num_generations:
+        raise ConfigError(f"trainer.batch_size={t.batch_size} is not divisible by trainer.num_generations="
+                          f"{t.num_generations}")
+    if cfg.distill.top_k < 0:
+        raise ConfigError(f"distill.top_k={cfg.distill.top_k}: use 0 (full vocabulary) or a positive k")
+    if cfg.distill.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"distill.lr_schedule={cfg.distill.lr_schedule!r}; choose one of {LR_SCHEDULES}")
+    if cfg.teacher.dtype not in DTYPES:
+        raise ConfigError(f"teacher.dtype={cfg.teacher.dtype!r}; choose one of {DTYPES}")
+
+
+def teacher_source(cfg: DistillRecipe) -> str:
+    """The teacher's model directory (or hub id) without running anything: the warm-start teacher
+    shares the base model's tokenizer and shape, so the checks read the base model."""
+    name = cfg.teacher.model_name
+    if name == WARM_START_TEACHER:
+        return resolve_model_dir(cfg.policy.model_name)
+    path = Path(name).expanduser()
+    if path.is_dir() and ((path / "policy").is_dir() or (path / "checkpoints").is_dir()):
+        return str(resolve_checkpoint(path) / "policy")
+    return resolve_model_dir(name)
+
+
+def _from_pretrained(loader: Any, model_dir: str, trust_remote_code: bool) -> Any:
+    """AutoConfig / AutoTokenizer, with an unreachable hub id or a broken directory as a ConfigError."""
+    try:
+        return loader.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{model_dir!r} could not be loaded ({first_line}). A hub id needs HF_HUB_OFFLINE=0 "
+                          "and a reachable hub (or a warm cache); else give a local model directory.") from None
+
+
+def _vocab_width(model_dir: str, trust_remote_code: bool) -> int:
+    return _from_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config().vocab_size
+
+
+def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool = False) -> None:
+    """Distillation compares the two next-token distributions id by id: same vocabulary, same
+    special tokens, same output width."""
+    student = _from_pretrained(AutoTokenizer, student_dir, trust_remote_code)
+    teacher = _from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code)
+    problems = []
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    if s_vocab != t_vocab:
+        differ = sorted(k for k in s_vocab.keys() | t_vocab.keys() if s_vocab.get(k) != t_vocab.get(k))
+        problems.append(f"vocabularies differ ({len(s_vocab)} vs {len(t_vocab)} tokens, {len(differ)} tokens "
+                        f"with different ids, e.g. {differ[:3]})")
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(student, attr) != getattr(teacher, attr):
+            problems.append(f"{attr}: {getattr(student, attr)!r} vs {getattr(teacher, attr)!r}")
+    if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
+        problems.append("special tokens differ")
+    s_width, t_width = _vocab_width(student_dir, trust_remote_code), _vocab_width(teacher_dir, trust_remote_code)
+    if not problems and s_width != t_width:
+        problems.append(f"output vocabulary widths differ ({s_width} vs {t_width} logits)")
+    if problems:
+        raise ConfigError(f"teacher.model_name ({teacher_dir}) does not share the student's tokenizer "
+                          f"(policy.model_name: {student_dir}): {'; '.join(problems)}. Distillation compares the "
+                          "two next-token distributions token by token; choose a teacher of the student's model family.")
+
+
+def parameter_count(model_dir: str, trust_remote_code: bool = False) -> int:
+    """Parameters of a model directory's architecture, counted on the meta device (nothing is read or allocated)."""
+    config = _from_pretrained(AutoConfig, model_dir, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def check_memory(cfg: DistillRecipe, student_dir: str, teacher_dir: str) -> dict[str, float]:
+    """Teacher weights + student training state + the engine's share + the loss's logits tensors must
+    fit in the memory available now (GPU: torch.cuda.mem_get_info; CPU: psutil), minus a margin.
+    Returns the estimate in GiB; raises a ConfigError naming the settings to change."""
+    t, gen = cfg.trainer, cfg.policy.generation
+    student_params = parameter_count(student_dir, cfg.policy.trust_remote_code)
+    teacher_params = (student_params if teacher_dir == student_dir
+                      else parameter_count(teacher_dir, cfg.teacher.trust_remote_code))
+    vocab = _vocab_width(student_dir, cfg.policy.trust_remote_code)
+    need = {
+        "teacher": teacher_params * _dtype_bytes(cfg.teacher.dtype),
+        # master weights, their grads and AdamW's two moments, all in policy.dtype
+        "student": 4 * student_params * _dtype_bytes(cfg.policy.dtype),
+        # one micro-batch's fp32 [tokens, vocab] tensors: both models' logits, log-softmaxes, the KL terms, a grad
+        "loss": 6 * t.micro_batch_size * gen.max_model_len * vocab * 4,
+    }
+    if torch.cuda.is_available():
+        available, total = torch.cuda.mem_get_info()
+        need["engine"] = gen.gpu_memory_utilization * total
+        engine_knob = f"policy.generation.gpu_memory_utilization ({gen.gpu_memory_utilization} of {total / GiB:.1f} GiB)"
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        need["engine"] = student_params * _dtype_bytes(cfg.policy.dtype) + max(1.0, gen.kv_cache_gib) * GiB
+        engine_knob = f"policy.generation.kv_cache_gib ({gen.kv_cache_gib})"
+    estimate = {k: v / GiB for k, v in need.items()}
+    if sum(need.values()) > (1 - MEMORY_MARGIN) * available:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in estimate.items())
+        raise ConfigError(
+            f"the teacher does not fit alongside the student and the engine: need ~{sum(estimate.values()):.1f} GiB "
+            f"({parts}; teacher {cfg.teacher.model_name} = {teacher_params / 1e9:.2f}B params in {cfg.teacher.dtype}) "
+            f"but {available / GiB:.1f} GiB is available ({1 - MEMORY_MARGIN:.0%} usable). Change teacher.dtype "
+            f"(e.g. bfloat16), choose a smaller teacher.model_name, lower {engine_knob}, or lower "
+            f"trainer.micro_batch_size / policy.generation.max_model_len for the loss tensors.")
+    return estimate
+
+
+# -- pieces asked to move into qarl/train.py (see the report); here until then --------------------
+def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
+    """The step-0 model directory: the base model, warm-started if asked (cached, so the teacher and
+    a resumed run find the very model the student started from). = the first lines of initial_policy."""
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    if cfg.warm_start.enabled:
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, cfg.run.seed, cache_dir())
+    return model_dir
+
+
+def trainer_state(step: int, optimizer: torch.optim.Optimizer, prompts_per_step: int) -> dict[str, Any]:
+    """What a checkpoint needs beyond the policy to continue exactly (as qarl.train.train saves)."""
+    return {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(), "data_position": step * prompts_per_step}
+
+
+def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> int:
+    """Inverse of `trainer_state`: optimizer and RNGs restored; returns the step to continue from."""
+    state = load_trainer_state(checkpoint)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return state["step"]
+
+
+def completion_logits(model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]],
+                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits that predict each completion token, [batch, longest completion, vocab],
+    with the tokens and a 0/1 mask: the first half of qarl.policy.score_completions (asked to move
+    there), which needs only the sampled token's log-prob where distillation needs the whole row."""
+    device = next(model.parameters()).device
+    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
+    longest = max(len(c) for c in completions)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros_like(ids)
+    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
+    mask = torch.zeros((batch, longest), device=device)
+    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
+        attention[i, : len(p) + len(c)] = 1
+        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
+        mask[i, : len(c)] = 1
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])), targets, mask
+
+
+# -- the teacher -----------------------------------------------------------------------------------
+def load_teacher(cfg: DistillRecipe, task: Task) -> Policy:
+    """The teacher as an unquantized, frozen Policy (so `evaluate` and the engine take it like the student)."""
+    name = cfg.teacher.model_name
+    model_dir = initial_model_dir(cfg, task) if name == WARM_START_TEACHER else teacher_source(cfg)
+    settings = dataclasses.replace(cfg.policy, dtype=cfg.teacher.dtype, trust_remote_code=cfg.teacher.trust_remote_code)
+    teacher = build_policy(settings, [], model_dir=model_dir, fmt=None)
+    teacher.model.eval().requires_grad_(False)
+    return teacher
+
+
+def same_architecture(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Same parameter names and shapes: the teacher's weights can be loaded into the student's engine."""
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}  # noqa: E731
+    return shapes(a) == shapes(b)
+
+
+# -- the loss on a step's samples ------------------------------------------------------------------
+@dataclass
+class PairScores:
+    """Per completion token, [batch, longest completion]: the KL that is optimized (top-k estimate
+    when top_k > 0), the full-vocabulary KL (no grad), the student's log-prob of the sampled token
+    and its entropy (no grad), and the 0/1 mask. Padding positions are 0 everywhere."""
+
+    kl: torch.Tensor
+    kl_full: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+
+
+def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: list[Completion], pad_id: int,
+               temperature: float, top_k: int = 0) -> PairScores:
+    """Both models score the same sequences; grad flows through the student only."""
+    prompts, tokens = [c.prompt_ids for c in completions], [c.token_ids for c in completions]
+    student_logits, targets, mask = completion_logits(student, prompts, tokens, pad_id)
+    with torch.no_grad():
+        teacher_logits = completion_logits(teacher, prompts, tokens, pad_id)[0].to(student_logits.device)
+    kl = reverse_kl(student_logits, teacher_logits, temperature, top_k) * mask
+    with torch.no_grad():
+        kl_full = kl.detach() if top_k <= 0 else reverse_kl(student_logits, teacher_logits, temperature) * mask
+        log_p = torch.log_softmax(student_logits.detach().float() / temperature, dim=-1)
+        logprobs = log_p.gather(-1, targets[..., None]).squeeze(-1) * mask
+        entropy = -(log_p.exp() * log_p).sum(-1) * mask
+    return PairScores(kl=kl, kl_full=kl_full, logprobs=logprobs, entropy=entropy, mask=mask)
+
+
+def learning_rate(cfg: DistillRecipe, step: int) -> float:
+    """The step's learning rate: a pure function of the step, so a resumed run needs no scheduler state."""
+    if cfg.distill.lr_schedule == "cosine":
+        return cfg.trainer.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.trainer.steps))
+    return cfg.trainer.lr
+
+
+def _micro_batches(items: list, size: int) -> list[list]:
+    return [items[s : s + size] for s in range(0, len(items), size)]
+
+
+def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Optimizer, batch: Rollout,
+                   cfg: DistillRecipe, lr: float) -> dict[str, float]:
+    """One optimizer step on the masked token mean of the reverse KL over the step's samples.
+
+    One pass only: the samples are the student's own, drawn by the engine that equals it, so the
+    loss stays on-policy; the next step draws fresh ones from the updated student.
+    """
+    t = cfg.trainer
+    comps = [c for c in batch.completions if c.token_ids]
+    if not comps:
+        return {}
+    total_tokens = sum(len(c.token_ids) for c in comps)
+    sums = {"kl": 0.0, "kl_full": 0.0, "entropy": 0.0, "mismatch": 0.0}
+    max_diff = 0.0
+    student.model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for rows in _micro_batches(comps, t.micro_batch_size):
+        scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
+                            cfg.policy.generation.temperature, cfg.distill.top_k)
+        (scores.kl.sum() / total_tokens).backward()
+        width = scores.mask.shape[1]
+        engine_lp = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in rows],
+                                 device=scores.mask.device)
+        delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
+        max_diff = max(max_diff, delta.abs().max().item())
+        sums["mismatch"] += ((torch.exp(delta) - delta - 1) * scores.mask).sum().item()
+        sums["kl"] += scores.kl.detach().sum().item()
+        sums["kl_full"] += scores.kl_full.sum().item()
+        sums["entropy"] += scores.entropy.sum().item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.model.parameters(), t.max_grad_norm).item()
+    optimizer.step()
+    student.model.eval()
+    out = {"distill/kl": sums["kl"] / total_tokens, "lr": lr, "grad_norm": grad_norm,
+           "entropy": sums["entropy"] / total_tokens, "mismatch/kl": sums["mismatch"] / total_tokens,
+           "mismatch/max_abs_logprob_diff": max_diff}
+    if cfg.distill.top_k > 0:
+        out["distill/kl_full"] = sums["kl_full"] / total_tokens
+    return out
+
+
+@torch.no_grad()
+def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: list[Problem], cfg: DistillRecipe) -> float:
+    """Held-out reverse KL(student || teacher), full vocabulary, per token, on one sample per prompt
+    from the quantized student at the training temperature. The same seed at every evaluation, so
+    successive values differ by the student, not by the sampling noise."""
+    prompts = [student.tokenizer(p.prompt).input_ids for p in problems]
+    comps = [c for c in engine.generate(prompts, seed=cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET) if c.token_ids]
+    kl, tokens = 0.0, 0.0
+    for rows in _micro_batches(comps, cfg.trainer.micro_batch_size):
+        scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
+                            cfg.policy.generation.temperature)
+        kl += scores.kl_full.sum().item()
+        tokens += scores.mask.sum().item()
+    return kl / max(tokens, 1.0)
+
+
+# -- the loop --------------------------------------------------------------------------------------
+def distill(cfg: DistillRecipe) -> Path:
+    # 1. Check everything cheap before anything expensive.
+    check_distill_config(cfg)
+    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)  # [0] = the verifier
+    student_format = resolve_format(cfg.policy.quant_cfg)
+    check_generation_matches(student_format, resolve_format(cfg.policy.generation.quant_cfg),
+                             cfg.policy.generation.allow_quant_mismatch)
+    task = build_task(cfg.task, cfg.run.seed)
+    student_source, source = resolve_model_dir(cfg.policy.model_name), teacher_source(cfg)
+    if source != student_source:
+        check_tokenizers(student_source, source, cfg.teacher.trust_remote_code or cfg.policy.trust_remote_code)
+    memory = check_memory(cfg, student_source, source)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
+    t = cfg.trainer
+    prompts_per_step = t.batch_size // t.num_generations
+    print(f"QAD memory estimate (GiB): {', '.join(f'{k} {v:.2f}' for k, v in memory.items())}")
+
+    # 2. The student (resumed, or built fresh: warm start, quantize, calibrate) and the frozen teacher.
+    checkpoint = latest_checkpoint(run_dir) if t.resume else None
+    torch.manual_seed(cfg.run.seed)
+    student = load_policy_checkpoint(checkpoint, cfg.policy) if checkpoint else initial_policy(cfg, task)
+    teacher = load_teacher(cfg, task)
+    optimizer = torch.optim.AdamW(student.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
+    student.model.eval()
+
+    # 3. The engine: the teacher's own accuracy first (unquantized), then the student's format, synced.
+    engine = VLLMEngine(student.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    eval_problems = task.eval[: cfg.eval.num_prompts]
+    first_row: dict[str, float] = {}
+    if start_step == 0 and cfg.distill.eval_teacher_accuracy:
+        if same_architecture(teacher.model, student.model):
+            engine.refit(teacher.model)
+            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, rewards)
+        else:
+            print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
+    engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    engine.refit(student.model)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+
+    def evaluation() -> dict[str, float]:
+        return {"eval/accuracy": evaluate(engine, student, eval_problems, rewards),
+                "eval/teacher_kl": teacher_kl(engine, student, teacher, eval_problems, cfg)}
+
+    # 4. The loop.
+    bar = tqdm(range(start_step, t.steps), desc="QAD", initial=start_step, total=t.steps)
+    last: dict[str, float] = {}
+    for step in bar:
+        step_start = time.perf_counter()
+        row: dict[str, float | int | None] = {"step": step, **(first_row if step == 0 else {})}
+        if step % cfg.eval.every == 0:
+            row.update(evaluation())
+
+        problems = step_problems(task, step, prompts_per_step, cfg.run.seed)
+        batch = rollout(engine, student, problems, t.num_generations, seed=cfg.run.seed * 1_000_003 + step * t.batch_size)
+        reward_values, reward_parts = rewards(batch.texts, [p.answer for p in problems for _ in range(t.num_generations)])
+
+        train_start = time.perf_counter()
+        update = distill_update(student, teacher, optimizer, batch, cfg, learning_rate(cfg, step))
+        refit_start = time.perf_counter()
+        refit = engine.refit(student.model)
+        done = time.perf_counter()
+
+        generated = sum(len(c.token_ids) for c in batch.completions)
+        row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts,
+                    "completion/mean_length": generated / len(batch.completions),
+                    "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
+                    "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
+                    "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
+                    "perf/step_s": done - step_start})
+        metrics.write(row)
+        last.update({k: v for k, v in row.items() if k.startswith("eval/") and v is not None})
+        bar.set_postfix(kl=f"{update.get('distill/kl', float('nan')):.4f}", eval_acc=last.get("eval/accuracy"))
+        if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
+            save_checkpoint(run_dir, step + 1, student.model, student.tokenizer, student.format,
+                            trainer_state(step + 1, optimizer, prompts_per_step), keep=cfg.checkpoint.keep)
+
+    # 5. Final evaluation, plot, summary.
+    if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
+        metrics.write({"step": t.steps, **evaluation()})
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    plot_runs({run_dir.name: rows}, run_dir / "metrics.png")
+    print(summary(rows))
+    print(distill_summary(rows))
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")
+    return run_dir
+
+
+def distill_summary(rows: list[dict[str, Any]]) -> str:
+    """What `summary` does not say for QAD: the teacher's accuracy and the held-out KL, first to last."""
+    lines = [f"teacher held-out accuracy (unquantized, greedy): {r['eval/teacher_accuracy']:.3f}"
+             for r in rows if r.get("eval/teacher_accuracy") is not None]
+    kls = [r for r in rows if r.get("eval/teacher_kl") is not None]
+    if kls:
+        lines.append(f"held-out KL(student || teacher) per token: {kls[0]['eval/teacher_kl']:.4f} at step "
+                     f"{kls[0]['step']} -> {kls[-1]['eval/teacher_kl']:.4f} at step {kls[-1]['step']}")
+    return "\n".join(lines)
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _distill_command(args: argparse.Namespace) -> int:
+    distill(load_recipe(args.recipe, args.overrides, DistillRecipe))
+    return 0
+
+
+def add_distill_command(subparsers: Any) -> None:
+    """Register `qarl distill RECIPE [a.b=c ...]` on the `qarl` command's subparsers."""
+    command = subparsers.add_parser("distill", help="on-policy quantization-aware distillation (QAD) from a "
+                                                    "full-precision teacher, from a recipe")
+    command.add_argument("recipe")
+    command.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
+    command.set_defaults(func=_distill_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m qarl.distill RECIPE [a.b=c ...]`: the same command before it is wired into `qarl`."""
+    parser = argparse.ArgumentParser(prog="qarl")
+    add_distill_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["distill", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"qarl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    from qarl.distill import main as _main  # the module's own classes, not __main__'s copies
+
+    sys.exit(_main())
