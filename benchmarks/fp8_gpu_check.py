@@ -29,7 +29,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="fp8_gpu_check.md")
     args = parser.parse_args()
-    import modelopt.torch.quantization as mtq  # noqa: F401  (registers the ops)
     from modelopt.torch.quantization.nn import TensorQuantizer
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
 

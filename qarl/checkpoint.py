@@ -12,6 +12,7 @@ set of checkpoints or the new one, never a half-written step_N.
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 from pathlib import Path
@@ -85,6 +86,21 @@ def checkpoint_format(checkpoint: Path) -> QuantFormat | None:
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     return torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+
+
+def trainer_state(step: int, optimizer: torch.optim.Optimizer, prompts_per_step: int) -> dict[str, Any]:
+    """What a checkpoint keeps beyond the policy to continue exactly: optimizer, RNGs, data position."""
+    return {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(), "data_position": step * prompts_per_step}
+
+
+def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> int:
+    """Inverse of `trainer_state`: optimizer and RNGs restored; returns the step to continue from."""
+    state = load_trainer_state(checkpoint)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return state["step"]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

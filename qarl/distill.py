@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,18 +36,18 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from qarl.checkpoint import latest_checkpoint, load_policy_checkpoint, load_trainer_state, resolve_checkpoint, save_checkpoint
+from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, resolve_checkpoint, restore_trainer_state,
+                             save_checkpoint, trainer_state)
 from qarl.config import ConfigError, RecipeConfig, load_recipe, to_dict
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
-from qarl.policy import Policy, build_policy, cache_dir, resolve_model_dir
+from qarl.policy import Policy, build_policy, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
-from qarl.train import Rollout, initial_policy, rollout, step_problems
-from qarl.warm_start import warm_start
+from qarl.train import Rollout, initial_model_dir, initial_policy, rollout, rollout_and_timing_metrics, step_problems
 
 GiB = 2**30
 WARM_START_TEACHER = "warm-start"
@@ -208,54 +207,6 @@ def check_memory(cfg: DistillRecipe, student_dir: str, teacher_dir: str) -> dict
             f"(e.g. bfloat16), choose a smaller teacher.model_name, lower {engine_knob}, or lower "
             f"trainer.micro_batch_size / policy.generation.max_model_len for the loss tensors.")
     return estimate
-
-
-# -- pieces asked to move into qarl/train.py (see the report); here until then --------------------
-def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
-    """The step-0 model directory: the base model, warm-started if asked (cached, so the teacher and
-    a resumed run find the very model the student started from). = the first lines of initial_policy."""
-    model_dir = resolve_model_dir(cfg.policy.model_name)
-    if cfg.warm_start.enabled:
-        model_dir = warm_start(model_dir, task.train, cfg.warm_start, cfg.run.seed, cache_dir())
-    return model_dir
-
-
-def trainer_state(step: int, optimizer: torch.optim.Optimizer, prompts_per_step: int) -> dict[str, Any]:
-    """What a checkpoint needs beyond the policy to continue exactly (as qarl.train.train saves)."""
-    return {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(), "data_position": step * prompts_per_step}
-
-
-def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> int:
-    """Inverse of `trainer_state`: optimizer and RNGs restored; returns the step to continue from."""
-    state = load_trainer_state(checkpoint)
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    return state["step"]
-
-
-def completion_logits(model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]],
-                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher-forced logits that predict each completion token, [batch, longest completion, vocab],
-    with the tokens and a 0/1 mask: the first half of qarl.policy.score_completions (asked to move
-    there), which needs only the sampled token's log-prob where distillation needs the whole row."""
-    device = next(model.parameters()).device
-    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
-    longest = max(len(c) for c in completions)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros_like(ids)
-    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
-    mask = torch.zeros((batch, longest), device=device)
-    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
-        attention[i, : len(p) + len(c)] = 1
-        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
-        mask[i, : len(c)] = 1
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    logits = model(input_ids=ids, attention_mask=attention).logits
-    return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])), targets, mask
 
 
 # -- the teacher -----------------------------------------------------------------------------------
@@ -440,13 +391,8 @@ def distill(cfg: DistillRecipe) -> Path:
         refit = engine.refit(student.model)
         done = time.perf_counter()
 
-        generated = sum(len(c.token_ids) for c in batch.completions)
         row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts,
-                    "completion/mean_length": generated / len(batch.completions),
-                    "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
-                    "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
-                    "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
-                    "perf/step_s": done - step_start})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
         metrics.write(row)
         last.update({k: v for k, v in row.items() if k.startswith("eval/") and v is not None})
         bar.set_postfix(kl=f"{update.get('distill/kl', float('nan')):.4f}", eval_acc=last.get("eval/accuracy"))

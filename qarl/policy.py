@@ -150,18 +150,11 @@ class TokenScores:
     mask: torch.Tensor
 
 
-def score_completions(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    pad_id: int,
-    temperature: float = 1.0,
-) -> TokenScores:
-    """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
-
-    Computed in fp32 from logits / temperature, the same distribution the engine samples from;
-    carries grad when grad is enabled.
-    """
+def completion_logits(
+    model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits that predict each completion token, [batch, longest completion, vocab],
+    with the completion tokens and a 0/1 mask of the same [batch, longest completion] shape."""
     device = next(model.parameters()).device
     batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
     longest = max(len(c) for c in completions)
@@ -178,8 +171,23 @@ def score_completions(
         mask[i, : len(c)] = 1
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
     logits = model(input_ids=ids, attention_mask=attention).logits
-    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
-    log_probs = torch.log_softmax(picked, dim=-1)
+    return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])), targets, mask
+
+
+def score_completions(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+) -> TokenScores:
+    """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
+
+    Computed in fp32 from logits / temperature, the same distribution the engine samples from;
+    carries grad when grad is enabled.
+    """
+    logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_logprobs = log_probs.gather(-1, targets[..., None]).squeeze(-1) * mask
     entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
     return TokenScores(logprobs=token_logprobs, entropy=entropy, mask=mask)

@@ -20,7 +20,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from qarl.checkpoint import latest_checkpoint, load_policy_checkpoint, load_trainer_state, save_checkpoint
+from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
+                             trainer_state)
 from qarl.config import RecipeConfig, to_dict
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
@@ -43,14 +44,20 @@ class Rollout:
     seconds: float
 
 
-def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
-    """The step-0 policy: the base model (warm-started if asked), quantized and calibrated.
-    Deterministic, so a resumed run rebuilds the same KL reference."""
+def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
+    """The step-0 model directory: the base model, warm-started if asked (cached, so a resumed run,
+    a baseline and a distillation teacher all find the very model the policy started from)."""
     model_dir = resolve_model_dir(cfg.policy.model_name)
     if cfg.warm_start.enabled:
         model_dir = warm_start(model_dir, task.train, cfg.warm_start, cfg.run.seed, cache_dir())
+    return model_dir
+
+
+def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
+    """The step-0 policy: the initial model, quantized and calibrated.
+    Deterministic, so a resumed run rebuilds the same KL reference."""
     calibration = task.calibration_texts(cfg.policy.quant_calib_size)
-    return build_policy(cfg.policy, calibration, model_dir=model_dir)
+    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task))
 
 
 def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
@@ -71,6 +78,16 @@ def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_gen
     completions = engine.generate(prompts, num_samples=num_generations, seed=seed)
     texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     return Rollout(problems, completions, texts, time.perf_counter() - start)
+
+
+def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
+                               refit_s: float, done: float) -> dict[str, float]:
+    """The per-step completion statistics and timings, shared by every training loop."""
+    generated = sum(len(c.token_ids) for c in batch.completions)
+    return {"completion/mean_length": generated / len(batch.completions),
+            "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
+            "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
+            "perf/train_s": refit_start - train_start, "perf/refit_s": refit_s, "perf/step_s": done - step_start}
 
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
@@ -156,13 +173,7 @@ def train(cfg: RecipeConfig) -> Path:
     if t.beta > 0:
         reference = copy.deepcopy(fresh.model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    start_step = 0
-    if checkpoint is not None:
-        state = load_trainer_state(checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        start_step = state["step"]
+    start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
     policy.model.eval()
 
     # 3. The rollout engine, synced to the policy (weights + amax).
@@ -194,22 +205,15 @@ def train(cfg: RecipeConfig) -> Path:
         refit = engine.refit(policy.model)
         done = time.perf_counter()
 
-        generated = sum(len(c.token_ids) for c in batch.completions)
         row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),
                     "reward/frac_zero_std": frac_zero_std, **reward_parts, **update,
-                    "completion/mean_length": generated / len(batch.completions),
-                    "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
-                    "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
-                    "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
-                    "perf/step_s": done - step_start})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
         metrics.write(row)
         last_accuracy = row.get("eval/accuracy", last_accuracy)
         bar.set_postfix(reward=f"{row['reward/mean']:.2f}", eval_acc=last_accuracy)
         if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
             save_checkpoint(run_dir, step + 1, policy.model, policy.tokenizer, policy.format,
-                            {"step": step + 1, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                             "python_rng": random.getstate(), "data_position": (step + 1) * prompts_per_step},
-                            keep=cfg.checkpoint.keep)
+                            trainer_state(step + 1, optimizer, prompts_per_step), keep=cfg.checkpoint.keep)
 
     # 5. Final evaluation, plot, summary.
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
