@@ -17,7 +17,7 @@ at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy, 
 
 What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, evaluation,
 checkpoints, metrics) comes from qarl.train and the modules it uses; this file holds what
-distillation adds. `python -m qarl.distill RECIPE [a.b=c ...]` runs it (`qarl distill` once wired).
+distillation adds. `qarl distill RECIPE [a.b=c ...]` runs it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -435,21 +434,3 @@ def add_distill_command(subparsers: Any) -> None:
     command.add_argument("recipe")
     command.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
     command.set_defaults(func=_distill_command)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m qarl.distill RECIPE [a.b=c ...]`: the same command before it is wired into `qarl`."""
-    parser = argparse.ArgumentParser(prog="qarl")
-    add_distill_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["distill", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ConfigError as e:
-        print(f"qarl: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    from qarl.distill import main as _main  # the module's own classes, not __main__'s copies
-
-    sys.exit(_main())

@@ -20,8 +20,7 @@ def evaluate(engine: VLLMEngine, policy: Policy, problems: list[Problem], reward
     prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
     completions = engine.generate(prompts, greedy=True)
     texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    name, verifier, _ = rewards.fns[0]
-    scores = rewards._call(name, verifier, texts, [p.answer for p in problems])
+    scores = rewards.verify(texts, [p.answer for p in problems])
     return sum(s >= 1.0 for s in scores) / max(len(scores), 1)
 
 

@@ -152,6 +152,11 @@ class WeightedRewards:
             return 0.0
         return value if math.isfinite(value) else 0.0
 
+    def verify(self, completions: list[str], answers: list[str]) -> list[float]:
+        """The first reward alone: by convention the verifier that held-out accuracy counts."""
+        name, fn, _ = self.fns[0]
+        return self._call(name, fn, completions, answers)
+
     def __call__(self, completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, float]]:
         """Total reward per completion, and the mean of each named reward (for metrics)."""
         total = [0.0] * len(completions)

@@ -22,7 +22,7 @@ from qarl.distill_loss import reverse_kl, topk_error
 from qarl.metrics import read_metrics
 
 RECIPE = "recipes/qa_distillation_tiny.yaml"
-COMMAND = [sys.executable, "-m", "qarl.distill", RECIPE]  # `qarl distill` once wired into qarl/cli.py
+COMMAND = [sys.executable, "-m", "qarl", "distill", RECIPE]
 SMALL = ["trainer.steps=3", "trainer.batch_size=16", "trainer.num_generations=2", "trainer.micro_batch_size=8", "warm_start.steps=30",
          "checkpoint.every=2", "eval.every=2", "eval.num_prompts=16", "task.num_train=200", "task.num_eval=16",
          "policy.quant_calib_size=16", "policy.generation.max_new_tokens=6"]
