@@ -138,6 +138,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The frozen full-precision teacher of QAD."""
+
+    # "warm-start": the student's own starting point (policy.model_name, warm-started when
+    # warm_start.enabled), unquantized. Else a Hugging Face model directory or hub id, or a qarl
+    # checkpoint / run directory (its policy/ master weights, unquantized).
+    model_name: str = "warm-start"
+    dtype: str = "${policy.dtype}"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DistillConfig:
+    """The QAD loss. Both models' distributions are taken at policy.generation.temperature, the
+    temperature the student samples at, so the loss is the KL of what the engine actually samples.
+    Steps, batch, micro-batch, optimizer, resume and the evaluation verifier come from `trainer`
+    (its GRPO-only keys are unused)."""
+
+    top_k: int = 0  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
+    # "constant" (trainer.lr throughout) or "cosine" (trainer.lr decayed to 0 at trainer.steps): the
+    # KL's gradient is a noisy estimate from one batch of samples, and a decaying step averages it out.
+    lr_schedule: str = "constant"
+    eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0, in the engine
+
+
+@dataclass
 class ParityConfig:
     """`qarl parity`: which formats to compare and how many samples."""
 
@@ -155,6 +181,8 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
 
 

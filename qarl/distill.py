@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,49 +50,16 @@ from qarl.train import Rollout, initial_model_dir, initial_policy, rollout, roll
 
 GiB = 2**30
 WARM_START_TEACHER = "warm-start"
+DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
+                  ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 MEMORY_MARGIN = 0.1  # of the available memory, left for activations and allocator slack
 EVAL_SEED_OFFSET = 2**30  # held-out samples' seeds: apart from every rollout's (run.seed * 1_000_003 + position)
 
 
-# -- settings (to move into qarl/config.py: see the report) --------------------------------------
-@dataclass
-class TeacherConfig:
-    """The frozen full-precision teacher of QAD."""
-
-    # "warm-start": the student's own starting point (policy.model_name, warm-started when
-    # warm_start.enabled), unquantized. Else a Hugging Face model directory or hub id, or a qarl
-    # checkpoint / run directory (its policy/ master weights, unquantized).
-    model_name: str = WARM_START_TEACHER
-    dtype: str = "${policy.dtype}"
-    trust_remote_code: bool = False
-
-
-@dataclass
-class DistillConfig:
-    """The QAD loss. Both models' distributions are taken at policy.generation.temperature, the
-    temperature the student samples at, so the loss is the KL of what the engine actually samples.
-    Steps, batch, micro-batch, optimizer, resume and the evaluation verifier come from `trainer`
-    (its GRPO-only keys are unused)."""
-
-    top_k: int = 0  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
-    # "constant" (trainer.lr throughout) or "cosine" (trainer.lr decayed to 0 at trainer.steps): the
-    # KL's gradient is a noisy estimate from one batch of samples, and a decaying step averages it out.
-    lr_schedule: str = "constant"
-    eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0, in the engine
-
-
-@dataclass
-class DistillRecipe(RecipeConfig):
-    """RecipeConfig with the QAD sections, until they are fields of RecipeConfig itself."""
-
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-
-
 # -- checks before anything heavy ------------------------------------------------------------------
-def check_distill_config(cfg: DistillRecipe) -> None:
+def check_distill_config(cfg: RecipeConfig) -> None:
     t = cfg.trainer
     if t.steps < 1 or t.micro_batch_size < 1 or t.num_generations < 1:
         raise ConfigError("trainer.steps, trainer.micro_batch_size and trainer.num_generations must be >= 1")
@@ -107,7 +74,7 @@ def check_distill_config(cfg: DistillRecipe) -> None:
         raise ConfigError(f"teacher.dtype={cfg.teacher.dtype!r}; choose one of {DTYPES}")
 
 
-def teacher_source(cfg: DistillRecipe) -> str:
+def teacher_source(cfg: RecipeConfig) -> str:
     """The teacher's model directory (or hub id) without running anything: the warm-start teacher
     shares the base model's tokenizer and shape, so the checks read the base model."""
     name = cfg.teacher.model_name
@@ -170,7 +137,7 @@ def _dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def check_memory(cfg: DistillRecipe, student_dir: str, teacher_dir: str) -> dict[str, float]:
+def check_memory(cfg: RecipeConfig, student_dir: str, teacher_dir: str) -> dict[str, float]:
     """Teacher weights + student training state + the engine's share + the loss's logits tensors must
     fit in the memory available now (GPU: torch.cuda.mem_get_info; CPU: psutil), minus a margin.
     Returns the estimate in GiB; raises a ConfigError naming the settings to change."""
@@ -209,7 +176,7 @@ def check_memory(cfg: DistillRecipe, student_dir: str, teacher_dir: str) -> dict
 
 
 # -- the teacher -----------------------------------------------------------------------------------
-def load_teacher(cfg: DistillRecipe, task: Task) -> Policy:
+def load_teacher(cfg: RecipeConfig, task: Task) -> Policy:
     """The teacher as an unquantized, frozen Policy (so `evaluate` and the engine take it like the student)."""
     name = cfg.teacher.model_name
     model_dir = initial_model_dir(cfg, task) if name == WARM_START_TEACHER else teacher_source(cfg)
@@ -255,7 +222,7 @@ def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: 
     return PairScores(kl=kl, kl_full=kl_full, logprobs=logprobs, entropy=entropy, mask=mask)
 
 
-def learning_rate(cfg: DistillRecipe, step: int) -> float:
+def learning_rate(cfg: RecipeConfig, step: int) -> float:
     """The step's learning rate: a pure function of the step, so a resumed run needs no scheduler state."""
     if cfg.distill.lr_schedule == "cosine":
         return cfg.trainer.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.trainer.steps))
@@ -267,7 +234,7 @@ def _micro_batches(items: list, size: int) -> list[list]:
 
 
 def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Optimizer, batch: Rollout,
-                   cfg: DistillRecipe, lr: float) -> dict[str, float]:
+                   cfg: RecipeConfig, lr: float) -> dict[str, float]:
     """One optimizer step on the masked token mean of the reverse KL over the step's samples.
 
     One pass only: the samples are the student's own, drawn by the engine that equals it, so the
@@ -309,7 +276,7 @@ def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Opti
 
 
 @torch.no_grad()
-def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: list[Problem], cfg: DistillRecipe) -> float:
+def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: list[Problem], cfg: RecipeConfig) -> float:
     """Held-out reverse KL(student || teacher), full vocabulary, per token, on one sample per prompt
     from the quantized student at the training temperature. The same seed at every evaluation, so
     successive values differ by the student, not by the sampling noise."""
@@ -325,7 +292,7 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
 
 
 # -- the loop --------------------------------------------------------------------------------------
-def distill(cfg: DistillRecipe) -> Path:
+def distill(cfg: RecipeConfig) -> Path:
     # 1. Check everything cheap before anything expensive.
     check_distill_config(cfg)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)  # [0] = the verifier
@@ -403,7 +370,7 @@ def distill(cfg: DistillRecipe) -> Path:
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
         metrics.write({"step": t.steps, **evaluation()})
     rows = read_metrics(run_dir / "metrics.jsonl")
-    plot_runs({run_dir.name: rows}, run_dir / "metrics.png")
+    plot_runs({run_dir.name: rows}, run_dir / "metrics.png", DISTILL_PANELS)
     print(summary(rows))
     print(distill_summary(rows))
     print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")
@@ -423,7 +390,7 @@ def distill_summary(rows: list[dict[str, Any]]) -> str:
 
 # -- command line ----------------------------------------------------------------------------------
 def _distill_command(args: argparse.Namespace) -> int:
-    distill(load_recipe(args.recipe, args.overrides, DistillRecipe))
+    distill(load_recipe(args.recipe, args.overrides, RecipeConfig))
     return 0
 
 

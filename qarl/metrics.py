@@ -43,15 +43,16 @@ PLOTTED = [("reward/mean", "reward"), ("eval/accuracy", "held-out accuracy (quan
            ("kl/ref", "KL to reference"), ("mismatch/kl", "train/rollout mismatch KL")]
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
-    """One panel per key in PLOTTED, one line per run."""
+def plot_runs(runs: dict[str, list[dict[str, Any]]], out: Path,
+              panels: list[tuple[str, str]] = PLOTTED) -> Path:
+    """One panel per (key, title) in `panels`, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 3.4))
-    for ax, (key, title) in zip(axes, PLOTTED):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (key, title) in zip(axes, panels):
         for label, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if points:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qarl.config import ConfigError, load_recipe
-from qarl.distill import DistillRecipe, check_tokenizers, distill, teacher_source
+from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.distill import check_tokenizers, distill, teacher_source
 from qarl.distill_loss import reverse_kl, topk_error
 from qarl.metrics import read_metrics
 
@@ -110,8 +110,8 @@ def tiny_dir() -> str:
     return resolve_model_dir("embedded:tiny")
 
 
-def _cfg(tmp_path: Path, *overrides: str) -> DistillRecipe:
-    return load_recipe(RECIPE, [f"run.dir={tmp_path / 'run'}", *overrides], DistillRecipe)
+def _cfg(tmp_path: Path, *overrides: str) -> RecipeConfig:
+    return load_recipe(RECIPE, [f"run.dir={tmp_path / 'run'}", *overrides], RecipeConfig)
 
 
 def test_a_teacher_with_another_tokenizer_is_a_clear_error(tmp_path, tiny_dir):
