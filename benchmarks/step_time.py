@@ -20,6 +20,7 @@ def main(overrides: list[str]) -> None:
     from qarl.config import RecipeConfig, load_recipe
     from qarl.generation import VLLMEngine
     from qarl.grpo import group_advantages
+    from qarl.optim import PolicyOptimizer
     from qarl.policy import build_policy
     from qarl.rewards import WeightedRewards
     from qarl.tasks import build_task
@@ -33,7 +34,7 @@ def main(overrides: list[str]) -> None:
     plain = build_policy(cfg.policy, [], model_dir=quantized.model_dir, fmt=None)
     engine = VLLMEngine(quantized.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     runs = {"QA-GRPO": quantized, "GRPO (unquantized)": plain}
-    optimizers = {name: torch.optim.AdamW(p.model.parameters(), lr=t.lr) for name, p in runs.items()}
+    optimizers = {name: PolicyOptimizer(p, t.lr, t.weight_decay, t.max_grad_norm) for name, p in runs.items()}
     parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for step in range(t.steps):
         for name, policy in runs.items():

@@ -16,7 +16,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,26 +25,25 @@ from qarl.config import ConfigError, PolicyConfig
 from qarl.quant import QuantFormat, load_quantizer_state, quantizer_state
 from qarl.quant.formats import format_from_yaml, format_to_yaml
 
+if TYPE_CHECKING:
+    from qarl.optim import PolicyOptimizer
+    from qarl.policy import Policy
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _master_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's own weights, without ModelOpt's quantizer buffers (those go to quantizer_state)."""
-    return {k: v for k, v in model.state_dict().items() if "_quantizer." not in k}
-
-
-def save_policy(out_dir: Path, model: torch.nn.Module, tokenizer: Any, fmt: QuantFormat | None) -> None:
-    """Write the policy as a Hugging Face directory plus its quantizer state, into `out_dir`."""
+def save_policy(out_dir: Path, policy: Policy) -> None:
+    """Write the policy as a Hugging Face directory of its master weights plus its quantizer state."""
     policy_dir = out_dir / "policy"
-    model.save_pretrained(policy_dir, state_dict=_master_state_dict(model), safe_serialization=True)
-    tokenizer.save_pretrained(policy_dir)
-    if fmt is not None:
-        save_file(quantizer_state(model), str(out_dir / "quantizer_state.safetensors"))
-        (out_dir / "quant_format.yaml").write_text(format_to_yaml(fmt))
+    policy.model.save_pretrained(policy_dir, state_dict=policy.master_state_dict(), safe_serialization=True)
+    policy.tokenizer.save_pretrained(policy_dir)
+    if policy.format is not None:
+        save_file(quantizer_state(policy.model), str(out_dir / "quantizer_state.safetensors"))
+        (out_dir / "quant_format.yaml").write_text(format_to_yaml(policy.format))
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer: Any,
-                    fmt: QuantFormat | None, trainer_state: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_state: dict[str, Any],
+                    keep: int = 2) -> Path:
     """Write checkpoints/step_<step> atomically and keep the newest `keep` complete ones."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
@@ -52,7 +51,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, toke
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_policy(tmp, model, tokenizer, fmt)
+    save_policy(tmp, policy)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "COMPLETE").write_text(str(step))
     if final.exists():
@@ -88,13 +87,13 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     return torch.load(checkpoint / "trainer_state.pt", weights_only=True)
 
 
-def trainer_state(step: int, optimizer: torch.optim.Optimizer, prompts_per_step: int) -> dict[str, Any]:
+def trainer_state(step: int, optimizer: PolicyOptimizer, prompts_per_step: int) -> dict[str, Any]:
     """What a checkpoint keeps beyond the policy to continue exactly: optimizer, RNGs, data position."""
     return {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(), "data_position": step * prompts_per_step}
 
 
-def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> int:
+def restore_trainer_state(checkpoint: Path, optimizer: PolicyOptimizer) -> int:
     """Inverse of `trainer_state`: optimizer and RNGs restored; returns the step to continue from."""
     state = load_trainer_state(checkpoint)
     optimizer.load_state_dict(state["optimizer"])
@@ -116,13 +115,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig):
-    """Rebuild the quantized policy of a checkpoint: master weights, same quantizers, saved amax."""
+def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig, trainable: bool = False) -> Policy:
+    """Rebuild the quantized policy of a checkpoint: master weights, same quantizers, saved amax
+    (`trainable`: keep the master weights, for a resumed run)."""
     from qarl.policy import build_policy
 
     checkpoint = resolve_checkpoint(checkpoint)
     fmt = checkpoint_format(checkpoint)
-    policy = build_policy(cfg, [], model_dir=str(checkpoint / "policy"), fmt=fmt, calibrate=False)
+    policy = build_policy(cfg, [], model_dir=str(checkpoint / "policy"), fmt=fmt, calibrate=False, trainable=trainable)
     if fmt is not None:
         load_quantizer_state(policy.model, load_file(str(checkpoint / "quantizer_state.safetensors")))
     return policy

@@ -16,6 +16,7 @@ import json
 import sys
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.optim import TrainingDiverged
 from qarl.rewards import RewardError
 
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 2
-    except RewardError as e:
+    except (RewardError, TrainingDiverged) as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 1
 

@@ -25,6 +25,11 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 0
+    # Where metrics go besides RUN_DIR/metrics.jsonl (always written, the source of truth):
+    # "tensorboard" (RUN_DIR/tensorboard, needs the tensorboard package) and/or "wandb" (needs wandb;
+    # offline unless WANDB_MODE says otherwise, so nothing leaves the machine unless asked).
+    loggers: list[str] = field(default_factory=list)
+    wandb_project: str = "qarl"
 
 
 @dataclass
@@ -44,13 +49,20 @@ class GenerationConfig:
     kv_cache_gib: float = 1.0
     max_model_len: int = 256
     tensor_parallel_size: int = 1
+    # Colocation on one GPU: the engine sleeps (weights to host memory, KV cache released) while the
+    # policy trains and wakes for the rollout. "auto": on when CUDA is used; ignored on CPU.
+    sleep_between_rollouts: str = "auto"  # auto | on | off
 
 
 @dataclass
 class PolicyConfig:
     # "embedded:tiny" (made locally, the default) or any Hugging Face causal LM directory or hub name.
     model_name: str = "embedded:tiny"
+    # The compute dtype: what the forward, the fake quantizers and the rollout engine run in.
     dtype: str = "float32"
+    # Master weights and optimizer state. Wider than `dtype` (bf16/fp16 compute), the model holds a
+    # compute-dtype copy that is refreshed from these after every optimizer step (qarl/optim.py).
+    master_dtype: str = "float32"
     trust_remote_code: bool = False
     # A built-in ModelOpt config name (NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG, FP8_DEFAULT_CFG, ...),
     # a YAML path (absolute, relative to the working directory, or to quant_configs/), or "none".
@@ -61,6 +73,9 @@ class PolicyConfig:
     quant_calib_size: int = 64
     quant_batch_size: int = 16
     quant_sequence_length: int = 64
+    # Quantize each weight once per change of the weights instead of at every forward (same bits;
+    # costs one quantized copy of each quantized weight, see qarl/quant/weight_cache.py).
+    quant_weight_cache: bool = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -122,6 +137,9 @@ class TrainerConfig:
     vllm_importance_sampling_cap: float = 2.0
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     reward_error: str = "raise"  # raise | zero: what a reward function that raises on a sample does
+    # A step whose loss or gradient is not finite is skipped (and counted in the metrics); this many
+    # in a row stop the run with an error. fp16 loss-scale overflows are skipped but not counted.
+    max_nonfinite_steps: int = 3
     resume: bool = False
 
 

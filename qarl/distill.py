@@ -40,9 +40,10 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, resolve_
 from qarl.config import ConfigError, RecipeConfig, load_recipe, to_dict
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
-from qarl.generation import Completion, VLLMEngine
-from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
-from qarl.policy import Policy, build_policy, completion_logits, resolve_model_dir
+from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
+from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
+from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
+from qarl.policy import DTYPES, Policy, build_policy, check_precision, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -52,7 +53,6 @@ GiB = 2**30
 WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
-DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 MEMORY_MARGIN = 0.1  # of the available memory, left for activations and allocator slack
 EVAL_SEED_OFFSET = 2**30  # held-out samples' seeds: apart from every rollout's (run.seed * 1_000_003 + position)
@@ -148,8 +148,9 @@ def check_memory(cfg: RecipeConfig, student_dir: str, teacher_dir: str) -> dict[
     vocab = _vocab_width(student_dir, cfg.policy.trust_remote_code)
     need = {
         "teacher": teacher_params * _dtype_bytes(cfg.teacher.dtype),
-        # master weights, their grads and AdamW's two moments, all in policy.dtype
-        "student": 4 * student_params * _dtype_bytes(cfg.policy.dtype),
+        # the compute-dtype model and its grads; master weights, their grads and AdamW's two moments
+        "student": student_params * (4 * _dtype_bytes(cfg.policy.master_dtype) + (
+            2 * _dtype_bytes(cfg.policy.dtype) if cfg.policy.dtype != cfg.policy.master_dtype else 0)),
         # one micro-batch's fp32 [tokens, vocab] tensors: both models' logits, log-softmaxes, the KL terms, a grad
         "loss": 6 * t.micro_batch_size * gen.max_model_len * vocab * 4,
     }
@@ -233,7 +234,7 @@ def _micro_batches(items: list, size: int) -> list[list]:
     return [items[s : s + size] for s in range(0, len(items), size)]
 
 
-def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Optimizer, batch: Rollout,
+def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer, batch: Rollout,
                    cfg: RecipeConfig, lr: float) -> dict[str, float]:
     """One optimizer step on the masked token mean of the reverse KL over the step's samples.
 
@@ -248,13 +249,13 @@ def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Opti
     sums = {"kl": 0.0, "kl_full": 0.0, "entropy": 0.0, "mismatch": 0.0}
     max_diff = 0.0
     student.model.train()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     for group in optimizer.param_groups:
         group["lr"] = lr
     for rows in _micro_batches(comps, t.micro_batch_size):
         scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
                             cfg.policy.generation.temperature, cfg.distill.top_k)
-        (scores.kl.sum() / total_tokens).backward()
+        optimizer.backward(scores.kl.sum() / total_tokens)
         width = scores.mask.shape[1]
         engine_lp = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in rows],
                                  device=scores.mask.device)
@@ -264,12 +265,11 @@ def distill_update(student: Policy, teacher: Policy, optimizer: torch.optim.Opti
         sums["kl"] += scores.kl.detach().sum().item()
         sums["kl_full"] += scores.kl_full.sum().item()
         sums["entropy"] += scores.entropy.sum().item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(student.model.parameters(), t.max_grad_norm).item()
-    optimizer.step()
+    result = optimizer.step()
     student.model.eval()
-    out = {"distill/kl": sums["kl"] / total_tokens, "lr": lr, "grad_norm": grad_norm,
+    out = {"distill/kl": sums["kl"] / total_tokens, "lr": lr, "grad_norm": result.grad_norm,
            "entropy": sums["entropy"] / total_tokens, "mismatch/kl": sums["mismatch"] / total_tokens,
-           "mismatch/max_abs_logprob_diff": max_diff}
+           "mismatch/max_abs_logprob_diff": max_diff, **step_metrics([result])}
     if cfg.distill.top_k > 0:
         out["distill/kl_full"] = sums["kl_full"] / total_tokens
     return out
@@ -295,6 +295,9 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
 def distill(cfg: RecipeConfig) -> Path:
     # 1. Check everything cheap before anything expensive.
     check_distill_config(cfg)
+    check_precision(cfg.policy)
+    check_loggers(cfg.run.loggers)
+    sleeps_between_rollouts(cfg.policy.generation)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)  # [0] = the verifier
     student_format = resolve_format(cfg.policy.quant_cfg)
     check_generation_matches(student_format, resolve_format(cfg.policy.generation.quant_cfg),
@@ -314,10 +317,11 @@ def distill(cfg: RecipeConfig) -> Path:
     # 2. The student (resumed, or built fresh: warm start, quantize, calibrate) and the frozen teacher.
     checkpoint = latest_checkpoint(run_dir) if t.resume else None
     torch.manual_seed(cfg.run.seed)
-    student = load_policy_checkpoint(checkpoint, cfg.policy) if checkpoint else initial_policy(cfg, task)
+    student = load_policy_checkpoint(checkpoint, cfg.policy, trainable=True) if checkpoint else initial_policy(cfg, task)
     teacher = load_teacher(cfg, task)
-    optimizer = torch.optim.AdamW(student.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = PolicyOptimizer(student, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     student.model.eval()
 
     # 3. The engine: the teacher's own accuracy first (unquantized), then the student's format, synced.
@@ -332,7 +336,8 @@ def distill(cfg: RecipeConfig) -> Path:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
     engine.refit(student.model)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
+                         loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
 
     def evaluation() -> dict[str, float]:
         return {"eval/accuracy": evaluate(engine, student, eval_problems, rewards),
@@ -340,7 +345,7 @@ def distill(cfg: RecipeConfig) -> Path:
 
     # 4. The loop.
     bar = tqdm(range(start_step, t.steps), desc="QAD", initial=start_step, total=t.steps)
-    last: dict[str, float] = {}
+    progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
         row: dict[str, float | int | None] = {"step": step, **(first_row if step == 0 else {})}
@@ -352,23 +357,27 @@ def distill(cfg: RecipeConfig) -> Path:
         reward_values, reward_parts = rewards(batch.texts, [p.answer for p in problems for _ in range(t.num_generations)])
 
         train_start = time.perf_counter()
+        engine.sleep()  # colocated on one GPU: the engine's memory is the models' during the update
         update = distill_update(student, teacher, optimizer, batch, cfg, learning_rate(cfg, step))
+        memory = device_memory_gib()
+        engine.wake()
         refit_start = time.perf_counter()
         refit = engine.refit(student.model)
         done = time.perf_counter()
 
-        row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts,
+        row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts, **memory,
                     **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
         metrics.write(row)
-        last.update({k: v for k, v in row.items() if k.startswith("eval/") and v is not None})
-        bar.set_postfix(kl=f"{update.get('distill/kl', float('nan')):.4f}", eval_acc=last.get("eval/accuracy"))
+        bar.set_postfix_str(f"kl={update.get('distill/kl', float('nan')):.4f}, {progress.update(row)}")
+        guard(update.get("train/nonfinite", 0) > 0, step)
         if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
-            save_checkpoint(run_dir, step + 1, student.model, student.tokenizer, student.format,
-                            trainer_state(step + 1, optimizer, prompts_per_step), keep=cfg.checkpoint.keep)
+            save_checkpoint(run_dir, step + 1, student, trainer_state(step + 1, optimizer, prompts_per_step),
+                            keep=cfg.checkpoint.keep)
 
     # 5. Final evaluation, plot, summary.
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
         metrics.write({"step": t.steps, **evaluation()})
+    metrics.close()
     rows = read_metrics(run_dir / "metrics.jsonl")
     plot_runs({run_dir.name: rows}, run_dir / "metrics.png", DISTILL_PANELS)
     print(summary(rows))

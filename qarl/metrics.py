@@ -8,23 +8,109 @@ from pathlib import Path
 from typing import Any
 
 
-class MetricsLog:
-    """Appends rows to metrics.jsonl. On resume from step N, rows of step >= N (written after the
-    checkpoint by the run that stopped) are dropped first, so the file reads as one clean run."""
+LOGGERS = ("tensorboard", "wandb")
 
-    def __init__(self, path: Path, resume_step: int | None):
+
+def check_loggers(loggers: list[str]) -> None:
+    """Named loggers exist and their packages are installed, before any model is loaded."""
+    import importlib.util
+
+    from qarl.config import ConfigError
+
+    for name in loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {LOGGERS} (metrics.jsonl is always written)")
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"run.loggers includes {name!r} but the {name} package is not installed: "
+                              f"pip install {name} (or qarl[{name}]), or remove it from run.loggers")
+
+
+class MetricsLog:
+    """Appends rows to metrics.jsonl (the source of truth) and mirrors them to the optional loggers.
+
+    On resume from step N, rows of step >= N (written after the checkpoint by the run that stopped)
+    are dropped first, so the file reads as one clean run."""
+
+    def __init__(self, path: Path, resume_step: int | None, loggers: list[str] = (), config: dict | None = None,
+                 project: str = "qarl"):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(path) if resume_step is not None and r["step"] < resume_step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(path)
+        self.sinks = []
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=str(path.parent / "tensorboard"), purge_step=resume_step)
+            self.sinks.append((lambda row, step: [writer.add_scalar(k, v, step) for k, v in row.items()], writer.close))
+        if "wandb" in loggers:
+            import os
+
+            import wandb
+
+            run = wandb.init(project=project, name=path.parent.name, dir=str(path.parent), config=config or {},
+                             mode=os.environ.get("WANDB_MODE", "offline"), resume="allow", id=_wandb_id(path.parent))
+            self.sinks.append((lambda row, step: run.log(row, step=step), run.finish))
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
             f.flush()
+        scalars = {k: v for k, v in clean.items() if k != "step" and isinstance(v, (int, float)) and v is not None}
+        for log, _ in self.sinks:
+            log(scalars, int(row["step"]))
+
+    def close(self) -> None:
+        for _, close in self.sinks:
+            close()
+        self.sinks = []
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One W&B run per run directory, so a resumed run continues its W&B run."""
+    import hashlib
+
+    return hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+class ProgressFigures:
+    """The figures people watch on the progress bar: reward, held-out accuracy, mismatch, tokens/s
+    (held-out accuracy and the skipped-step count carry over from the rows that have them)."""
+
+    def __init__(self) -> None:
+        self.accuracy: float | None = None
+        self.skipped = 0
+
+    def update(self, row: dict[str, Any]) -> str:
+        if row.get("eval/accuracy") is not None:
+            self.accuracy = row["eval/accuracy"]
+        self.skipped += int(row.get("train/skipped") or 0)
+        parts = [f"reward={row['reward/mean']:.2f}" if row.get("reward/mean") is not None else "reward=nan"]
+        if self.accuracy is not None:
+            parts.append(f"eval_acc={self.accuracy:.3f}")
+        if row.get("mismatch/kl") is not None:
+            parts.append(f"mismatch_kl={row['mismatch/kl']:.1e}")
+        if row.get("perf/rollout_tokens_per_s") is not None:
+            parts.append(f"tok/s={row['perf/rollout_tokens_per_s']:.0f}")
+        if self.skipped:
+            parts.append(f"skipped={self.skipped}")
+        return ", ".join(parts)
+
+
+def device_memory_gib() -> dict[str, float]:
+    """GPU memory in use on the device right now (every process and allocator, vLLM's included),
+    and the policy's peak through torch's allocator since the last call; nothing on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return {"perf/gpu_mem_used_gib": (total - free) / 2**30, "perf/policy_peak_mem_gib": peak / 2**30}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -82,7 +168,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
         last = steps[-10:]
         mean = lambda k: sum(r[k] for r in last if r.get(k) is not None) / max(1, sum(r.get(k) is not None for r in last))  # noqa: E731
         lines.append(f"reward (last {len(last)} steps): {mean('reward/mean'):.3f}")
+        diffs = [r["mismatch/max_abs_logprob_diff"] for r in steps if r.get("mismatch/max_abs_logprob_diff") is not None]
         lines.append(f"train/rollout mismatch KL: {mean('mismatch/kl'):.2e}, max |Δlogprob| "
-                     f"{max(r['mismatch/max_abs_logprob_diff'] for r in steps):.2e}")
+                     f"{max(diffs, default=float('nan')):.2e}")
+        skipped = sum(r.get("train/skipped") or 0 for r in steps)
+        if skipped:
+            lines.append(f"skipped optimizer steps (non-finite loss or gradient): {skipped:.0f}")
         lines.append(f"step time {mean('perf/step_s'):.2f} s, rollout {mean('perf/rollout_tokens_per_s'):.0f} tokens/s")
     return "\n".join(lines)

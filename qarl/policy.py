@@ -92,27 +92,58 @@ def calibration_batches(
         yield {k: v.to(device) for k, v in enc.items()}
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_precision(cfg: PolicyConfig) -> None:
+    """Compute and master dtypes that can train, before anything is loaded."""
+    for key in ("dtype", "master_dtype"):
+        if getattr(cfg, key) not in DTYPES:
+            raise ConfigError(f"policy.{key}={getattr(cfg, key)!r}; choose one of {DTYPES}")
+    if cfg.master_dtype == "float16":
+        raise ConfigError("policy.master_dtype=float16 cannot train: AdamW's updates and epsilon underflow in "
+                          "fp16 and the loss goes NaN. Keep master weights in float32 (the default) and compute "
+                          "in float16 with policy.dtype=float16.")
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if width[cfg.master_dtype] < width[cfg.dtype]:
+        raise ConfigError(f"policy.master_dtype={cfg.master_dtype} is narrower than the compute dtype "
+                          f"policy.dtype={cfg.dtype}; master weights must be at least as wide (use float32).")
+
+
 @dataclass
 class Policy:
-    """The trainable model, its tokenizer, its quantization format, and where the engine starts from."""
+    """The trainable model, its tokenizer, its quantization format, and where the engine starts from.
+
+    `master` holds the master weights by parameter name when they are wider than the compute dtype
+    (fp32 masters, bf16/fp16 model); None when the model's own parameters are the masters.
+    """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     format: QuantFormat | None
     model_dir: str
+    master: dict[str, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""
+        state = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if "_quantizer." not in k}
+        if self.master is not None:
+            by_tensor = {id(p): self.master[n] for n, p in self.model.named_parameters()}
+            state = {k: by_tensor.get(id(v), v) for k, v in state.items()}  # tied weights map to one master
+        return {k: v.detach() for k, v in state.items()}
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device) -> PreTrainedModel:
+def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code
+        model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code
     )
     return model.to(device)
 
@@ -123,9 +154,13 @@ def build_policy(
     model_dir: str | None = None,
     fmt: QuantFormat | None | str = "from-config",
     calibrate: bool = True,
+    trainable: bool = False,
 ) -> Policy:
     """Load and quantize the policy. `fmt` overrides `cfg.quant_cfg`; `calibrate=False` leaves amax
-    to be loaded from a saved quantizer state."""
+    to be loaded from a saved quantizer state. `trainable`: keep master weights (`cfg.master_dtype`)
+    when they are wider than the compute dtype; the model is then cast to the compute dtype, so it
+    computes with exactly the tensors a compute-dtype load would give (round to nearest even)."""
+    check_precision(cfg)
     if fmt == "from-config":
         fmt = resolve_format(cfg.quant_cfg)
     model_dir = model_dir or resolve_model_dir(cfg.model_name)
@@ -134,11 +169,17 @@ def build_policy(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = load_model(model_dir, cfg, device)
+    master = None
+    if trainable and cfg.master_dtype != cfg.dtype:
+        model = load_model(model_dir, cfg, device, dtype=cfg.master_dtype)
+        master = {n: p.detach() for n, p in model.named_parameters()}  # .to() below leaves these alone
+        model.to(getattr(torch, cfg.dtype))
+    else:
+        model = load_model(model_dir, cfg, device)
     if fmt is not None:
         batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
-        quantize_policy(model, fmt, batches)
-    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir)
+        quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
+    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master)
 
 
 @dataclass

@@ -24,10 +24,12 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
 from qarl.evaluate import evaluate
-from qarl.generation import Completion, VLLMEngine
+from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
-from qarl.metrics import MetricsLog, plot_runs, read_metrics, summary
-from qarl.policy import Policy, TokenScores, build_policy, cache_dir, resolve_model_dir, score_completions
+from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
+from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
+from qarl.policy import (Policy, TokenScores, build_policy, cache_dir, check_precision, resolve_model_dir,
+                         score_completions)
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -57,7 +59,7 @@ def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
     """The step-0 policy: the initial model, quantized and calibrated.
     Deterministic, so a resumed run rebuilds the same KL reference."""
     calibration = task.calibration_texts(cfg.policy.quant_calib_size)
-    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task))
+    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=True)
 
 
 def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
@@ -90,9 +92,10 @@ def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: f
             "perf/train_s": refit_start - train_start, "perf/refit_s": refit_s, "perf/step_s": done - step_start}
 
 
-def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
+def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
                   batch: Rollout, advantages: torch.Tensor, cfg: RecipeConfig) -> dict[str, float]:
-    """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches."""
+    """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches.
+    A pass whose loss or gradient is not finite is skipped (`train/skipped`)."""
     t = cfg.trainer
     temperature = cfg.policy.generation.temperature
     pad = policy.tokenizer.pad_token_id
@@ -116,9 +119,10 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             if t.num_iterations > 1:  # later passes compare against the policy as it was at rollout
                 old_lp[rows[0]] = score_completions(policy.model, *args[rows[0]])
     stats: dict[str, list[float]] = {"loss": [], "clip": [], "kl": [], "is_weight": [], "grad_norm": []}
+    results = []
     policy.model.train()
     for _ in range(t.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         for rows in micro:
             scores = score_completions(policy.model, *args[rows[0]])
             if rows[0] not in old_lp:  # one pass: the policy has not moved since rollout, old = current
@@ -127,13 +131,13 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             weights = sequence_weights(old.mask, t.loss_type, len(keep), max_len, total_tokens, len(micro))
             terms = grpo_loss(scores.logprobs, old.logprobs, engine_lp[rows[0]], ref_lp.get(rows[0]),
                               advantages[rows].to(policy.device), old.mask, weights, t)
-            terms.loss.backward()
+            optimizer.backward(terms.loss)
             stats["loss"].append(terms.loss.item())
             stats["clip"].append(terms.clip_fraction.item())
             stats["kl"].append(terms.kl.item() if terms.kl is not None else float("nan"))
             stats["is_weight"].append(terms.is_weight_mean.item() if terms.is_weight_mean is not None else float("nan"))
-        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), t.max_grad_norm).item())
-        optimizer.step()
+        results.append(optimizer.step())
+        stats["grad_norm"].append(results[-1].grad_norm)
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     diffs, k3, entropy, tokens = [], 0.0, 0.0, 0.0
@@ -148,12 +152,15 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     return {"loss": sum(stats["loss"]) / t.num_iterations, "clip_fraction": mean(stats["clip"]),
             "kl/ref": mean(stats["kl"]), "is_weight_mean": mean(stats["is_weight"]),
             "grad_norm": mean(stats["grad_norm"]), "entropy": entropy / tokens, "mismatch/kl": k3 / tokens,
-            "mismatch/max_abs_logprob_diff": max(diffs)}
+            "mismatch/max_abs_logprob_diff": max(diffs), **step_metrics(results)}
 
 
 def train(cfg: RecipeConfig) -> Path:
     # 1. Check everything cheap before anything expensive.
     check_trainer_config(cfg.trainer)
+    check_precision(cfg.policy)
+    check_loggers(cfg.run.loggers)
+    sleeps_between_rollouts(cfg.policy.generation)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_generation_matches(resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg),
                              cfg.policy.generation.allow_quant_mismatch)
@@ -168,12 +175,13 @@ def train(cfg: RecipeConfig) -> Path:
     checkpoint = latest_checkpoint(run_dir) if t.resume else None
     torch.manual_seed(cfg.run.seed)
     fresh = initial_policy(cfg, task) if (checkpoint is None or t.beta > 0) else None
-    policy = load_policy_checkpoint(checkpoint, cfg.policy) if checkpoint else fresh
+    policy = load_policy_checkpoint(checkpoint, cfg.policy, trainable=True) if checkpoint else fresh
     reference = None
     if t.beta > 0:
         reference = copy.deepcopy(fresh.model).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     policy.model.eval()
 
     # 3. The rollout engine, synced to the policy (weights + amax).
@@ -181,11 +189,12 @@ def train(cfg: RecipeConfig) -> Path:
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
     engine.refit(policy.model)
     eval_problems = task.eval[: cfg.eval.num_prompts]
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
+                         loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
 
     # 4. The loop.
     bar = tqdm(range(start_step, t.steps), desc="QA-GRPO" if policy.format else "GRPO", initial=start_step, total=t.steps)
-    last_accuracy = None
+    progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
         row: dict[str, float | int | None] = {"step": step}
@@ -200,24 +209,28 @@ def train(cfg: RecipeConfig) -> Path:
         advantages, frac_zero_std = group_advantages(reward_tensor, t.num_generations, t.scale_rewards)
 
         train_start = time.perf_counter()
+        engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
         update = policy_update(policy, reference, optimizer, batch, advantages, cfg)
+        memory = device_memory_gib()
+        engine.wake()
         refit_start = time.perf_counter()
         refit = engine.refit(policy.model)
         done = time.perf_counter()
 
         row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),
-                    "reward/frac_zero_std": frac_zero_std, **reward_parts, **update,
+                    "reward/frac_zero_std": frac_zero_std, **reward_parts, **update, **memory,
                     **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
         metrics.write(row)
-        last_accuracy = row.get("eval/accuracy", last_accuracy)
-        bar.set_postfix(reward=f"{row['reward/mean']:.2f}", eval_acc=last_accuracy)
+        bar.set_postfix_str(progress.update(row))
+        guard(update.get("train/nonfinite", 0) > 0, step)
         if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
-            save_checkpoint(run_dir, step + 1, policy.model, policy.tokenizer, policy.format,
-                            trainer_state(step + 1, optimizer, prompts_per_step), keep=cfg.checkpoint.keep)
+            save_checkpoint(run_dir, step + 1, policy, trainer_state(step + 1, optimizer, prompts_per_step),
+                            keep=cfg.checkpoint.keep)
 
     # 5. Final evaluation, plot, summary.
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
         metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards)})
+    metrics.close()
     rows = read_metrics(run_dir / "metrics.jsonl")
     plot_runs({run_dir.name: rows}, run_dir / "metrics.png")
     print(summary(rows))

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qarl.config import WarmStartConfig
+from qarl.policy import default_device
 from qarl.tasks import Problem
 
 
@@ -38,7 +39,8 @@ def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, se
     if (out / "COMPLETE").is_file():
         return str(out)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = default_device()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -58,7 +60,7 @@ def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, se
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
             mask[i, : len(p) + len(a)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
         w_q = dict(folded_weights(policy.model))
         layers = {name: w_q[f"{name}.weight"] for name, m in quantized_linears(policy.model)
                   if m.weight_quantizer.is_enabled}
-        save_checkpoint(root / scheme, 3, policy.model, policy.tokenizer, policy.format, {"step": 3})
+        save_checkpoint(root / scheme, 3, policy, {"step": 3})
         made[scheme] = (root / scheme, layers)
     return made
 
@@ -255,7 +255,7 @@ def test_errors_before_any_work(runs, tmp_path, capsys):
 
 def test_unquantized_checkpoint_needs_calibrate_and_ptq_warns(tmp_path):
     policy = build_policy(PolicyConfig(), [], model_dir=resolve_model_dir("embedded:tiny"), fmt=None)
-    save_checkpoint(tmp_path / "bf", 1, policy.model, policy.tokenizer, None, {"step": 1})
+    save_checkpoint(tmp_path / "bf", 1, policy, {"step": 1})
     with pytest.raises(ConfigError, match="no quantizer state.*--calibrate"):
         export_checkpoint(tmp_path / "bf", "fp8_w8a8_modelopt", tmp_path / "out")
     with pytest.warns(UserWarning, match="PTQ export"):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import ConfigError, PolicyConfig, RecipeConfig, load_recipe
@@ -88,6 +89,12 @@ def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
     (["trainer.batch_size=10", "trainer.num_generations=4"], "not divisible"),
     (["policy.generation.quant_cfg=fp8_w8a8"], "allow_quant_mismatch"),
     (["task.name=dataset", "task.train_data=MISSING.jsonl", "task.eval_data=MISSING.jsonl"], "not found"),
+    (["policy.master_dtype=float16", "policy.dtype=float16"], "cannot train"),
+    (["policy.dtype=bfloat16", "policy.master_dtype=bfloat16", "policy.dtype=float32"], "narrower"),
+    (["policy.dtype=int8"], "choose one of"),
+    (["run.loggers=[nope]"], "unknown logger"),
+    pytest.param(["policy.generation.sleep_between_rollouts=on"], "needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="allowed where CUDA is")),
 ])
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path, monkeypatch, overrides, needle):
     import qarl.train

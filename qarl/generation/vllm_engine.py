@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qarl.config import GenerationConfig
+from qarl.config import ConfigError, GenerationConfig
 from qarl.quant import QuantFormat, folded_weights
 
 
@@ -63,6 +63,20 @@ def _keep_cpu_weights_plain() -> None:
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
+SLEEP_MODES = ("auto", "on", "off")
+
+
+def sleeps_between_rollouts(cfg: GenerationConfig) -> bool:
+    """Whether the engine sleeps while the policy trains: "auto" = on a GPU. vLLM's sleep mode needs
+    CUDA, so "on" without it is refused (before any engine starts)."""
+    if cfg.sleep_between_rollouts not in SLEEP_MODES:
+        raise ConfigError(f"policy.generation.sleep_between_rollouts={cfg.sleep_between_rollouts!r}; choose one of {SLEEP_MODES}")
+    if cfg.sleep_between_rollouts == "on" and not torch.cuda.is_available():
+        raise ConfigError("policy.generation.sleep_between_rollouts=on needs a CUDA GPU (vLLM's sleep mode); "
+                          "use auto or off on this machine")
+    return cfg.sleep_between_rollouts != "off" and torch.cuda.is_available()
+
+
 class VLLMEngine:
     """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
 
@@ -75,6 +89,8 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             _keep_cpu_weights_plain()
         self.cfg = cfg
+        self.sleeps = sleeps_between_rollouts(cfg)
+        self._asleep = False
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
@@ -85,6 +101,7 @@ class VLLMEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,
+            enable_sleep_mode=self.sleeps,
         )
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         self.format: QuantFormat | None = None
@@ -96,9 +113,10 @@ class VLLMEngine:
         """Configure the engine's input quantizers for `fmt` (None: no quantization). Refit after."""
         import modelopt.torch.quantization as mtq
 
-        import qarl.quant.nvfp4_cpu as nvfp4_cpu
+        from qarl.quant import gpu_kernels, nvfp4_cpu
 
         nvfp4_cpu.install()
+        gpu_kernels.install()  # the same bits as ModelOpt's GPU kernels, fast (no-op without CUDA)
         if fmt is not None:
             mtq.quantize(self.model, fmt.with_weights_disabled())
             self._quantized = True
@@ -134,10 +152,27 @@ class VLLMEngine:
             self._links[policy_model] = links
         return links
 
+    # -- colocation ---------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the GPU for the policy's update: weights to host memory, KV cache freed (no-op
+        unless sleeping is on). The ModelOpt quantizers' amax buffers were allocated after vLLM's
+        weights and stay on the GPU."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Take the GPU back (weights and KV cache); the caller's freed cached blocks go first."""
+        if self._asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up()
+            self._asleep = False
+
     # -- refit --------------------------------------------------------------------------------
     @torch.no_grad()
     def refit(self, policy_model: nn.Module, sync_amax: bool = True) -> RefitTiming:
         """Load the policy's (folded) weights and, if `sync_amax`, its input amax into the engine."""
+        self.wake()
         start = time.perf_counter()
         self.model.load_weights(folded_weights(policy_model))
         loaded = time.perf_counter()
@@ -163,6 +198,7 @@ class VLLMEngine:
         """
         from vllm import SamplingParams
 
+        self.wake()
         params, requests = [], []
         for i, prompt in enumerate(p for p in prompts for _ in range(num_samples)):
             params.append(

@@ -34,12 +34,19 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
 
 
-# Named sizes: "tiny" is the embedded default; "20m" is for refit timing on a model of realistic shape.
+# Named sizes: "tiny" is the embedded default; "20m" is for refit timing on a model of realistic shape;
+# "0.5b" has Qwen2.5-0.5B's layers (24 x hidden 896, MLP 4864, 14 query / 2 KV heads of 64), so a GPU
+# run exercises real kernels at a real size without a hub: 358M parameters, since its vocabulary is
+# the embedded tokenizer's 128 tokens instead of Qwen's 151936.
 SPECS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     "20m": TinyModelSpec(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
         num_attention_heads=8, num_key_value_heads=4,
+    ),
+    "0.5b": TinyModelSpec(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2,
     ),
 }
 

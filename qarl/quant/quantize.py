@@ -1,7 +1,8 @@
 """ModelOpt on the policy: insert fake quantizers, calibrate amax, share amax across fused siblings,
 fold weights for the rollout engine, and save/restore the quantizer state.
 
-Every ModelOpt call of the policy side lives here, so the rest of qarl sees three verbs:
+Every ModelOpt call of the policy side lives here (the weight cache in weight_cache.py), so the rest
+of qarl sees three verbs:
 `quantize_policy`, `folded_weights`, `quantizer_state`/`load_quantizer_state`.
 """
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
+from qarl.quant.weight_cache import enable_weight_cache
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
 # siblings must share one per-tensor amax for their weights and one for their inputs: the fused
@@ -88,19 +90,24 @@ def quantize_policy(
     model: nn.Module,
     fmt: QuantFormat,
     calibration_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None,
+    weight_cache: bool = True,
 ) -> nn.Module:
     """Insert `fmt`'s quantizers, check block sizes, calibrate amax on the batches, share fused amax.
 
     `calibration_batches` is called only after the cheap checks pass. Pass None when the amax will be
-    loaded from a saved quantizer state instead.
+    loaded from a saved quantizer state instead. `weight_cache`: quantize each weight once per change
+    of the weights instead of at every forward (qarl/quant/weight_cache.py; same bits).
     """
     import modelopt.torch.quantization as mtq
 
-    import qarl.quant.nvfp4_cpu as nvfp4_cpu
+    from qarl.quant import gpu_kernels, nvfp4_cpu
 
     nvfp4_cpu.install()
+    gpu_kernels.install()  # the same bits as ModelOpt's GPU kernels, fast (no-op without CUDA)
     mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
     check_block_sizes(model, fmt)
+    if weight_cache:
+        enable_weight_cache(model)
     if calibration_batches is None:
         return model
     batches = list(calibration_batches())

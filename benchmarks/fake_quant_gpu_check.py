@@ -1,0 +1,348 @@
+"""qarl's GPU fake-quant kernels (qarl/quant/gpu_kernels.py) against ModelOpt's own GPU paths: bits and time.
+
+    python benchmarks/fake_quant_gpu_check.py [--out FILE.md] [--seed 0] [--tune]
+
+Needs a CUDA GPU of compute capability >= 8.9, triton and nvidia-modelopt 0.47. The references are
+ModelOpt's implementations called directly, so qarl's install() cannot reach them:
+
+- NVFP4: ``tensor_quant._dynamic_block_quantize_impl(x, 16, amax, 4, 2, 8, 4)``, i.e. the Triton
+  kernel ``fp4_fake_quant_block`` (what the CUDA kernel of ``tensorrt::dynamic_block_quantize_op`` runs).
+- FP8: ``tensor_quant._quantize_impl(x, amax, 8, 4, False, False)``, i.e. ``scaled_e4m3_impl``: the
+  CUDA extension ``fake_e4m3fy`` (or ``fp8_eager`` where the extension cannot be built; the report
+  says which). ``fp8_eager`` on CUDA is also compared with ``fp8_fake_quant_cuda(..., eager=True)``.
+
+Columns count elements whose raw bits differ from the reference (``(±0: k)``: k of them differ only
+in the sign of zero). ``kernel``: qarl's launcher; ``op``: ModelOpt's torch.library op after
+``install()``; ``cpu port``: ``nvfp4_cpu.nvfp4_fake_quant`` on the same data on the CPU. Timings:
+``triton.testing.do_bench`` medians (GPU time, L2 flushed); ``op wall``: host time per call of the op,
+back to back (what a training step pays, launch overheads included). ``--tune`` also times other
+block and warp counts. Exit status 1 if any bit differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+BENCH_SHAPES = {"weight 4864x896": (4864, 896), "act 8x512x896": (8, 512, 896), "weight 896x4864": (896, 4864)}
+NVFP4_OP_ARGS = (4, 2, 8, 4)
+DEVICE = "cuda"
+
+
+def load(name: str, rel: str):
+    """Load a qarl module by path: the rest of qarl (vLLM, ...) is not needed here."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- cases
+Case = tuple[str, str, torch.Tensor, torch.Tensor]  # name, amax mode, x, amax (device tensors)
+
+
+def with_amax_modes(name: str, x: torch.Tensor) -> Iterator[Case]:
+    top = x.float().abs().amax()
+    for mode, f in (("max", 1.0), ("max/2", 0.5), ("2max", 2.0)):
+        yield name, mode, x, top * f
+
+
+def common_data(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """fp32 data shared by both formats (fp16-safe magnitudes)."""
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    def student_t(*shape, df):
+        chi2 = torch._standard_gamma(torch.full(shape, df / 2, device=DEVICE), generator=gen) * 2
+        return randn(*shape) / torch.sqrt(chi2 / df)
+
+    data = {
+        "normal": randn(256, 1024),
+        "weight_0.02": randn(512, 896) * 0.02,
+        "student_t3": student_t(256, 1024, df=3.0),
+        "student_t1.5": student_t(128, 1024, df=1.5).clamp(-6e4, 6e4),
+        "row_scaled": randn(256, 1024) * 10.0 ** (torch.rand(256, 1, device=DEVICE, generator=gen) * 6 - 3),
+    }
+    x = randn(256, 1024)
+    x[torch.rand(256, device=DEVICE, generator=gen) < 0.03] *= 300.0
+    data["outlier_rows"] = x
+    x = randn(4, 64, 896) * 2
+    x[..., torch.randint(0, 896, (6,), device=DEVICE, generator=gen)] *= 50.0
+    data["act3d_outlier_channels"] = x
+    x = randn(256, 1024).view(256, 64, 16)
+    x[torch.rand(256, 64, device=DEVICE, generator=gen) < 0.3] = 0
+    data["zero_blocks"] = x.view(256, 1024)
+    x = randn(256, 1024).view(256, 64, 16)
+    tiny = torch.rand(256, 64, device=DEVICE, generator=gen) < 0.3
+    x[tiny] *= 10.0 ** torch.randint(-9, -4, (int(tiny.sum()), 1), device=DEVICE, generator=gen).float()
+    data["tiny_blocks"] = x.view(256, 1024)
+    k = torch.randint(0, 12, (256, 1024), device=DEVICE, generator=gen).float()
+    data["pow2_grid"] = torch.where(torch.rand(256, 1024, device=DEVICE, generator=gen) < 0.5, -1.0, 1.0) * 0.5**k
+    data["int_grid"] = torch.randint(-64, 65, (256, 1024), device=DEVICE, generator=gen) / 64.0
+    data["ragged_33x100"] = randn(33, 100)
+    data["ragged_7x13"] = randn(7, 13)
+    data["ragged_5x3x40"] = randn(5, 3, 40)
+    data["vector_1000"] = randn(1000)
+    return data
+
+
+def nvfp4_midpoints(nv, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Case]:
+    """Elements 1..15 of each block at t * s (t an E2M1 midpoint, s the block's scale), +-0 or 2 ulps."""
+    for label, top in (("exact", 336.0), ("random_amax", float(torch.rand((), device=DEVICE, generator=gen)) * 99 + 1)):
+        top = float(torch.tensor(top).to(dtype))  # exact: |x| / s hits the midpoints in every dtype
+        bmax = ((torch.rand(256, 64, 1, device=DEVICE, generator=gen) * 0.99 + 0.01) * top).to(dtype).float()
+        bmax[0, 0] = top
+        for mode, f in (("max", 1.0), ("max/2", 0.5), ("2max", 2.0)):
+            amax = torch.tensor(top * f, device=DEVICE)
+            s, _ = nv.nvfp4_block_scales(bmax.expand(256, 64, 16).reshape(256, 1024).cpu(), amax.cpu())
+            t = torch.tensor(E2M1_MIDPOINTS, device=DEVICE)[
+                torch.randint(0, 7, (256, 64, 15), device=DEVICE, generator=gen)]
+            v = (t * s.to(DEVICE).unsqueeze(-1)).to(dtype)
+            for ulps in (0, 2):
+                if ulps:
+                    step = torch.randint(-ulps, ulps + 1, v.shape, device=DEVICE, generator=gen)
+                    v = (v.view(INT_VIEW[dtype]) + step.to(INT_VIEW[dtype])).view(dtype)
+                sign = torch.where(torch.rand(256, 64, 16, device=DEVICE, generator=gen) < 0.5, -1.0, 1.0)
+                x = torch.cat([bmax, v.float()], dim=-1) * sign
+                yield f"midpoints_{label}_pm{ulps}ulp", mode, x.view(256, 1024).to(dtype), amax
+
+
+def nvfp4_cases(nv, gen: torch.Generator, dtype: torch.dtype) -> Iterator[Case]:
+    for name, x in common_data(gen).items():
+        yield from with_amax_modes(name, x.to(dtype))
+    yield from nvfp4_midpoints(nv, gen, dtype)
+    yield "all_zero", "0", torch.zeros(64, 256, device=DEVICE, dtype=dtype), torch.zeros((), device=DEVICE)
+
+
+def fp8_cases(gen: torch.Generator, dtype: torch.dtype) -> Iterator[Case]:
+    for name, x in common_data(gen).items():
+        yield from with_amax_modes(name, x.to(dtype))
+    # E4M3 midpoints: scale = 448 / amax = 1 exactly, x halfway between neighbouring codes (+-1 ulp)
+    codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(DEVICE)
+    mids = (codes[:-1] + codes[1:]) / 2
+    x = mids[torch.randint(0, len(mids), (256, 1024), device=DEVICE, generator=gen)].to(dtype)
+    x = x * torch.where(torch.rand(256, 1024, device=DEVICE, generator=gen) < 0.5, -1.0, 1.0).to(dtype)
+    for ulps in (0, 1):
+        step = torch.randint(-ulps, ulps + 1, x.shape, device=DEVICE, generator=gen).to(INT_VIEW[dtype])
+        yield f"e4m3_midpoints_pm{ulps}ulp", "448", (x.view(INT_VIEW[dtype]) + step).view(dtype), \
+            torch.tensor(448.0, device=DEVICE)
+    x = torch.randn(256, 1024, device=DEVICE, generator=gen).to(dtype)
+    for label, a in (("0", 0.0), ("2^-25", 2.0**-25), ("1e-3", 1e-3), ("1e4", 1e4)):
+        yield "fixed_amax", label, x, torch.tensor(a, device=DEVICE)
+    yield "all_zero", "0", torch.zeros(64, 256, device=DEVICE, dtype=dtype), torch.zeros((), device=DEVICE)
+
+
+# ---------------------------------------------------------------- comparison
+def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """(elements whose bits differ, of those: equal values, i.e. +0 vs -0)."""
+    a, b = a.contiguous(), b.to(a.device).contiguous()
+    mask = a.view(INT_VIEW[a.dtype]) != b.view(INT_VIEW[b.dtype])
+    return int(mask.sum()), int((mask & (a == b)).sum())
+
+
+def cell(d: tuple[int, int]) -> str:
+    return f"{d[0]} (±0: {d[1]})" if d[1] else str(d[0])
+
+
+def run_checks(gk, nv, tq, gen: torch.Generator, fp8_ext: bool) -> tuple[list[str], int]:
+    """Per format and dtype: cases, elements and differing elements per column; then the cases that differ."""
+    block_op, quant_op = torch.ops.tensorrt.dynamic_block_quantize_op, torch.ops.tensorrt.quantize_op
+    formats: dict[str, tuple[Callable, dict[str, Callable]]] = {
+        "NVFP4": (
+            lambda x, a: tq._dynamic_block_quantize_impl(x, 16, a, *NVFP4_OP_ARGS),
+            {
+                "kernel": gk.nvfp4_fake_quant_cuda,
+                "op": lambda x, a: block_op(x, 16, a, *NVFP4_OP_ARGS),
+                "cpu port": lambda x, a: nv.nvfp4_fake_quant(x.cpu(), a.cpu()),
+            },
+        ),
+        "FP8": (
+            lambda x, a: tq._quantize_impl(x, a, 8, 4, False, False),
+            {
+                "kernel": lambda x, a: gk.fp8_fake_quant_cuda(x, a, eager=not fp8_ext),
+                "op": lambda x, a: quant_op(x, a, 8, 4, False, False),
+            },
+        ),
+        "FP8 eager": (tq.fp8_eager, {"kernel": lambda x, a: gk.fp8_fake_quant_cuda(x, a, eager=True)}),
+    }
+    summary = ["| format | dtype | cases | elements | columns: differing elements |", "|---|---|---|---|---|"]
+    details = []
+    bad = 0
+    for fmt, (ref_fn, cols) in formats.items():
+        for dname, dtype in DTYPES.items():
+            cases = nvfp4_cases(nv, gen, dtype) if fmt == "NVFP4" else fp8_cases(gen, dtype)
+            n_cases = n_el = 0
+            totals = {c: [0, 0] for c in cols}
+            for name, mode, x, amax in cases:
+                ref = ref_fn(x, amax)
+                diffs = {c: differ(ref, fn(x, amax)) for c, fn in cols.items()}
+                n_cases += 1
+                n_el += x.numel()
+                for c, d in diffs.items():
+                    totals[c][0] += d[0]
+                    totals[c][1] += d[1]
+                if any(d[0] for d in diffs.values()):
+                    details.append(f"| {fmt} | {name} | {dname} | {mode} | {'x'.join(map(str, x.shape))} | "
+                                   + ", ".join(f"{c}: {cell(d)}" for c, d in diffs.items()) + " |")
+            bad += sum(t[0] for t in totals.values())
+            summary.append(f"| {fmt} | {dname} | {n_cases} | {n_el} | "
+                           + ", ".join(f"{c}: {cell(tuple(t))}" for c, t in totals.items()) + " |")
+    lines = ["## Bit identity", "", *summary]
+    if details:
+        lines += ["", "### Cases with differences", "", "| format | case | dtype | amax | shape | differing |",
+                  "|---|---|---|---|---|---|", *details]
+    return lines, bad
+
+
+# ---------------------------------------------------------------- timing
+def wall_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host time per call, calls back to back (median of 5 rounds)."""
+    fn()
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
+    from triton.testing import do_bench
+
+    def bench(fn: Callable[[], object]) -> float:
+        return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+    block_op, quant_op = torch.ops.tensorrt.dynamic_block_quantize_op, torch.ops.tensorrt.quantize_op
+    lines = ["## Timing (bf16, us)", "",
+             "| tensor | format | ModelOpt kernel | qarl kernel | speedup | ModelOpt op wall | qarl op wall |",
+             "|---|---|---|---|---|---|---|"]
+    for label, shape in BENCH_SHAPES.items():
+        x = torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16)
+        amax = x.float().abs().amax()
+        rows = {
+            "NVFP4": (lambda: tq._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS),
+                      lambda: gk.nvfp4_fake_quant_cuda(x, amax),
+                      lambda: block_op(x, 16, amax, *NVFP4_OP_ARGS)),
+            "FP8": (lambda: tq._quantize_impl(x, amax, 8, 4, False, False),
+                    lambda: gk.fp8_fake_quant_cuda(x, amax),
+                    lambda: quant_op(x, amax, 8, 4, False, False)),
+        }
+        for fmt, (ref, ours, op) in rows.items():
+            t_ref, t_ours = bench(ref), bench(ours)
+            with gk.modelopt_kernels():
+                w_ref = wall_us(op)
+            w_ours = wall_us(op)
+            lines.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | "
+                         f"{w_ref:.1f} | {w_ours:.1f} |")
+    return lines
+
+
+def run_tune(gk, gen: torch.Generator) -> list[str]:
+    from triton.testing import do_bench
+
+    xs = {k: torch.randn(s, device=DEVICE, generator=gen).to(torch.bfloat16) for k, s in BENCH_SHAPES.items()}
+    lines = ["## Tuning (bf16, do_bench median us)", "",
+             "| format | per program | warps | " + " | ".join(xs) + " |", "|---|---|---|" + "---|" * len(xs)]
+    configs = [("NVFP4", n, w) for n in (32, 64, 128, 256) for w in (2, 4, 8)]
+    configs += [("FP8", n, w) for n in (1024, 2048, 4096, 8192) for w in (2, 4, 8)]
+    for fmt, n, w in configs:
+        times = []
+        for x in xs.values():
+            amax = x.float().abs().amax()
+            fn = (partial(gk.nvfp4_fake_quant_cuda, x, amax, blocks_per_program=n, num_warps=w) if fmt == "NVFP4"
+                  else partial(gk.fp8_fake_quant_cuda, x, amax, block=n, num_warps=w))
+            times.append(do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3)
+        size = f"{n} blocks" if fmt == "NVFP4" else f"{n} elements"
+        lines.append(f"| {fmt} | {size} | {w} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+    return lines
+
+
+def ptx_ops(gk) -> list[str]:
+    """The PTX opcodes that decide the numerics, of qarl's kernels and of ModelOpt's NVFP4 kernel."""
+    pattern = re.compile(r"^\s*((?:div|rcp|cvt|min|max|neg|sub|fma)\.[\w.]+)", re.M)
+    nvfp4, fp8 = gk._kernels()
+    x = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    y, amax = torch.empty_like(x), torch.ones((), device=DEVICE)
+    try:  # a launch returns the compiled kernel (Triton 3.x); diagnostics only
+        kernels = {
+            "qarl NVFP4": nvfp4[(1,)](x, y, amax, 64, 4, 64, BLOCKS=gk.NVFP4_BLOCKS_PER_PROGRAM, EVEN=True,
+                                      num_warps=gk.NVFP4_NUM_WARPS).asm["ptx"],
+            "qarl FP8": fp8[(1,)](x, y, amax, x.numel(), BLOCK=gk.FP8_BLOCK, EAGER=False,
+                                  num_warps=gk.FP8_NUM_WARPS).asm["ptx"],
+        }
+    except Exception as e:  # noqa: BLE001
+        return [f"- PTX of qarl's kernels not available: {e!r}"]
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton/cache"))
+    for p in sorted(cache.rglob("fp4_fake_quant_kernel.ptx"))[:1]:
+        kernels["ModelOpt NVFP4 (from the Triton cache)"] = p.read_text()
+    return [f"- {name} PTX: " + ", ".join(sorted(set(pattern.findall(ptx)))) for name, ptx in kernels.items()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="fake_quant_gpu_check.md", help="markdown report path")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tune", action="store_true", help="also time other block / warp counts")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (compute capability >= 8.9), triton and nvidia-modelopt")
+
+    import modelopt
+    import modelopt.torch.kernels.quantization.gemm as modelopt_triton
+    import triton
+    from modelopt.torch.quantization import tensor_quant as tq
+
+    gk = load("qarl_gpu_kernels", "qarl/quant/gpu_kernels.py")
+    nv = load("qarl_nvfp4_cpu", "qarl/quant/nvfp4_cpu.py")
+    if not (gk.available() and hasattr(modelopt_triton, "fp4_fake_quant_block") and not tq.DISABLE_TRITON_KERNEL):
+        raise SystemExit("ModelOpt does not take its Triton NVFP4 path here (needs sm_89+ and triton)")
+    fp8_ext = tq.get_cuda_ext_fp8(raise_if_failed=False) is not None
+    assert gk.install()
+    gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+
+    t0 = time.time()
+    check_lines, bad = run_checks(gk, nv, tq, gen, fp8_ext)
+    lines = [
+        "# qarl GPU fake-quant kernels vs ModelOpt's GPU paths",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"modelopt {modelopt.__version__}; `python {' '.join(sys.argv)}`",
+        f"- NVFP4 reference: ModelOpt's Triton `fp4_fake_quant_block`; FP8 reference: "
+        + ("the CUDA extension `fake_e4m3fy`" if fp8_ext else
+           "`fp8_eager` (the CUDA extension could not be built: ModelOpt falls back to it)"),
+        f"- qarl config: NVFP4 {gk.NVFP4_BLOCKS_PER_PROGRAM} blocks x {gk.NVFP4_NUM_WARPS} warps, "
+        f"FP8 {gk.FP8_BLOCK} elements x {gk.FP8_NUM_WARPS} warps; checks took {time.time() - t0:.0f} s",
+        *ptx_ops(gk),
+        f"- **{bad} differing elements in all.**",
+        "",
+        *check_lines,
+        "",
+        *run_timing(gk, tq, gen),
+    ]
+    if args.tune:
+        lines += ["", *run_tune(gk, gen)]
+    report = "\n".join(lines) + "\n"
+    Path(args.out).write_text(report)
+    print(report)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU results of benchmarks/results/gpu_*.md, one stage per call of at most 10 minutes:
+#   bash benchmarks/gpu_runs.sh STAGE [OUT_DIR]
+# Stages, in order (later ones reuse the embedded 0.5B model, warm start and runs of earlier ones):
+#   kernels   fast fake-quant kernels vs ModelOpt's, bit for bit and timed; GPU tests; policy-side step time
+#   parity    `qarl parity` on the embedded 0.5B model in bf16, fp16 and fp32
+#   grpo      the warm-start length that gives a low success rate (benchmarks/warm_start_sweep.py), then
+#             QA-GRPO NVFP4 W4A16 on the 0.5B model, bf16 compute + fp32 masters, colocated; then 5 steps
+#             with the engine awake during updates (memory comparison)
+#   fp16      the same run in fp16 compute (dynamic loss scaling)
+#   qad       QAD NVFP4 W4A4 on the 0.5B model
+#   export    the QA-GRPO checkpoint exported (ModelOpt NVFP4, compressed-tensors NVFP4) and loaded by vLLM
+# Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
+set -uo pipefail
+stage="$1"
+out="${2:-${OUT:-benchmarks/results/gpu}}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+qarl() { python3 -m qarl.cli "$@"; }
+keep() { # keep a run's metrics and plot
+  local run="$1" name="$2"
+  cp "$run/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+  cp "$run/metrics.png" "$out/$name.png" 2>/dev/null
+}
+case "$stage" in
+  kernels)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    python3 benchmarks/fake_quant_gpu_check.py --out "$out/fake_quant_gpu_check.md" 2>&1 | tail -40
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15
+    # the weight cache against ModelOpt's uncached path, and the quantized policy, on the GPU's kernels
+    python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_quantize.py 2>&1 | tail -5
+    python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time.md" 2>&1 | grep -v -i warn | tail -12
+    python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_nocache.md" 2>&1 | grep -v -i warn | tail -12
+    ;;
+  parity)
+    for dtype in bfloat16 float16 float32; do
+      qarl parity recipes/parity_0p5b_gpu.yaml "policy.dtype=$dtype" --json > "$out/parity_$dtype.json" 2> "$out/parity_$dtype.log"
+      echo "== $dtype"; tail -3 "$out/parity_$dtype.log"; python3 -c "
+import json, sys
+for name, r in json.load(open('$out/parity_$dtype.json')).items():
+    s, u, f = r['synced'], r['unsynced'], r['unquantized']
+    print(name, 'synced', s['mean_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'], 'floor', f['mean_abs'], f['flipped_tokens'])"
+    done
+    ;;
+  grpo)
+    mkdir -p runs
+    python3 benchmarks/warm_start_sweep.py recipes/qa_grpo_0p5b_gpu.yaml --steps 10 20 40 80 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tee "$out/warm_start_sweep.md" | tail -7
+    grep -o "steps=[0-9]*" "$out/warm_start_sweep.md" | tail -1 | cut -d= -f2 > runs/warm_start_steps
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml "warm_start.steps=$(cat runs/warm_start_steps)" 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tail -12
+    keep runs/qa_grpo_0p5b qa_grpo_0p5b_bf16
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml run.dir=runs/awake trainer.steps=5 eval.every=100 \
+      "warm_start.steps=$(cat runs/warm_start_steps)" \
+      policy.generation.sleep_between_rollouts=off 2>&1 | tail -3
+    keep runs/awake qa_grpo_0p5b_awake
+    ;;
+  fp16)
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml policy.dtype=float16 run.dir=runs/qa_grpo_0p5b_fp16 \
+      "warm_start.steps=$(cat runs/warm_start_steps)" 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tail -8
+    keep runs/qa_grpo_0p5b_fp16 qa_grpo_0p5b_fp16
+    ;;
+  qad)
+    qarl distill recipes/qa_distillation_0p5b_gpu.yaml "warm_start.steps=$(cat runs/warm_start_steps)" 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tail -10
+    keep runs/qa_distillation_0p5b qad_0p5b
+    ;;
+  export)
+    for target in nvfp4_w4a16_modelopt nvfp4_w4a16_compressed_tensors; do
+      qarl export runs/qa_grpo_0p5b --target "export/$target.yaml" --out "exports/$target" --overwrite \
+        --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
+      echo "== $target"; tail -25 "$out/export_$target.json"
+    done
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,150 @@
+"""The policy's optimizer step, shared by every training loop: master weights, fp16 loss scaling, and
+the guard against non-finite losses and gradients.
+
+Mixed precision is a compute-dtype model plus master weights (`Policy.master`), not autocast: the
+model's parameters are the bf16/fp16 tensors its forward, its fake quantizers and the rollout engine
+all use, so the policy computes with exactly the weights vLLM receives, and every layer (norms,
+embeddings, the head) runs in the compute dtype on both sides. The optimizer updates the fp32 masters
+(AdamW state in fp32) and copies them, rounded, into the model after each step; updates far below a
+bf16 ulp accumulate in the master instead of being rounded away. The copy is an in-place `copy_`, so
+the fake-quant weight cache sees the change by itself. When master and compute dtype are equal the
+model's parameters are the masters and this is plain AdamW with gradient clipping.
+
+fp16 compute gets dynamic loss scaling (the loss is multiplied by a scale before backward so small
+gradients survive fp16; an overflow halves the scale and skips the step; 2000 clean steps double it).
+A step whose loss or gradient is not finite is skipped, not applied, and reported; `NonFiniteGuard`
+stops a run after `trainer.max_nonfinite_steps` of them in a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qarl.policy import Policy
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class StepResult:
+    applied: bool
+    nonfinite: bool  # the loss or the unscaled gradient was NaN/inf (not a mere loss-scale overflow)
+    grad_norm: float
+    loss_scale: float | None
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (the usual schedule: start high, halve on overflow, grow slowly)."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000, min_scale: float = 1.0):
+        self.scale, self.growth_interval, self.min_scale = scale, growth_interval, min_scale
+        self.clean_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean_steps = max(self.scale / 2, self.min_scale), 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
+
+class PolicyOptimizer:
+    """AdamW on the policy's master weights: `backward(loss)` per micro-batch, then `step()`."""
+
+    def __init__(self, policy: Policy, lr: float, weight_decay: float, max_grad_norm: float):
+        self.model = policy.model
+        named = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.masters = self.params if policy.master is None else [policy.master[n] for n, _ in named]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.scaler = LossScaler() if self.params and self.params[0].dtype == torch.float16 else None
+        self._loss_finite: torch.Tensor | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_finite = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        finite = torch.isfinite(loss.detach())
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    def step(self) -> StepResult:
+        """Apply the accumulated gradient, or skip it if the loss or the gradient is not finite."""
+        if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads, unscaled
+            inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.to(m.dtype).mul_(inv_scale)
+                p.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+        loss_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
+        grad_finite = bool(torch.isfinite(norm).item())
+        applied = loss_finite and grad_finite
+        if applied:
+            self.optimizer.step()
+            if self.masters is not self.params:
+                with torch.no_grad():
+                    for p, m in zip(self.params, self.masters):
+                        p.copy_(m)  # tracked write: the fake-quant weight cache sees it
+        # an fp16 gradient that overflows only because of the loss scale is not a non-finite gradient
+        overflow = self.scaler is not None and loss_finite and not grad_finite
+        nonfinite = not applied and not (overflow and self.scaler.scale > self.scaler.min_scale)
+        if self.scaler:
+            self.scaler.update(overflow=not applied)
+        self.zero_grad()
+        return StepResult(applied=applied, nonfinite=nonfinite, grad_norm=norm.item(),
+                          loss_scale=self.scaler.scale if self.scaler else None)
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["adamw"])
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+
+def step_metrics(results: list[StepResult]) -> dict[str, float]:
+    """What a metrics row says about a step's optimizer steps (one per `num_iterations` pass)."""
+    row = {"train/skipped": float(sum(not r.applied for r in results)),
+           "train/nonfinite": float(sum(r.nonfinite for r in results))}
+    if results and results[-1].loss_scale is not None:
+        row["train/loss_scale"] = results[-1].loss_scale
+    return row
+
+
+class NonFiniteGuard:
+    """Counts steps with a non-finite loss or gradient; `limit` in a row stop the run with an error."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.total = limit, 0, 0
+
+    def __call__(self, nonfinite: bool, step: int) -> None:
+        if not nonfinite:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"{self.in_a_row} steps in a row (the last: step {step}) had a non-finite loss or gradient; each was "
+                f"skipped, and the run stops here (trainer.max_nonfinite_steps={self.limit}). Checkpoints written "
+                "before stay intact and loadable. Lower trainer.lr, compute in bfloat16 or float32 instead of "
+                "float16 (policy.dtype), keep policy.master_dtype=float32, or raise trainer.max_nonfinite_steps.")

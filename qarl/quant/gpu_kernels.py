@@ -1,0 +1,304 @@
+"""Fast GPU fake quantization (NVFP4, FP8 E4M3 per tensor), bit-identical to ModelOpt 0.47's GPU kernels.
+
+Why bit-identical: qarl keeps one numerical contract per format for training (ModelOpt's
+TensorQuantizer), rollout (the same quantizers inside vLLM) and export; qarl/quant/nvfp4_cpu.py is a
+bit-identical CPU port of the NVFP4 contract. These kernels only make the GPU side fast (ModelOpt's
+NVFP4 kernel takes ~120 us for a 4864x896 bf16 weight; the memory bound is ~6 us): every value is
+computed by the same fp32 operations, in the same order, as ModelOpt's own GPU code, so changing the
+kernel changes no bit. benchmarks/fake_quant_gpu_check.py checks that on a GPU.
+
+NVFP4, replacing ModelOpt's Triton kernel ``fp4_fake_quant_block`` (behind the CUDA kernel of
+``tensorrt::dynamic_block_quantize_op`` on sm_89+). Blocks are 16 consecutive elements of the last
+dim (a ragged last block is zero-padded); fp32 throughout, the result cast to ``x.dtype`` (RNE):
+
+- ``g = fl32(amax * fl32(1/2688))``: ModelOpt computes ``amax.float() / (6 * 448)`` with torch,
+  whose CUDA tensor / Python-scalar division multiplies by the fp32 reciprocal. ``g <= 0`` -> 1e-12.
+  Here it is computed inside the kernel from the amax pointer: one launch, no host synchronisation.
+- ``s = fl32(e4m3(min(bmax / fl32(6 g), 448)) * g)`` (Triton's RNE cast to e4m3), ``s < 1e-5`` ->
+  1.0; ``r = |x| / s``. Both divisions are Triton's fp32 ``/`` (PTX div.full.f32, i.e.
+  ``a * rcp.approx(b)``, not IEEE), exactly as in ModelOpt's kernel.
+- ``q`` = E2M1 magnitude by ModelOpt's thresholds (``<= .25`` -> 0, ``< .75`` -> .5, ``<= 1.25`` -> 1,
+  ``< 1.75`` -> 1.5, ``<= 2.5`` -> 2, ``< 3.5`` -> 3, ``<= 5`` -> 4, else 6); ``y = q * s``, and ``-y``
+  where ``x < 0``: Triton's unary minus, as in ModelOpt's kernel. Up to Triton 3.6 that is
+  ``0 - y``, so -0 becomes +0 (the contract nvfp4_cpu encodes); Triton builds with
+  triton-lang/triton#10270 negate with fneg instead, in both kernels alike.
+
+Only the organisation differs from ModelOpt's kernel: each program takes 128 blocks as a [128, 16]
+tile of the flat tensor (16-byte vector loads, the block max a row reduction), the global scale is
+computed in the kernel, and there is one launch. None of that changes an operation or its operands.
+
+FP8 E4M3 per tensor, replacing ModelOpt's CUDA extension ``fake_e4m3fy`` (``scaled_e4m3_impl``
+behind the CUDA kernel of ``tensorrt::quantize_op`` with num_bits 8, exponent_bits 4, scalar amax).
+The extension is built without --use_fast_math, so its divisions are IEEE (``tl.math.div_rn`` here):
+
+- ``a = amax`` as fp32, ``a <= 2^-24`` -> 1; ``scale = 448 / a``, ``inv = 1 / scale`` (torch ops on
+  the device in ModelOpt, in-kernel here);
+- ``y = fl32(e4m3(x * scale)) * inv`` cast to ``x.dtype``; the e4m3 cast rounds to nearest even and
+  saturates to +-448 (``__nv_fp8_e4m3`` is SATFINITE; here an explicit NaN-preserving clamp).
+- Where the extension cannot be built ModelOpt falls back to ``fp8_eager``, whose ``448.0 / amax``
+  is torch's ``amax.reciprocal() * 448``: ``eager=True`` reproduces that instead.
+
+Not matched: NaN payloads (NaN stays NaN). Anything else ModelOpt's ops are called with (other
+formats, per-channel amax, fp64, CPU tensors, block_size != 16) goes to ModelOpt's implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+
+# Elements per program and warps; benchmarks/fake_quant_gpu_check.py --tune compares others.
+NVFP4_BLOCKS_PER_PROGRAM, NVFP4_NUM_WARPS = 128, 4  # 16-element blocks: 2048 elements
+FP8_BLOCK, FP8_NUM_WARPS = 2048, 4
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NVFP4_OP_ARGS = (4, 2, 8, 4)  # num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
+
+# Set by _kernels() on first use, so importing this module never imports triton. The kernels read
+# `tl` from these module globals: the Triton interpreter (TRITON_INTERPRET=1) only patches a
+# triton.language it finds there, not one captured in a closure.
+triton: Any = None
+tl: Any = None
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_cols", "blocks_per_row", "n_blocks"])
+    def nvfp4_kernel(x_ptr, y_ptr, amax_ptr, n_cols, blocks_per_row, n_blocks,
+                     BLOCKS: tl.constexpr, EVEN: tl.constexpr):
+        """BLOCKS 16-element blocks per program, one per tile row, so a block's max is a row max."""
+        blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        lane = tl.arange(0, 16)
+        if EVEN:  # n_cols % 16 == 0: block b is elements [16 b, 16 b + 16) of the flat tensor
+            start = tl.program_id(0).to(tl.int64) * (BLOCKS * 16)
+            x_ptr += start
+            y_ptr += start
+            offs = tl.arange(0, BLOCKS)[:, None] * 16 + lane[None, :]
+            mask = (blk < n_blocks)[:, None]
+        else:  # ragged rows: the last block of each row is masked (zero-padded)
+            row = blk // blocks_per_row
+            col = (blk - row * blocks_per_row)[:, None] * 16 + lane[None, :]
+            offs = row.to(tl.int64)[:, None] * n_cols + col
+            mask = (blk < n_blocks)[:, None] & (col < n_cols)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+        g = tl.load(amax_ptr).to(tl.float32) * 0.00037202381645329297  # exactly fl32(1/2688)
+        g = tl.where(g > 0.0, g, 1e-12)
+        x_abs = tl.abs(x)
+        s = tl.max(x_abs, axis=1, keep_dims=True) / (6.0 * g)
+        s = tl.minimum(s, 448.0).to(tl.float8e4nv).to(tl.float32) * g
+        s = tl.where(s >= 1e-5, s, 1.0)
+
+        r = x_abs / s
+        q = tl.where(r <= 5.0, 4.0, 6.0)
+        q = tl.where(r < 3.5, 3.0, q)
+        q = tl.where(r <= 2.5, 2.0, q)
+        q = tl.where(r < 1.75, 1.5, q)
+        q = tl.where(r <= 1.25, 1.0, q)
+        q = tl.where(r < 0.75, 0.5, q)
+        q = tl.where(r <= 0.25, 0.0, q)
+        y = q * s
+        y = tl.where(x >= 0, y, -y)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit  # n stays specialised: n % 16 == 0 lets the masked loads vectorise
+    def fp8_kernel(x_ptr, y_ptr, amax_ptr, n, BLOCK: tl.constexpr, EAGER: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n - start
+        a = tl.load(amax_ptr).to(tl.float32)
+        a = tl.where(a <= 5.960464477539063e-08, 1.0, a)  # 2^-24
+        if EAGER:
+            scale = tl.math.div_rn(1.0, a) * 448.0
+        else:
+            scale = tl.math.div_rn(448.0, a)
+        inv = tl.math.div_rn(1.0, scale)
+        x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = x * scale
+        q = tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        y = q.to(tl.float8e4nv).to(tl.float32) * inv
+        tl.store(y_ptr + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    return nvfp4_kernel, fp8_kernel
+
+
+def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, *args: Any, **meta: Any) -> None:
+    """Launch on x's device (Triton launches on the current one; switching costs a few us)."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            kernel[grid](x, *args, **meta)
+    else:
+        kernel[grid](x, *args, **meta)
+
+
+def _prepare(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x contiguous (the kernels index it flat) and amax on x's device, or an error for what they do not take."""
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"fake quant supports {_DTYPES}, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("fake quant needs a tensor with at least one dim")
+    return x.contiguous(), amax.detach().to(x.device)
+
+
+def nvfp4_fake_quant_cuda(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block_size: int = 16,
+    blocks_per_program: int = NVFP4_BLOCKS_PER_PROGRAM,
+    num_warps: int = NVFP4_NUM_WARPS,
+) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of x along its last dim; x's dtype and shape, contiguous.
+
+    amax: the per-tensor amax (a device tensor; several elements: their max, as ModelOpt's op).
+    No autograd: ModelOpt's DynamicBlockQuantizationFunction around the op gives the STE gradient.
+    CUDA tensors (CPU tensors only under TRITON_INTERPRET=1).
+    """
+    if block_size != 16:
+        raise ValueError(f"NVFP4 blocks are 16 elements (ModelOpt's GPU kernel), got {block_size}")
+    x, amax = _prepare(x, amax)
+    if amax.numel() != 1:
+        amax = amax.amax()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    n_cols = x.shape[-1]
+    blocks_per_row = -(-n_cols // 16)
+    n_blocks = x.numel() // n_cols * blocks_per_row
+    if n_blocks >= 2**31 - blocks_per_program:
+        raise ValueError(f"tensor too large for the NVFP4 kernel: {n_blocks} blocks")
+    grid = (-(-n_blocks // blocks_per_program),)
+    _launch(_kernels()[0], grid, x, y, amax, n_cols, blocks_per_row, n_blocks,
+            BLOCKS=blocks_per_program, EVEN=n_cols % 16 == 0, num_warps=num_warps)
+    return y
+
+
+def fp8_fake_quant_cuda(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    eager: bool = False,
+    block: int = FP8_BLOCK,
+    num_warps: int = FP8_NUM_WARPS,
+) -> torch.Tensor:
+    """FP8 E4M3 per-tensor quantize-dequantize of x (scale 448 / amax); x's dtype and shape.
+
+    Bits of ModelOpt's CUDA extension ``fake_e4m3fy``; ``eager=True``: of its fallback ``fp8_eager``.
+    amax: one element, a device tensor. No autograd (ModelOpt's ScaledE4M3Function gives the STE).
+    CUDA tensors (CPU tensors only under TRITON_INTERPRET=1).
+    """
+    if amax.numel() != 1:
+        raise ValueError(f"fp8_fake_quant_cuda is per tensor: amax must have one element, got {amax.numel()}")
+    x, amax = _prepare(x, amax)
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    _launch(_kernels()[1], (-(-x.numel() // block),), x, y, amax, x.numel(),
+            BLOCK=block, EAGER=eager, num_warps=num_warps)
+    return y
+
+
+def available() -> bool:
+    """True where these kernels can replace ModelOpt's: CUDA with native FP8 (sm_89+) and triton.
+
+    Below sm_89 ModelOpt's NVFP4 path is a different (CUDA extension) kernel, and Triton has no e4m3.
+    """
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (8, 9)
+        and importlib.util.find_spec("triton") is not None
+    )
+
+
+_LIB: torch.library.Library | None = None
+
+
+def install() -> bool:
+    """Route ModelOpt's NVFP4 and per-tensor FP8 fake quant on CUDA through these kernels (idempotent).
+
+    Overrides the CUDA kernels of the torch.library ops ModelOpt's autograd Functions call
+    (``tensorrt::dynamic_block_quantize_op`` for NVFP4, ``tensorrt::quantize_op`` for FP8: an op, so
+    no ModelOpt function is patched and no quant config changes). A call is taken only where
+    ModelOpt would run the kernel replaced here, with the same bits; every other call goes to
+    ModelOpt's own implementation. CPU kernels are untouched (nvfp4_cpu.install() handles NVFP4 on CPU).
+    Returns False (and does nothing) without CUDA sm_89+ or triton.
+    """
+    global _LIB
+    if _LIB is not None:
+        return True
+    if not available():
+        return False
+    import modelopt.torch.kernels.quantization.gemm as modelopt_triton
+    from modelopt.torch.quantization import tensor_quant
+
+    block_quantize = tensor_quant._dynamic_block_quantize_impl
+    quantize = tensor_quant._quantize_impl
+
+    def dynamic_block_quantize_cuda(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits,
+                                    scale_exponent_bits):
+        args = (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+        if (
+            args == _NVFP4_OP_ARGS
+            and block_size == 16  # ModelOpt's Triton path ignores block_size: leave others to it
+            and inputs.is_cuda
+            and amax.is_cuda
+            and inputs.dtype in _DTYPES
+            and inputs.dim() > 0
+            # the conditions under which ModelOpt runs fp4_fake_quant_block
+            and modelopt_triton.IS_AVAILABLE
+            and hasattr(modelopt_triton, "fp4_fake_quant_block")
+            and not tensor_quant.DISABLE_TRITON_KERNEL
+        ):
+            return nvfp4_fake_quant_cuda(inputs, amax)
+        return block_quantize(inputs, block_size, amax, *args)
+
+    def quantize_cuda(inputs, amax, num_bits, exponent_bits, unsigned, narrow_range):
+        if (
+            num_bits == 8
+            and exponent_bits == 4
+            and inputs.is_cuda
+            and amax.device == inputs.device
+            and amax.numel() == 1
+            and inputs.dtype in _DTYPES
+            and inputs.dim() > 0
+        ):
+            # ModelOpt's scaled_e4m3_impl: the extension, or fp8_eager where it cannot be built.
+            eager = tensor_quant.get_cuda_ext_fp8(raise_if_failed=False) is None
+            return fp8_fake_quant_cuda(inputs, amax, eager=eager)
+        return quantize(inputs, amax, num_bits, exponent_bits, unsigned, narrow_range)
+
+    lib = torch.library.Library("tensorrt", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
+        lib.impl("dynamic_block_quantize_op", dynamic_block_quantize_cuda, "CUDA", allow_override=True)
+        lib.impl("quantize_op", quantize_cuda, "CUDA", allow_override=True)
+    _LIB = lib
+    return True
+
+
+def uninstall() -> None:
+    """Give the two ops' CUDA kernels back to ModelOpt (for comparisons; no-op if not installed)."""
+    global _LIB
+    if _LIB is not None:
+        _LIB._destroy()
+        _LIB = None
+
+
+@contextlib.contextmanager
+def modelopt_kernels():
+    """Run the body with ModelOpt's own CUDA kernels, re-installing these afterwards if they were."""
+    was = _LIB is not None
+    uninstall()
+    try:
+        yield
+    finally:
+        if was:
+            install()

@@ -1,0 +1,176 @@
+"""qarl's GPU fake-quant kernels (qarl/quant/gpu_kernels.py): bit for bit against ModelOpt's own GPU
+paths, and through ModelOpt's TensorQuantizer after install() (outputs and STE gradients).
+
+The GPU tests skip without CUDA sm_89+ and triton. Two tests run anywhere: install() is a no-op
+without CUDA, and the NVFP4 kernel runs in Triton's interpreter (TRITON_INTERPRET=1, a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from qarl.quant import gpu_kernels as gk
+from qarl.quant import resolve_format
+
+ROOT = Path(__file__).resolve().parents[1]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NVFP4_OP_ARGS = (4, 2, 8, 4)
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not gk.available(), reason="needs CUDA sm_89+ and triton")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype])))
+
+
+def cases(dtype: torch.dtype):
+    """(x, amax) on the GPU: normal, heavy tails, zero and tiny blocks, ragged and 3-D; amax max, max/2, 2max."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    normal = torch.randn(64, 256, device="cuda", generator=gen)
+    heavy = normal / torch.rand(64, 256, device="cuda", generator=gen).clamp_min(0.01)
+    blocks = torch.randn(64, 16, 16, device="cuda", generator=gen)
+    blocks[::3] = 0
+    blocks[1::3] *= 1e-7
+    for x in (normal, heavy, blocks.view(64, 256), torch.randn(7, 40, device="cuda", generator=gen),
+              torch.randn(2, 8, 64, device="cuda", generator=gen) * 3):
+        x = x.to(dtype)
+        for f in (1.0, 0.5, 2.0):
+            yield x, x.float().abs().amax() * f
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_matches_modelopt_triton_kernel(dtype):
+    from modelopt.torch.quantization import tensor_quant
+
+    for x, amax in cases(dtype):
+        ref = tensor_quant._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS)
+        assert same_bits(gk.nvfp4_fake_quant_cuda(x, amax), ref)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_matches_modelopt_extension_and_eager(dtype):
+    from modelopt.torch.quantization import tensor_quant
+
+    ext = tensor_quant.get_cuda_ext_fp8(raise_if_failed=False) is not None
+    for x, amax in [*cases(dtype), (torch.zeros(8, 32, device="cuda", dtype=dtype), torch.zeros((), device="cuda"))]:
+        ref = tensor_quant._quantize_impl(x, amax, 8, 4, False, False)  # extension, or fp8_eager without it
+        assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=not ext), ref)
+        assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=True), tensor_quant.fp8_eager(x, amax))
+
+
+@gpu
+@needs_gpu
+def test_install_delegates_what_it_does_not_replace():
+    from modelopt.torch.quantization import tensor_quant
+
+    assert gk.install() and gk.install()  # idempotent
+    x = torch.randn(32, 64, device="cuda").to(torch.bfloat16)
+    amax = x.float().abs().amax()
+    # block_size 32: ModelOpt's own path (its Triton kernel ignores the block size)
+    got = torch.ops.tensorrt.dynamic_block_quantize_op(x, 32, amax, *NVFP4_OP_ARGS)
+    assert same_bits(got, tensor_quant._dynamic_block_quantize_impl(x, 32, amax, *NVFP4_OP_ARGS))
+    # per-channel FP8: ModelOpt's extension
+    amax_rows = x.float().abs().amax(1, keepdim=True)
+    got = torch.ops.tensorrt.quantize_op(x, amax_rows, 8, 4, False, False)
+    assert same_bits(got, tensor_quant._quantize_impl(x, amax_rows, 8, 4, False, False))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["nvfp4_w4a4", "fp8_w8a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_quantizer_same_outputs_and_gradients(fmt, dtype, monkeypatch):
+    """A model quantized by mtq.quantize with qarl's configs: identical with ModelOpt's kernels and with qarl's."""
+    import modelopt.torch.quantization as mtq
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    model = model.to("cuda", dtype)
+    x = torch.randn(4, 16, 256, device="cuda", dtype=dtype)
+    mtq.quantize(model, resolve_format(fmt).modelopt_cfg, forward_loop=lambda m: m(x))
+
+    def run() -> list[torch.Tensor]:
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.float().square().mean().backward()
+        return [out.detach(), xi.grad, *(p.grad for p in model.parameters())]
+
+    assert gk.install()
+    with gk.modelopt_kernels():
+        ref = run()
+    calls = []
+    name = "nvfp4_fake_quant_cuda" if fmt.startswith("nvfp4") else "fp8_fake_quant_cuda"
+    kernel = getattr(gk, name)
+    monkeypatch.setattr(gk, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = run()
+    assert calls, f"qarl's {name} was not called"
+    for a, b in zip(ref, got):
+        assert same_bits(a, b)
+
+
+def test_install_is_a_noop_without_cuda():
+    if gk.available():
+        pytest.skip("CUDA sm_89+ present")
+    assert gk.install() is False
+    assert gk._LIB is None
+
+
+# Tie-free data for the interpreter, whose fp32 `/` is IEEE (the GPU's is a * rcp.approx(b): an exact
+# E2M1 midpoint may round differently) and whose float8 / bf16 casts are approximate (no ties to even,
+# bf16 truncated): so every block max is exactly 6 * (an E4M3 code) * g with g = 2^-3, the block
+# scales are exact, no |x| / s comes within 1% of a midpoint, and the outputs are exact in every dtype.
+# Zeros are compared as values: their sign follows the installed Triton's unary minus (the GPU check's job).
+_INTERPRETER_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from qarl.quant import gpu_kernels as gk, nvfp4_cpu as nv
+
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.tensor(2688.0 / 8)
+    g = float(amax * nv._INV_GLOBAL)
+    assert g == 0.125, g
+    codes = nv._E4M3_CODES[(nv._E4M3_CODES >= 2**-6) & (nv._E4M3_CODES <= 448)]
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    bad = []
+    for shape in [(32, 64), (5, 40), (2, 3, 48), (100,)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            last, rows = shape[-1], torch.Size(shape[:-1]).numel()
+            nb = -(-last // 16)
+            s = (codes[torch.randint(0, len(codes), (rows, nb), generator=gen)] * g).repeat_interleave(16, 1)
+            r = torch.rand(rows, nb * 16, generator=gen) * 6.0
+            r.view(rows, nb, 16)[..., 0] = 6.0
+            sign = torch.where(torch.rand(r.shape, generator=gen) < 0.5, -1.0, 1.0)
+            x = (sign * r * s)[:, :last].to(dtype)
+            q = x.double().abs() / s[:, :last].double()
+            x[((q[..., None] - mids).abs() < 0.01 * mids).any(-1)] = 0
+            x = x.reshape(shape)
+            y = gk.nvfp4_fake_quant_cuda(x, amax, blocks_per_program=8)
+            ref = nv.nvfp4_fake_quant(x, amax)
+            if y.dtype != x.dtype or not torch.equal(y, ref):
+                bad.append((shape, dtype, int((y != ref).sum())))
+    print(bad)
+    sys.exit(1 if bad else 0)
+""")
+
+
+def test_nvfp4_kernel_in_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

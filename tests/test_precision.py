@@ -1,0 +1,117 @@
+"""Mixed precision (fp32 master weights, bf16/fp16 compute, fp16 loss scaling), the non-finite guard and
+the optional metric loggers: on the real tiny policy, and end to end with real vLLM in subprocesses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
+from qarl.config import PolicyConfig
+from qarl.metrics import read_metrics
+from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult, TrainingDiverged
+from qarl.policy import build_policy, score_completions
+
+from .test_train import SMALL
+
+
+def _policy(task, tiny_dir, dtype: str):
+    cfg = PolicyConfig(quant_cfg="nvfp4_a16", quant_calib_size=16, dtype=dtype)
+    torch.manual_seed(0)
+    return build_policy(cfg, task.calibration_texts(16), model_dir=tiny_dir, trainable=True)
+
+
+def _loss(policy, task, scale: float = 1.0):
+    tok = policy.tokenizer
+    prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
+    comps = [tok(p.answer).input_ids for p in task.train[:8]]
+    return -score_completions(policy.model, prompts, comps, tok.pad_token_id).logprobs.sum() * scale
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_planted_nan_loss_is_skipped_and_the_next_step_applies(task, tiny_dir, dtype):
+    policy = _policy(task, tiny_dir, dtype)
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    before = {n: m.clone() for n, m in policy.master.items()}
+    weights = [p.detach().clone() for p in policy.model.parameters()]
+    optimizer.backward(_loss(policy, task, scale=float("nan")))
+    result = optimizer.step()
+    assert not result.applied and result.nonfinite
+    assert all(torch.equal(before[n], m) for n, m in policy.master.items())
+    assert all(torch.equal(w, p) for w, p in zip(weights, policy.model.parameters()))
+    for _ in range(8):  # fp16: overflows first lower the loss scale until the gradient fits
+        optimizer.backward(_loss(policy, task))
+        result = optimizer.step()
+        assert not result.nonfinite
+        if result.applied:
+            break
+    assert result.applied and result.grad_norm > 0
+    assert not all(torch.equal(before[n], m) for n, m in policy.master.items())
+
+
+def test_fp16_overflow_lowers_the_loss_scale_without_counting_as_nonfinite(task, tiny_dir):
+    policy = _policy(task, tiny_dir, "float16")
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    assert optimizer.scaler is not None and optimizer.scaler.scale == 2.0**16
+    optimizer.backward(_loss(policy, task, scale=1e4))  # x 65536 overflows fp16 gradients
+    result = optimizer.step()
+    assert not result.applied and not result.nonfinite and result.loss_scale == 2.0**15
+    scaler = LossScaler(scale=4.0, growth_interval=2)
+    for overflow in (False, False, True):
+        scaler.update(overflow)
+    assert scaler.scale == 4.0  # doubled after 2 clean steps, halved by the overflow
+
+
+def test_guard_stops_after_the_limit_in_a_row():
+    guard = NonFiniteGuard(limit=2)
+    guard(True, 1)
+    guard(False, 2)  # a clean step resets the count
+    guard(True, 3)
+    with pytest.raises(TrainingDiverged, match="trainer.max_nonfinite_steps=2"):
+        guard(True, 4)
+    assert guard.total == 3
+    assert StepResult(applied=True, nonfinite=False, grad_norm=1.0, loss_scale=None).applied
+
+
+def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_tiny.yaml", f"run.dir={run_dir}", *SMALL, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_compute_with_fp32_masters_trains_without_nan(tmp_path, dtype):
+    proc = _run(tmp_path / dtype, f"policy.dtype={dtype}", "run.loggers=[tensorboard]")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_metrics(tmp_path / dtype / "metrics.jsonl")
+    steps = [r for r in rows if r.get("reward/mean") is not None]
+    assert len(steps) == 4 and all(r["loss"] is not None and r["grad_norm"] is not None for r in steps)
+    assert all(r["train/skipped"] == 0 for r in steps)
+    assert all(r["mismatch/kl"] is not None for r in steps)
+    assert ("train/loss_scale" in steps[0]) == (dtype == "float16")
+    checkpoint = complete_checkpoints(tmp_path / dtype)[-1]
+    saved = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in saved.values())  # the masters, not the bf16/fp16 copy
+    resumed = load_policy_checkpoint(checkpoint, PolicyConfig(dtype=dtype), trainable=True)
+    assert resumed.model.dtype == getattr(torch, dtype) and resumed.master is not None
+    events = list((tmp_path / dtype / "tensorboard").glob("events.out.tfevents.*"))
+    assert events, "tensorboard logger wrote nothing"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(events[0].parent)).Reload().Scalars("reward/mean")
+    assert [s.value for s in scalars] == pytest.approx([r["reward/mean"] for r in steps])
+
+
+def test_a_diverging_run_stops_with_an_error_naming_the_setting(tmp_path):
+    run_dir = tmp_path / "diverges"
+    proc = _run(run_dir, "trainer.lr=1e30", "checkpoint.every=1", "trainer.max_nonfinite_steps=2")
+    assert proc.returncode == 1
+    assert "trainer.max_nonfinite_steps=2" in proc.stderr and "Traceback" not in proc.stderr
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["train/nonfinite"] for r in rows] == [0, 1, 1]  # step 0 applied (and blew the weights up)
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["step_1", "step_2"]  # none after the stop
+    load_policy_checkpoint(run_dir, PolicyConfig())  # what was written stays loadable

@@ -1,0 +1,175 @@
+"""The fake-quant weight cache (qarl/quant/weight_cache.py) on real ModelOpt quantizers: the same bits
+and the same gradients as ModelOpt's uncached path, one quantization per change of the weights, and
+every way the weights or amax change invalidates it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qarl.config import PolicyConfig
+from qarl.optim import PolicyOptimizer
+from qarl.policy import build_policy, score_completions
+from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
+from qarl.quant.quantize import quantized_linears, share_fused_amax
+from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
+
+from .conftest import FORMATS
+
+
+def _policy(task, tiny_dir, fmt: str, cache: bool = True, **overrides):
+    cfg = PolicyConfig(quant_cfg=fmt, quant_calib_size=32, quant_weight_cache=cache, **overrides)
+    torch.manual_seed(0)
+    return build_policy(cfg, task.calibration_texts(32), model_dir=tiny_dir, trainable=True)
+
+
+def _loss(policy, task):
+    tok = policy.tokenizer
+    prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
+    comps = [tok(p.answer).input_ids for p in task.train[:8]]
+    return -score_completions(policy.model, prompts, comps, tok.pad_token_id).logprobs.sum()
+
+
+def _uncached(quantizer, weight):
+    """ModelOpt's own output for this weight now, bypassing the cache."""
+    with torch.no_grad():
+        return super(WeightCacheMixin, quantizer).forward(weight)
+
+
+def _layer(policy):
+    return policy.model.model.layers[0].self_attn.q_proj
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, tiny_dir, fmt):
+    cached, plain = _policy(task, tiny_dir, fmt), _policy(task, tiny_dir, fmt, cache=False)
+    assert isinstance(_layer(cached).weight_quantizer, WeightCacheMixin)
+    assert not isinstance(_layer(plain).weight_quantizer, WeightCacheMixin)
+    optimizers = [PolicyOptimizer(p, 1e-3, 0.0, 1.0) for p in (cached, plain)]
+    for step in range(3):  # a forward after each optimizer step sees the new weights
+        losses = [_loss(p, task) for p in (cached, plain)]
+        assert torch.equal(losses[0], losses[1]), f"step {step}"
+        for opt, loss in zip(optimizers, losses):
+            opt.zero_grad()
+            opt.backward(loss)
+        for a, b in zip(optimizers[0].params, optimizers[1].params):
+            assert torch.equal(a.grad, b.grad)
+        for opt in optimizers:
+            assert opt.step().applied
+    for (name, a), (_, b) in zip(folded_weights(cached.model), folded_weights(plain.model)):
+        assert torch.equal(a, b), name
+
+
+def test_one_quantization_per_change_of_the_weights(task, tiny_dir):
+    policy = _policy(task, tiny_dir, "nvfp4_w4a4")
+    quantizer = _layer(policy).weight_quantizer
+    _loss(policy, task)
+    first = quantizer._qarl_value
+    with torch.no_grad():
+        _loss(policy, task)
+    dict(folded_weights(policy.model))  # the refit fold reads the same tensor
+    assert quantizer._qarl_value is first
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    optimizer.backward(_loss(policy, task))
+    optimizer.step()
+    _loss(policy, task)
+    assert quantizer._qarl_value is not first
+    assert torch.equal(quantizer._qarl_value, _uncached(quantizer, _layer(policy).weight))
+    quantized = [m.weight for _, m in quantized_linears(policy.model) if m.weight_quantizer.is_enabled]
+    assert cache_bytes(policy.model) == sum(w.numel() * w.element_size() for w in quantized)
+
+
+@pytest.mark.parametrize("optimizer_kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_every_optimizer_implementation_invalidates(task, tiny_dir, optimizer_kwargs):
+    policy = _policy(task, tiny_dir, "nvfp4_a16", cache=True)
+    layer = _layer(policy)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, **optimizer_kwargs)
+    _loss(policy, task).backward()
+    before = layer.weight_quantizer(layer.weight).detach().clone()
+    optimizer.step()
+    after = layer.weight_quantizer(layer.weight)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, _uncached(layer.weight_quantizer, layer.weight))
+
+
+def test_weight_and_amax_writes_invalidate(task, tiny_dir):
+    policy = _policy(task, tiny_dir, "fp8_w8a8")
+    layer = _layer(policy)
+    quantizer = layer.weight_quantizer
+
+    def fresh() -> bool:
+        return torch.equal(quantizer(layer.weight), _uncached(quantizer, layer.weight))
+
+    assert fresh()
+    state = copy.deepcopy(policy.model.state_dict())
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # in-place write
+    assert fresh()
+    policy.model.load_state_dict(state)  # checkpoint-style load
+    assert fresh() and torch.equal(quantizer(layer.weight), _uncached(quantizer, state["model.layers.0.self_attn.q_proj.weight"]))
+    amax = quantizer_state(policy.model)
+    quantizer.amax = quantizer.amax * 0.5  # ModelOpt's setter (writes through .data)
+    assert fresh()
+    load_quantizer_state(policy.model, amax)  # restore a saved quantizer state
+    assert fresh()
+    quantizer.amax = quantizer.amax * 3.0
+    share_fused_amax(policy.model)  # calibration's fused-amax step
+    assert fresh()
+    with torch.no_grad():
+        layer.weight.data.copy_(layer.weight * 0.25)  # invisible to version counters: the documented escape hatch
+    invalidate(policy.model)
+    assert fresh()
+
+
+def test_clipping_straight_through_gradient_matches_modelopt(task, tiny_dir, tmp_path):
+    """With pass_through_bwd off, ModelOpt zeroes the gradient where |w| > amax; so does the cache."""
+    cfg = tmp_path / "fp8_clip.yaml"
+    cfg.write_text(open("quant_configs/fp8_w8a8.yaml").read().replace("axis: null", "axis: null\n      pass_through_bwd: false"))
+    assert "pass_through_bwd: false" in cfg.read_text()
+    grads = []
+    for cache in (True, False):
+        policy = _policy(task, tiny_dir, str(cfg), cache=cache)
+        layer = _layer(policy)
+        layer.weight_quantizer.amax = layer.weight_quantizer.amax * 0.5  # clip half the range
+        _loss(policy, task).backward()
+        grads.append(layer.weight.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert (grads[0] == 0).float().mean() > 0.01  # some gradients really are clipped
+
+
+def test_bf16_compute_with_fp32_master_weights(task, tiny_dir):
+    """Master weights stay fp32, the model computes in bf16 from their rounding, and an update far
+    below a bf16 ulp accumulates in the master instead of vanishing."""
+    policy = _policy(task, tiny_dir, "nvfp4_a16", dtype="bfloat16")
+    layer = _layer(policy)
+    master = policy.master["model.layers.0.self_attn.q_proj.weight"]
+    assert master.dtype == torch.float32 and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, master.to(torch.bfloat16))
+    optimizer = PolicyOptimizer(policy, 1e-6, 0.0, 1.0)
+    start = master.clone()
+    for _ in range(3):
+        optimizer.backward(_loss(policy, task))
+        assert optimizer.step().applied
+    assert not torch.equal(master, start)
+    assert torch.equal(layer.weight, master.to(torch.bfloat16))
+    assert torch.equal(layer.weight_quantizer(layer.weight), _uncached(layer.weight_quantizer, layer.weight))
+    saved = policy.master_state_dict()
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+    assert saved["lm_head.weight"].data_ptr() == saved["model.embed_tokens.weight"].data_ptr()  # tied: one master
+
+
+def test_a_format_change_invalidates(task, tiny_dir):
+    import modelopt.torch.quantization as mtq
+
+    policy = _policy(task, tiny_dir, "nvfp4_a16")
+    layer = _layer(policy)
+    nvfp4 = layer.weight_quantizer(layer.weight).clone()
+    mtq.set_quantizer_by_cfg(policy.model, [{"quantizer_name": "*weight_quantizer",
+                                             "cfg": {"num_bits": (4, 3), "axis": None}}])  # FP8 now
+    fp8 = layer.weight_quantizer(layer.weight)
+    assert not torch.equal(fp8, nvfp4)
+    assert torch.equal(fp8, _uncached(layer.weight_quantizer, layer.weight))
+    mtq.set_quantizer_by_cfg(policy.model, [{"quantizer_name": "*weight_quantizer", "enable": False}])
+    assert torch.equal(layer.weight_quantizer(layer.weight), layer.weight)
