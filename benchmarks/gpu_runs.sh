@@ -5,11 +5,12 @@
 #   kernels   fast fake-quant kernels vs ModelOpt's, bit for bit and timed; GPU tests; policy-side step time
 #   parity    `qarl parity` on the embedded 0.5B model in bf16, fp16 and fp32
 #   grpo      the warm-start length that gives a low success rate (benchmarks/warm_start_sweep.py), then
-#             QA-GRPO NVFP4 W4A16 on the 0.5B model, bf16 compute + fp32 masters, colocated; then 5 steps
-#             with the engine awake during updates (memory comparison)
+#             QA-GRPO NVFP4 W4A16 on the 0.5B model, bf16 compute + fp32 masters, colocated
+#   awake     5 steps of the same run with the engine awake during updates (memory comparison)
 #   fp16      the same run in fp16 compute (dynamic loss scaling)
 #   qad       QAD NVFP4 W4A4 on the 0.5B model
 #   export    the QA-GRPO checkpoint exported (ModelOpt NVFP4, compressed-tensors NVFP4) and loaded by vLLM
+#   fp8       a short FP8 QA-GRPO run exported (ModelOpt FP8, compressed-tensors FP8) and loaded by vLLM
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -50,9 +51,10 @@ for name, r in json.load(open('$out/parity_$dtype.json')).items():
     qarl train recipes/qa_grpo_0p5b_gpu.yaml "warm_start.steps=$(cat runs/warm_start_steps)" 2>&1 \
       | grep -v -i "warn\|it/s\]" | tail -12
     keep runs/qa_grpo_0p5b qa_grpo_0p5b_bf16
+    ;;
+  awake)
     qarl train recipes/qa_grpo_0p5b_gpu.yaml run.dir=runs/awake trainer.steps=5 eval.every=100 \
-      "warm_start.steps=$(cat runs/warm_start_steps)" \
-      policy.generation.sleep_between_rollouts=off 2>&1 | tail -3
+      "warm_start.steps=$(cat runs/warm_start_steps)" policy.generation.sleep_between_rollouts=off 2>&1 | tail -3
     keep runs/awake qa_grpo_0p5b_awake
     ;;
   fp16)
@@ -71,6 +73,17 @@ for name, r in json.load(open('$out/parity_$dtype.json')).items():
       qarl export runs/qa_grpo_0p5b --target "export/$target.yaml" --out "exports/$target" --overwrite \
         --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
       echo "== $target"; tail -25 "$out/export_$target.json"
+    done
+    ;;
+  fp8)
+    # a short FP8 W8A8 QA-GRPO run of the warm-started 0.5B model, exported (ModelOpt FP8, compressed-tensors
+    # FP8) and loaded by vLLM; the warm start is the one the grpo stage chose (80 steps on an H100)
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=fp8_w8a8 run.dir=runs/qa_grpo_0p5b_fp8 \
+      trainer.steps=10 eval.every=10 "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
+    for target in fp8_w8a8_modelopt fp8_w8a8_compressed_tensors; do
+      qarl export runs/qa_grpo_0p5b_fp8 --target "export/$target.yaml" --out "exports/$target" --overwrite \
+        --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
+      echo "== $target"; grep -A4 '"vllm"\|qarl-decode' "$out/export_$target.json" | head -20
     done
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -101,8 +101,9 @@ class ProgressFigures:
 
 
 def device_memory_gib() -> dict[str, float]:
-    """GPU memory in use on the device right now (every process and allocator, vLLM's included),
-    and the policy's peak through torch's allocator since the last call; nothing on CPU."""
+    """GPU memory in use on the device right now (every allocator, vLLM's sleeping pool included), and
+    the peak of torch's allocator since the last call (the policy's tensors and vLLM's activations,
+    which also come from it); nothing on CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -110,7 +111,7 @@ def device_memory_gib() -> dict[str, float]:
     free, total = torch.cuda.mem_get_info()
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    return {"perf/gpu_mem_used_gib": (total - free) / 2**30, "perf/policy_peak_mem_gib": peak / 2**30}
+    return {"perf/gpu_mem_used_gib": (total - free) / 2**30, "perf/torch_peak_mem_gib": peak / 2**30}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import torch
 
 from qarl.parity import measure
 from qarl.policy import score_completions
+from qarl.quant import folded_weights
 
 from .conftest import FORMATS
 
@@ -103,14 +104,20 @@ def test_200_refits_do_not_grow_memory(engine, make_policy):
     assert growth <= 0.05
 
 
-def test_amax_sync_costs_little_next_to_weights(engine, make_policy):
-    """Refit weights+amax vs weights only, timed inside each refit (so both parts see the same machine
-    load): the median of (weights + amax) / weights over 30 refits. benchmarks/refit_time.py reports
-    the whole-refit figures for the tiny and a 20M-parameter model."""
+def test_amax_sync_is_a_few_scalars_written_in_place(engine, make_policy):
+    """Syncing amax adds one fp32 scalar per quantized input next to the weights, written into the
+    engine's own amax tensors (no new tensors: what a captured graph reads stays valid). The time it
+    takes is reported by benchmarks/refit_time.py, not asserted here."""
     policy = make_policy("nvfp4_w4a4")
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
-    ratios = sorted((t.weights_s + t.amax_s) / t.weights_s for t in (engine.refit(policy.model) for _ in range(30)))
-    ratio = ratios[len(ratios) // 2]
-    print(f"refit weights+amax / weights only: {ratio:.4f}")
-    assert ratio <= 1.05
+    links = engine._input_quantizer_links(policy.model)
+    before = [e.amax for e, _ in links]
+    for e, _ in links:
+        e.amax.mul_(2.0)  # a stale engine-side value that the next refit must overwrite
+    engine.refit(policy.model)
+    assert all(e.amax is b for (e, _), b in zip(links, before))
+    assert all(torch.equal(e.amax, p.amax) for e, p in links)
+    amax_bytes = sum(p.amax.numel() * p.amax.element_size() for _, p in links)
+    weight_bytes = sum(t.numel() * t.element_size() for _, t in folded_weights(policy.model))
+    assert amax_bytes / weight_bytes < 1e-4

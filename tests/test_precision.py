@@ -3,6 +3,7 @@ the optional metric loggers: on the real tiny policy, and end to end with real v
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,12 +81,13 @@ def test_guard_stops_after_the_limit_in_a_row():
 
 def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_tiny.yaml", f"run.dir={run_dir}", *SMALL, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # never the network
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_compute_with_fp32_masters_trains_without_nan(tmp_path, dtype):
-    proc = _run(tmp_path / dtype, f"policy.dtype={dtype}", "run.loggers=[tensorboard]")
+    proc = _run(tmp_path / dtype, f"policy.dtype={dtype}", "run.loggers=[tensorboard,wandb]")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = read_metrics(tmp_path / dtype / "metrics.jsonl")
     steps = [r for r in rows if r.get("reward/mean") is not None]
@@ -104,6 +106,8 @@ def test_low_precision_compute_with_fp32_masters_trains_without_nan(tmp_path, dt
 
     scalars = EventAccumulator(str(events[0].parent)).Reload().Scalars("reward/mean")
     assert [s.value for s in scalars] == pytest.approx([r["reward/mean"] for r in steps])
+    wandb_runs = list((tmp_path / dtype / "wandb").glob("offline-run-*/run-*.wandb"))  # offline: a local file
+    assert len(wandb_runs) == 1 and wandb_runs[0].stat().st_size > 1000
 
 
 def test_a_diverging_run_stops_with_an_error_naming_the_setting(tmp_path):

@@ -14,6 +14,7 @@ from qarl.optim import PolicyOptimizer
 from qarl.policy import build_policy, score_completions
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
+from qarl.quant.lean_forward import lean_forward
 from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
 from .conftest import FORMATS
@@ -47,6 +48,7 @@ def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, ti
     cached, plain = _policy(task, tiny_dir, fmt), _policy(task, tiny_dir, fmt, cache=False)
     assert isinstance(_layer(cached).weight_quantizer, WeightCacheMixin)
     assert not isinstance(_layer(plain).weight_quantizer, WeightCacheMixin)
+    assert type(_layer(cached)).forward is lean_forward and type(_layer(plain)).forward is not lean_forward
     optimizers = [PolicyOptimizer(p, 1e-3, 0.0, 1.0) for p in (cached, plain)]
     for step in range(3):  # a forward after each optimizer step sees the new weights
         losses = [_loss(p, task) for p in (cached, plain)]

@@ -69,12 +69,13 @@ SLEEP_MODES = ("auto", "on", "off")
 def sleeps_between_rollouts(cfg: GenerationConfig) -> bool:
     """Whether the engine sleeps while the policy trains: "auto" = on a GPU. vLLM's sleep mode needs
     CUDA, so "on" without it is refused (before any engine starts)."""
-    if cfg.sleep_between_rollouts not in SLEEP_MODES:
+    mode = {"true": "on", "false": "off"}.get(str(cfg.sleep_between_rollouts).lower(), str(cfg.sleep_between_rollouts))
+    if mode not in SLEEP_MODES:  # YAML reads a bare on/off as a boolean: both spellings are accepted
         raise ConfigError(f"policy.generation.sleep_between_rollouts={cfg.sleep_between_rollouts!r}; choose one of {SLEEP_MODES}")
-    if cfg.sleep_between_rollouts == "on" and not torch.cuda.is_available():
+    if mode == "on" and not torch.cuda.is_available():
         raise ConfigError("policy.generation.sleep_between_rollouts=on needs a CUDA GPU (vLLM's sleep mode); "
                           "use auto or off on this machine")
-    return cfg.sleep_between_rollouts != "off" and torch.cuda.is_available()
+    return mode != "off" and torch.cuda.is_available()
 
 
 class VLLMEngine:
@@ -178,7 +179,10 @@ class VLLMEngine:
         loaded = time.perf_counter()
         if sync_amax:
             for engine_quantizer, policy_quantizer in self._input_quantizer_links(policy_model):
-                engine_quantizer.amax = policy_quantizer.amax
+                if engine_quantizer.amax is None or engine_quantizer.amax.shape != policy_quantizer.amax.shape:
+                    engine_quantizer.amax = policy_quantizer.amax  # the first refit creates the buffer
+                else:  # later ones write into it: the engine's tensors never change identity
+                    engine_quantizer.amax.copy_(policy_quantizer.amax)
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded)
 

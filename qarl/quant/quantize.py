@@ -15,6 +15,7 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
+from qarl.quant.lean_forward import enable_lean_forward
 from qarl.quant.weight_cache import enable_weight_cache
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
@@ -96,7 +97,9 @@ def quantize_policy(
 
     `calibration_batches` is called only after the cheap checks pass. Pass None when the amax will be
     loaded from a saved quantizer state instead. `weight_cache`: quantize each weight once per change
-    of the weights instead of at every forward (qarl/quant/weight_cache.py; same bits).
+    of the weights instead of at every forward (qarl/quant/weight_cache.py), and call the quantizers
+    of each linear layer without ModelOpt's per-call module machinery (lean_forward.py); same bits.
+    Off, the model runs ModelOpt's own path unchanged.
     """
     import modelopt.torch.quantization as mtq
 
@@ -108,6 +111,7 @@ def quantize_policy(
     check_block_sizes(model, fmt)
     if weight_cache:
         enable_weight_cache(model)
+        enable_lean_forward(model)
     if calibration_batches is None:
         return model
     batches = list(calibration_batches())
