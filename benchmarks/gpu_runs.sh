@@ -6,7 +6,7 @@
 #   parity    `qarl parity` on the embedded 0.5B model in bf16, fp16 and fp32
 #   grpo      the warm-start length that gives a low success rate (benchmarks/warm_start_sweep.py), then
 #             QA-GRPO NVFP4 W4A16 on the 0.5B model, bf16 compute + fp32 masters, colocated
-#   awake     5 steps of the same run with the engine awake during updates (memory comparison)
+#   memory    8 steps of that run colocated (engine asleep during updates) and 8 with the engine awake
 #   fp16      the same run in fp16 compute (dynamic loss scaling)
 #   qad       QAD NVFP4 W4A4 on the 0.5B model
 #   export    the QA-GRPO checkpoint exported (ModelOpt NVFP4, compressed-tensors NVFP4) and loaded by vLLM
@@ -52,10 +52,19 @@ for name, r in json.load(open('$out/parity_$dtype.json')).items():
       | grep -v -i "warn\|it/s\]" | tail -12
     keep runs/qa_grpo_0p5b qa_grpo_0p5b_bf16
     ;;
-  awake)
-    qarl train recipes/qa_grpo_0p5b_gpu.yaml run.dir=runs/awake trainer.steps=5 eval.every=100 \
-      "warm_start.steps=$(cat runs/warm_start_steps)" policy.generation.sleep_between_rollouts=off 2>&1 | tail -3
-    keep runs/awake qa_grpo_0p5b_awake
+  memory)
+    # colocated (the engine sleeps during updates) vs awake: device memory at the end of each phase
+    for sleep in on off; do
+      qarl train recipes/qa_grpo_0p5b_gpu.yaml "run.dir=runs/sleep_$sleep" trainer.steps=8 eval.every=100 \
+        "policy.generation.sleep_between_rollouts=$sleep" 2>&1 | tail -2
+      keep "runs/sleep_$sleep" "memory_sleep_$sleep"
+      python3 -c "
+import json, statistics as st
+rows = [json.loads(l) for l in open('runs/sleep_$sleep/metrics.jsonl') if 'perf/step_s' in l][1:]
+med = lambda k: st.median(r[k] for r in rows)
+print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout_gib', 'perf/gpu_mem_after_update_gib',
+      'perf/torch_peak_rollout_gib', 'perf/torch_peak_update_gib', 'perf/step_s', 'perf/rollout_s', 'perf/train_s')})"
+    done
     ;;
   fp16)
     qarl train recipes/qa_grpo_0p5b_gpu.yaml policy.dtype=float16 run.dir=runs/qa_grpo_0p5b_fp16 \

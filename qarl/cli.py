@@ -15,8 +15,7 @@ import contextlib
 import json
 import sys
 
-from qarl.config import ConfigError, RecipeConfig, load_recipe
-from qarl.optim import TrainingDiverged
+from qarl.config import ConfigError, RecipeConfig, TrainingDiverged, load_recipe
 from qarl.rewards import RewardError
 
 
@@ -34,6 +33,13 @@ def _train(args: argparse.Namespace) -> int:
     from qarl.train import train
 
     train(load_recipe(args.recipe, args.overrides, RecipeConfig))
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from qarl.distill import distill
+
+    distill(load_recipe(args.recipe, args.overrides, RecipeConfig))
     return 0
 
 
@@ -62,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("target", help="a checkpoint, a run directory (newest checkpoint) or a model")
     evaluate.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
     evaluate.set_defaults(func=_eval)
-    from qarl.distill import add_distill_command
-    from qarl.export.cli import add_export_command
+    distill = sub.add_parser("distill", help="on-policy quantization-aware distillation (QAD) from a "
+                                             "full-precision teacher, from a recipe")
+    distill.add_argument("recipe")
+    distill.add_argument("overrides", nargs="*",
+                         help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
+    distill.set_defaults(func=_distill)
+    from qarl.export.cli import add_export_command  # argparse only: the export itself is imported when run
 
-    add_distill_command(sub)
     add_export_command(sub)
     args = parser.parse_args(argv)
     try:

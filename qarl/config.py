@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A recipe, override or setting that cannot be used; the message says what to change."""
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient (raised by qarl.optim's guard)."""
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"

@@ -17,12 +17,11 @@ at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy, 
 
 What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, evaluation,
 checkpoints, metrics) comes from qarl.train and the modules it uses; this file holds what
-distillation adds. `qarl distill RECIPE [a.b=c ...]` runs it.
+distillation adds. `qarl distill RECIPE [a.b=c ...]` (qarl/cli.py) runs it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
@@ -356,10 +355,11 @@ def distill(cfg: RecipeConfig) -> Path:
         batch = rollout(engine, student, problems, t.num_generations, seed=cfg.run.seed * 1_000_003 + step * t.batch_size)
         reward_values, reward_parts = rewards(batch.texts, [p.answer for p in problems for _ in range(t.num_generations)])
 
+        rollout_memory = device_memory_gib("rollout")
         train_start = time.perf_counter()
         engine.sleep()  # colocated on one GPU: the engine's memory is the models' during the update
         update = distill_update(student, teacher, optimizer, batch, cfg, learning_rate(cfg, step))
-        memory = device_memory_gib()
+        memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
         refit = engine.refit(student.model)
@@ -395,18 +395,3 @@ def distill_summary(rows: list[dict[str, Any]]) -> str:
         lines.append(f"held-out KL(student || teacher) per token: {kls[0]['eval/teacher_kl']:.4f} at step "
                      f"{kls[0]['step']} -> {kls[-1]['eval/teacher_kl']:.4f} at step {kls[-1]['step']}")
     return "\n".join(lines)
-
-
-# -- command line ----------------------------------------------------------------------------------
-def _distill_command(args: argparse.Namespace) -> int:
-    distill(load_recipe(args.recipe, args.overrides, RecipeConfig))
-    return 0
-
-
-def add_distill_command(subparsers: Any) -> None:
-    """Register `qarl distill RECIPE [a.b=c ...]` on the `qarl` command's subparsers."""
-    command = subparsers.add_parser("distill", help="on-policy quantization-aware distillation (QAD) from a "
-                                                    "full-precision teacher, from a recipe")
-    command.add_argument("recipe")
-    command.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
-    command.set_defaults(func=_distill_command)

@@ -100,10 +100,10 @@ class ProgressFigures:
         return ", ".join(parts)
 
 
-def device_memory_gib() -> dict[str, float]:
-    """GPU memory in use on the device right now (every allocator, vLLM's sleeping pool included), and
-    the peak of torch's allocator since the last call (the policy's tensors and vLLM's activations,
-    which also come from it); nothing on CPU."""
+def device_memory_gib(phase: str) -> dict[str, float]:
+    """GPU memory at the end of a phase of the step ("rollout", "update"): in use on the whole device
+    (every allocator, vLLM's pool included), and the peak of torch's allocator during the phase (the
+    policy's tensors and vLLM's activations, which also come from it). Nothing on CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -111,7 +111,7 @@ def device_memory_gib() -> dict[str, float]:
     free, total = torch.cuda.mem_get_info()
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    return {"perf/gpu_mem_used_gib": (total - free) / 2**30, "perf/torch_peak_mem_gib": peak / 2**30}
+    return {f"perf/gpu_mem_after_{phase}_gib": (total - free) / 2**30, f"perf/torch_peak_{phase}_gib": peak / 2**30}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

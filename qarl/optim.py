@@ -22,11 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qarl.config import TrainingDiverged
 from qarl.policy import Policy
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 @dataclass

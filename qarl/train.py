@@ -208,10 +208,11 @@ def train(cfg: RecipeConfig) -> Path:
         reward_tensor = torch.tensor(reward_values, dtype=torch.float32)
         advantages, frac_zero_std = group_advantages(reward_tensor, t.num_generations, t.scale_rewards)
 
+        rollout_memory = device_memory_gib("rollout")
         train_start = time.perf_counter()
         engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
         update = policy_update(policy, reference, optimizer, batch, advantages, cfg)
-        memory = device_memory_gib()
+        memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
         refit = engine.refit(policy.model)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import PolicyConfig
 from qarl.metrics import read_metrics
-from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult, TrainingDiverged
+from qarl.config import TrainingDiverged
+from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult
 from qarl.policy import build_policy, score_completions
 
 from .test_train import SMALL
