@@ -86,9 +86,10 @@ class PolicyOptimizer:
     def step(self) -> StepResult:
         """Apply the accumulated gradient, or skip it if the loss or the gradient is not finite."""
         if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads, unscaled
-            inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
             for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.to(m.dtype).mul_(inv_scale)
+                m.grad = None if p.grad is None else p.grad.to(m.dtype)
+                if m.grad is not None and self.scaler:
+                    m.grad.mul_(1.0 / self.scaler.scale)
                 p.grad = None
         norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
