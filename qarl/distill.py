@@ -42,7 +42,8 @@ from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
 from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
-from qarl.policy import DTYPES, Policy, build_policy, check_precision, completion_logits, resolve_model_dir
+from qarl.policy import (DTYPES, Policy, attach_rollout_view, build_policy, check_precision, completion_logits,
+                         resolve_model_dir)
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -318,6 +319,7 @@ def distill(cfg: RecipeConfig) -> Path:
     torch.manual_seed(cfg.run.seed)
     student = load_policy_checkpoint(checkpoint, cfg.policy, trainable=True) if checkpoint else initial_policy(cfg, task)
     teacher = load_teacher(cfg, task)
+    attach_rollout_view(student, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(student, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
     guard = NonFiniteGuard(t.max_nonfinite_steps)
@@ -334,7 +336,7 @@ def distill(cfg: RecipeConfig) -> Path:
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
-    engine.refit(student.model)
+    engine.refit(student.rollout_model())
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
 
@@ -362,7 +364,7 @@ def distill(cfg: RecipeConfig) -> Path:
         memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
-        refit = engine.refit(student.model)
+        refit = engine.refit(student.rollout_model())
         done = time.perf_counter()
 
         row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts, **memory,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.quant import QuantFormat, quantize_policy, resolve_format
+from qarl.quant.rollout_view import RolloutView
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -123,10 +124,16 @@ class Policy:
     format: QuantFormat | None
     model_dir: str
     master: dict[str, torch.Tensor] | None = None
+    rollout: RolloutView | None = None  # set when the engine quantizes differently (attach_rollout_view)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def rollout_model(self) -> torch.nn.Module:
+        """The model the rollout engine is refitted from: the policy itself, or (rollouts quantized in
+        another format) the policy's current weights quantized and calibrated in the engine's format."""
+        return self.rollout.sync(self.model) if self.rollout is not None else self.model
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""
@@ -180,6 +187,19 @@ def build_policy(
         batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
         quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
     return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master)
+
+
+def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: list[str]) -> None:
+    """When `policy.generation.quant_cfg` differs from the policy's format (allowed by
+    `allow_quant_mismatch`), give the policy a RolloutView in the generation format: a second copy of
+    the model that the engine is refitted from (qarl/quant/rollout_view.py). Otherwise nothing."""
+    fmt = resolve_format(cfg.generation.quant_cfg)
+    if fmt is None or (policy.format is not None and fmt.fingerprint() == policy.format.fingerprint()):
+        return
+    texts = load_calibration_texts(cfg, calibration_texts)
+    view = build_policy(cfg, [], model_dir=policy.model_dir, fmt=fmt, calibrate=False)
+    batches = list(calibration_batches(texts, view.tokenizer, cfg, view.device))
+    policy.rollout = RolloutView(view.model, fmt, batches)
 
 
 @dataclass

@@ -28,8 +28,8 @@ from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
-from qarl.policy import (Policy, TokenScores, build_policy, cache_dir, check_precision, resolve_model_dir,
-                         score_completions)
+from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_precision,
+                         resolve_model_dir, score_completions)
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -179,6 +179,7 @@ def train(cfg: RecipeConfig) -> Path:
     reference = None
     if t.beta > 0:
         reference = copy.deepcopy(fresh.model).eval().requires_grad_(False)
+    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
     guard = NonFiniteGuard(t.max_nonfinite_steps)
@@ -187,7 +188,7 @@ def train(cfg: RecipeConfig) -> Path:
     # 3. The rollout engine, synced to the policy (weights + amax).
     engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
-    engine.refit(policy.model)
+    engine.refit(policy.rollout_model())
     eval_problems = task.eval[: cfg.eval.num_prompts]
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
@@ -215,7 +216,7 @@ def train(cfg: RecipeConfig) -> Path:
         memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
-        refit = engine.refit(policy.model)
+        refit = engine.refit(policy.rollout_model())
         done = time.perf_counter()
 
         row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),

@@ -13,9 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
-from qarl.config import PolicyConfig
+from qarl.config import GenerationConfig, PolicyConfig, TrainingDiverged
 from qarl.metrics import read_metrics
-from qarl.config import TrainingDiverged
 from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult
 from qarl.policy import build_policy, score_completions
 
@@ -120,3 +119,37 @@ def test_a_diverging_run_stops_with_an_error_naming_the_setting(tmp_path):
     assert [r["train/nonfinite"] for r in rows] == [0, 1, 1]  # step 0 applied (and blew the weights up)
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step_1", "step_2"]  # none after the stop
     load_policy_checkpoint(run_dir, PolicyConfig())  # what was written stays loadable
+
+
+def test_quantized_rollouts_of_a_full_precision_policy(task, tiny_dir, tmp_path):
+    """policy.quant_cfg=none with FP8 rollouts: the engine is refitted from a RolloutView, the policy's
+    current weights quantized and freshly calibrated in FP8 at every refit; end to end it trains and
+    reports the mismatch that synced QA-GRPO does not have."""
+    from qarl.policy import attach_rollout_view
+    from qarl.quant import quantizer_state
+
+    cfg = PolicyConfig(quant_cfg="none", quant_calib_size=16,
+                       generation=GenerationConfig(quant_cfg="fp8_w8a8", allow_quant_mismatch=True))
+    texts = task.calibration_texts(16)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, texts, model_dir=tiny_dir, trainable=True)
+    attach_rollout_view(policy, cfg, texts)
+    assert policy.rollout is not None
+    with torch.no_grad():
+        policy.model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)  # the policy moved
+    rollout = policy.rollout_model()
+    fresh = build_policy(PolicyConfig(quant_cfg="fp8_w8a8", quant_calib_size=16), texts, model_dir=tiny_dir)
+    with torch.no_grad():
+        fresh.model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
+    from qarl.quant.quantize import calibrate
+
+    calibrate(fresh.model, fresh.format, policy.rollout.batches)
+    assert torch.equal(rollout.model.layers[0].self_attn.q_proj.weight, policy.model.model.layers[0].self_attn.q_proj.weight)
+    expected, got = quantizer_state(fresh.model), quantizer_state(rollout)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+    proc = _run(tmp_path / "fp8_rollouts", "policy.quant_cfg=none", "policy.generation.quant_cfg=fp8_w8a8",
+                "policy.generation.allow_quant_mismatch=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in read_metrics(tmp_path / "fp8_rollouts" / "metrics.jsonl") if r.get("mismatch/kl") is not None]
+    assert len(rows) == 4 and min(r["mismatch/kl"] for r in rows) > 1e-6  # synced runs sit at ~1e-10

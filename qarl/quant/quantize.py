@@ -112,9 +112,19 @@ def quantize_policy(
     if weight_cache:
         enable_weight_cache(model)
         enable_lean_forward(model)
-    if calibration_batches is None:
-        return model
-    batches = list(calibration_batches())
+    if calibration_batches is not None:
+        calibrate(model, fmt, list(calibration_batches()))
+    return model
+
+
+def calibrate(model: nn.Module, fmt: QuantFormat, batches: list[dict[str, torch.Tensor]]) -> None:
+    """Calibrate every enabled quantizer's amax from scratch on `batches` (`fmt`'s algorithm), then give
+    fused siblings their shared amax. Calling it again recalibrates for the model's current weights."""
+    import modelopt.torch.quantization as mtq
+
+    for _, quantizer in _enabled_quantizers(model):
+        if quantizer.amax is not None:
+            quantizer.reset_amax()
 
     def forward_loop(m: nn.Module) -> None:
         with torch.no_grad():
@@ -126,7 +136,6 @@ def quantize_policy(
     if missing:
         raise ConfigError(f"calibration left {len(missing)} quantizer(s) without amax (no data reached them): {missing[:5]}")
     share_fused_amax(model)
-    return model
 
 
 def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
