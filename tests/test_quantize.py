@@ -64,7 +64,7 @@ def test_folded_weights_are_what_the_forward_uses(make_policy, fmt):
     policy = make_policy(fmt)
     folded = dict(folded_weights(policy.model))
     layer = policy.model.model.layers[1].mlp.down_proj
-    x = torch.randn(3, 5, layer.in_features)
+    x = torch.randn(3, 5, layer.in_features, device=layer.weight.device)
     with torch.no_grad():
         expected = layer(x)
         manual = torch.nn.functional.linear(layer.input_quantizer(x), folded["model.layers.1.mlp.down_proj.weight"])
