@@ -8,10 +8,17 @@ The exported weights decode bit for bit to the weights the policy trained and ro
 qarl/export/encode.py for the contract and export/README.md for measurements.
 """
 
-from qarl.export.core import export_checkpoint, export_policy
-from qarl.export.encode import FidelityError
-from qarl.export.targets import ExportTarget, load_target, shipped_targets
-from qarl.export.verify import verify_export
+from importlib import import_module
+from typing import Any
 
-__all__ = ["ExportTarget", "FidelityError", "export_checkpoint", "export_policy", "load_target",
-           "shipped_targets", "verify_export"]
+# Imported on first use, so that `qarl --help` (which registers `qarl export` from qarl.export.cli) does
+# not pay for torch and ModelOpt.
+_WHERE = {"export_checkpoint": "core", "export_policy": "core", "FidelityError": "encode", "ExportTarget": "targets",
+          "load_target": "targets", "shipped_targets": "targets", "verify_export": "verify"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'qarl.export' has no attribute {name!r}")
+    return getattr(import_module(f"qarl.export.{_WHERE[name]}"), name)
