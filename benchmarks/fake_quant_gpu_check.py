@@ -324,7 +324,7 @@ def main() -> None:
         "",
         f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
         f"modelopt {modelopt.__version__}; `python {' '.join(sys.argv)}`",
-        f"- NVFP4 reference: ModelOpt's Triton `fp4_fake_quant_block`; FP8 reference: "
+        "- NVFP4 reference: ModelOpt's Triton `fp4_fake_quant_block`; FP8 reference: "
         + ("the CUDA extension `fake_e4m3fy`" if fp8_ext else
            "`fp8_eager` (the CUDA extension could not be built: ModelOpt falls back to it)"),
         f"- qarl config: NVFP4 {gk.NVFP4_BLOCKS_PER_PROGRAM} blocks x {gk.NVFP4_NUM_WARPS} warps, "

@@ -20,6 +20,8 @@ import torch
 def greedy_exact_match(model_dir: str, problems: list, device: torch.device) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qarl.policy import completion_logits
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     hits = 0
@@ -27,15 +29,8 @@ def greedy_exact_match(model_dir: str, problems: list, device: torch.device) -> 
         rows = problems[start : start + 100]
         prompts = [tokenizer(p.prompt).input_ids for p in rows]
         answers = [tokenizer(p.answer).input_ids + [tokenizer.eos_token_id] for p in rows]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, device=device)
-        mask = torch.zeros_like(ids)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a, device=device)
-            mask[i, : len(p) + len(a)] = 1
-        predicted = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            hits += bool((predicted[i, len(p) - 1 : len(p) - 1 + len(a)] == ids[i, len(p) : len(p) + len(a)]).all())
+        logits, targets, mask = completion_logits(model, prompts, answers, tokenizer.pad_token_id)
+        hits += int(((logits.argmax(-1) == targets) | (mask == 0)).all(dim=1).sum())
     return hits / len(problems)
 
 

@@ -36,18 +36,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, resolve_checkpoint, restore_trainer_state,
                              save_checkpoint, trainer_state)
-from qarl.config import ConfigError, RecipeConfig, load_recipe, to_dict
+from qarl.config import ConfigError, RecipeConfig, to_dict
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
-from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
-from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
+from qarl.generation import Completion, VLLMEngine
+from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
-from qarl.policy import (DTYPES, Policy, attach_rollout_view, build_policy, check_precision, completion_logits,
-                         resolve_model_dir)
+from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
-from qarl.train import Rollout, initial_model_dir, initial_policy, rollout, rollout_and_timing_metrics, step_problems
+from qarl.train import (Rollout, check_run_settings, initial_model_dir, initial_policy, rollout,
+                        rollout_and_timing_metrics, step_problems)
 
 GiB = 2**30
 WARM_START_TEACHER = "warm-start"
@@ -295,9 +295,7 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
 def distill(cfg: RecipeConfig) -> Path:
     # 1. Check everything cheap before anything expensive.
     check_distill_config(cfg)
-    check_precision(cfg.policy)
-    check_loggers(cfg.run.loggers)
-    sleeps_between_rollouts(cfg.policy.generation)
+    check_run_settings(cfg)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)  # [0] = the verifier
     student_format = resolve_format(cfg.policy.quant_cfg)
     check_generation_matches(student_format, resolve_format(cfg.policy.generation.quant_cfg),

@@ -62,6 +62,13 @@ def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
     return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=True)
 
 
+def check_run_settings(cfg: RecipeConfig) -> None:
+    """What every training loop checks before anything loads: precision, metric loggers, colocation."""
+    check_precision(cfg.policy)
+    check_loggers(cfg.run.loggers)
+    sleeps_between_rollouts(cfg.policy.generation)
+
+
 def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
     """The prompts of a step: consecutive slices of per-epoch shuffles, a pure function of the step
     (so a resumed run reads exactly the prompts the uninterrupted run would have read)."""
@@ -158,9 +165,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
 def train(cfg: RecipeConfig) -> Path:
     # 1. Check everything cheap before anything expensive.
     check_trainer_config(cfg.trainer)
-    check_precision(cfg.policy)
-    check_loggers(cfg.run.loggers)
-    sleeps_between_rollouts(cfg.policy.generation)
+    check_run_settings(cfg)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_generation_matches(resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg),
                              cfg.policy.generation.allow_quant_mismatch)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,22 +15,14 @@ from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import GenerationConfig, PolicyConfig, TrainingDiverged
 from qarl.metrics import read_metrics
 from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult
-from qarl.policy import build_policy, score_completions
+from qarl.policy import build_policy
 
-from .test_train import SMALL
+from .conftest import answer_loss, tiny_policy
+from .test_train import _train_cmd
 
 
 def _policy(task, tiny_dir, dtype: str):
-    cfg = PolicyConfig(quant_cfg="nvfp4_a16", quant_calib_size=16, dtype=dtype)
-    torch.manual_seed(0)
-    return build_policy(cfg, task.calibration_texts(16), model_dir=tiny_dir, trainable=True)
-
-
-def _loss(policy, task, scale: float = 1.0):
-    tok = policy.tokenizer
-    prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
-    comps = [tok(p.answer).input_ids for p in task.train[:8]]
-    return -score_completions(policy.model, prompts, comps, tok.pad_token_id).logprobs.sum() * scale
+    return tiny_policy(task, tiny_dir, "nvfp4_a16", calib_size=16, trainable=True, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -40,13 +31,13 @@ def test_a_planted_nan_loss_is_skipped_and_the_next_step_applies(task, tiny_dir,
     optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
     before = {n: m.clone() for n, m in policy.master.items()}
     weights = [p.detach().clone() for p in policy.model.parameters()]
-    optimizer.backward(_loss(policy, task, scale=float("nan")))
+    optimizer.backward(answer_loss(policy, task, scale=float("nan")))
     result = optimizer.step()
     assert not result.applied and result.nonfinite
     assert all(torch.equal(before[n], m) for n, m in policy.master.items())
     assert all(torch.equal(w, p) for w, p in zip(weights, policy.model.parameters()))
     for _ in range(8):  # fp16: overflows first lower the loss scale until the gradient fits
-        optimizer.backward(_loss(policy, task))
+        optimizer.backward(answer_loss(policy, task))
         result = optimizer.step()
         assert not result.nonfinite
         if result.applied:
@@ -59,7 +50,7 @@ def test_fp16_overflow_lowers_the_loss_scale_without_counting_as_nonfinite(task,
     policy = _policy(task, tiny_dir, "float16")
     optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
     assert optimizer.scaler is not None and optimizer.scaler.scale == 2.0**16
-    optimizer.backward(_loss(policy, task, scale=1e4))  # x 65536 overflows fp16 gradients
+    optimizer.backward(answer_loss(policy, task, scale=1e4))  # x 65536 overflows fp16 gradients
     result = optimizer.step()
     assert not result.applied and not result.nonfinite and result.loss_scale == 2.0**15
     scaler = LossScaler(scale=4.0, growth_interval=2)
@@ -80,7 +71,7 @@ def test_guard_stops_after_the_limit_in_a_row():
 
 
 def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_tiny.yaml", f"run.dir={run_dir}", *SMALL, *extra]
+    cmd = _train_cmd(run_dir, *extra)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # never the network
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
@@ -138,7 +129,7 @@ def test_quantized_rollouts_of_a_full_precision_policy(task, tiny_dir, tmp_path)
     with torch.no_grad():
         policy.model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)  # the policy moved
     rollout = policy.rollout_model()
-    fresh = build_policy(PolicyConfig(quant_cfg="fp8_w8a8", quant_calib_size=16), texts, model_dir=tiny_dir)
+    fresh = tiny_policy(task, tiny_dir, "fp8_w8a8", calib_size=16)
     with torch.no_grad():
         fresh.model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
     from qarl.quant.quantize import calibrate

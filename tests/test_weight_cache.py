@@ -9,28 +9,17 @@ import copy
 import pytest
 import torch
 
-from qarl.config import PolicyConfig
 from qarl.optim import PolicyOptimizer
-from qarl.policy import build_policy, score_completions
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
 from qarl.quant.lean_forward import lean_forward
 from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
-from .conftest import FORMATS
+from .conftest import FORMATS, answer_loss, tiny_policy
 
 
 def _policy(task, tiny_dir, fmt: str, cache: bool = True, **overrides):
-    cfg = PolicyConfig(quant_cfg=fmt, quant_calib_size=32, quant_weight_cache=cache, **overrides)
-    torch.manual_seed(0)
-    return build_policy(cfg, task.calibration_texts(32), model_dir=tiny_dir, trainable=True)
-
-
-def _loss(policy, task):
-    tok = policy.tokenizer
-    prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
-    comps = [tok(p.answer).input_ids for p in task.train[:8]]
-    return -score_completions(policy.model, prompts, comps, tok.pad_token_id).logprobs.sum()
+    return tiny_policy(task, tiny_dir, fmt, quant_weight_cache=cache, trainable=True, **overrides)
 
 
 def _uncached(quantizer, weight):
@@ -51,7 +40,7 @@ def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, ti
     assert type(_layer(cached)).forward is lean_forward and type(_layer(plain)).forward is not lean_forward
     optimizers = [PolicyOptimizer(p, 1e-3, 0.0, 1.0) for p in (cached, plain)]
     for step in range(3):  # a forward after each optimizer step sees the new weights
-        losses = [_loss(p, task) for p in (cached, plain)]
+        losses = [answer_loss(p, task) for p in (cached, plain)]
         assert torch.equal(losses[0], losses[1]), f"step {step}"
         for opt, loss in zip(optimizers, losses):
             opt.zero_grad()
@@ -67,16 +56,16 @@ def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, ti
 def test_one_quantization_per_change_of_the_weights(task, tiny_dir):
     policy = _policy(task, tiny_dir, "nvfp4_w4a4")
     quantizer = _layer(policy).weight_quantizer
-    _loss(policy, task)
+    answer_loss(policy, task)
     first = quantizer._qarl_value
     with torch.no_grad():
-        _loss(policy, task)
+        answer_loss(policy, task)
     dict(folded_weights(policy.model))  # the refit fold reads the same tensor
     assert quantizer._qarl_value is first
     optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
-    optimizer.backward(_loss(policy, task))
+    optimizer.backward(answer_loss(policy, task))
     optimizer.step()
-    _loss(policy, task)
+    answer_loss(policy, task)
     assert quantizer._qarl_value is not first
     assert torch.equal(quantizer._qarl_value, _uncached(quantizer, _layer(policy).weight))
     quantized = [m.weight for _, m in quantized_linears(policy.model) if m.weight_quantizer.is_enabled]
@@ -88,7 +77,7 @@ def test_every_optimizer_implementation_invalidates(task, tiny_dir, optimizer_kw
     policy = _policy(task, tiny_dir, "nvfp4_a16", cache=True)
     layer = _layer(policy)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, **optimizer_kwargs)
-    _loss(policy, task).backward()
+    answer_loss(policy, task).backward()
     before = layer.weight_quantizer(layer.weight).detach().clone()
     optimizer.step()
     after = layer.weight_quantizer(layer.weight)
@@ -135,7 +124,7 @@ def test_clipping_straight_through_gradient_matches_modelopt(task, tiny_dir, tmp
         policy = _policy(task, tiny_dir, str(cfg), cache=cache)
         layer = _layer(policy)
         layer.weight_quantizer.amax = layer.weight_quantizer.amax * 0.5  # clip half the range
-        _loss(policy, task).backward()
+        answer_loss(policy, task).backward()
         grads.append(layer.weight.grad)
     assert torch.equal(grads[0], grads[1])
     assert (grads[0] == 0).float().mean() > 0.01  # some gradients really are clipped
@@ -152,7 +141,7 @@ def test_bf16_compute_with_fp32_master_weights(task, tiny_dir):
     optimizer = PolicyOptimizer(policy, 1e-6, 0.0, 1.0)
     start = master.clone()
     for _ in range(3):
-        optimizer.backward(_loss(policy, task))
+        optimizer.backward(answer_loss(policy, task))
         assert optimizer.step().applied
     assert not torch.equal(master, start)
     assert torch.equal(layer.weight, master.to(torch.bfloat16))
