@@ -2,6 +2,9 @@
 
 Layout of RUN_DIR/checkpoints/step_N/:
   policy/                      an ordinary Hugging Face directory of the master weights + tokenizer
+    or, for a LoRA policy (qarl/lora.py), instead of policy/:
+  adapter/                     a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
+  lora.json                    the LoRA settings and the base they belong to (path + weight fingerprint)
   quantizer_state.safetensors  the calibrated amax of every quantizer (absent for unquantized runs)
   quant_format.yaml            the resolved ModelOpt config the amax belongs to
   trainer_state.pt             optimizer state, RNG states, data position, step (weights_only-loadable)
@@ -12,6 +15,8 @@ set of checkpoints or the new one, never a half-written step_N.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import re
 import shutil
@@ -22,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qarl.config import ConfigError, PolicyConfig
+from qarl.lora import load_adapter_state, read_lora_manifest, save_adapter, write_lora_manifest
 from qarl.quant import QuantFormat, load_quantizer_state, quantizer_state
 from qarl.quant.formats import format_from_yaml, format_to_yaml
 
@@ -33,10 +39,15 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def save_policy(out_dir: Path, policy: Policy) -> None:
-    """Write the policy as a Hugging Face directory of its master weights plus its quantizer state."""
-    policy_dir = out_dir / "policy"
-    policy.model.save_pretrained(policy_dir, state_dict=policy.master_state_dict(), safe_serialization=True)
-    policy.tokenizer.save_pretrained(policy_dir)
+    """Write the policy as a Hugging Face directory of its master weights (a LoRA policy: its adapter
+    and a pointer to its frozen base) plus its quantizer state."""
+    if policy.lora is not None:
+        save_adapter(policy.model, policy.lora, out_dir / "adapter", base_model=policy.model_dir)
+        write_lora_manifest(out_dir, policy.lora, policy.model_dir, policy.model.dtype)
+    else:
+        policy_dir = out_dir / "policy"
+        policy.model.save_pretrained(policy_dir, state_dict=policy.master_state_dict(), safe_serialization=True)
+        policy.tokenizer.save_pretrained(policy_dir)
     if policy.format is not None:
         save_file(quantizer_state(policy.model), str(out_dir / "quantizer_state.safetensors"))
         (out_dir / "quant_format.yaml").write_text(format_to_yaml(policy.format))
@@ -105,7 +116,7 @@ def restore_trainer_state(checkpoint: Path, optimizer: PolicyOptimizer) -> int:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a run directory (its newest complete checkpoint)."""
     path = Path(path)
-    if (path / "policy").is_dir():
+    if is_checkpoint_dir(path):
         if (path.parent.name == "checkpoints") and not (path / "COMPLETE").is_file():
             raise ConfigError(f"checkpoint {path} is incomplete (no COMPLETE marker): it was never finished")
         return path
@@ -115,14 +126,54 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig, trainable: bool = False) -> Policy:
-    """Rebuild the quantized policy of a checkpoint: master weights, same quantizers, saved amax
-    (`trainable`: keep the master weights, for a resumed run)."""
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / "policy").is_dir() or (path / "lora.json").is_file()
+
+
+def model_dir_dtype(model_dir: Path) -> str:
+    """The dtype a Hugging Face directory was saved in, from its config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(dtype).replace("torch.", "")
+
+
+def trained_dtype(checkpoint: Path) -> str:
+    """The dtype a checkpoint's policy was saved (= trained) in; a LoRA checkpoint records it."""
+    if (checkpoint / "lora.json").is_file():
+        return json.loads((checkpoint / "lora.json").read_text())["dtype"]
+    return model_dir_dtype(checkpoint / "policy")
+
+
+def checkpoint_model_dir(checkpoint: Path) -> Path:
+    """The Hugging Face directory a checkpoint's model loads from: its policy/, or a LoRA adapter's base."""
+    if (checkpoint / "lora.json").is_file():
+        return Path(read_lora_manifest(checkpoint)[1])
+    return checkpoint / "policy"
+
+
+def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig, trainable: bool = False,
+                           quantized: bool = True, base_dir: str | None = None) -> Policy:
+    """Rebuild the policy of a checkpoint: master weights (or base + adapter), same quantizers, saved
+    amax. `trainable`: keep the master weights, for a resumed run. `quantized=False`: the same weights
+    (and adapter) without quantizers. `base_dir`: the base a LoRA checkpoint must have been trained on
+    (checked by fingerprint; default: the base the checkpoint points to)."""
     from qarl.policy import build_policy
 
     checkpoint = resolve_checkpoint(checkpoint)
-    fmt = checkpoint_format(checkpoint)
-    policy = build_policy(cfg, [], model_dir=str(checkpoint / "policy"), fmt=fmt, calibrate=False, trainable=trainable)
+    fmt = checkpoint_format(checkpoint) if quantized else None
+    model_dir = str(checkpoint / "policy")
+    if (checkpoint / "lora.json").is_file():
+        lora, model_dir = read_lora_manifest(checkpoint, base_dir)
+        if cfg.lora.mode != "none" and cfg.lora != lora:
+            raise ConfigError(f"policy.lora in the recipe ({cfg.lora}) differs from the settings checkpoint "
+                              f"{checkpoint} was trained with ({lora}); a run resumes with the settings it started with")
+        cfg = dataclasses.replace(cfg, lora=lora)
+    elif cfg.lora.mode != "none":
+        raise ConfigError(f"checkpoint {checkpoint} holds a fully trained policy, not a LoRA adapter; "
+                          "set policy.lora.mode=none to load it")
+    policy = build_policy(cfg, [], model_dir=model_dir, fmt=fmt, calibrate=False, trainable=trainable)
     if fmt is not None:
         load_quantizer_state(policy.model, load_file(str(checkpoint / "quantizer_state.safetensors")))
+    if policy.lora is not None:
+        load_adapter_state(policy.model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
     return policy

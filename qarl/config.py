@@ -59,6 +59,29 @@ class GenerationConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters over the frozen (fake-quantized) base; see qarl/lora.py for when to pick which mode.
+
+    mode "none": full training. "qlora": y = Q(W) x + s B A x, the adapter in high precision next to the
+    quantized base (deployed: the quantized base plus the adapter). "merged": y = Q(W + s B A) x, LoRA-only
+    QAT (deployed: one quantized merged model). s = alpha / rank, as in PEFT.
+    """
+
+    mode: str = "none"  # none | qlora | merged
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0  # on the adapter's input (qlora only: merged has no separate adapter input)
+    # Module names (or their last components) the adapters attach to, PEFT's matching.
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # Adaptive quantization noise (QeRL): channel-wise Gaussian noise of std noise_start, decaying
+    # geometrically to noise_end over the run, multiplied into the frozen norm weights in front of the
+    # quantized projections (policy and engine see the same noise). 0 = off.
+    noise_start: float = 0.0
+    noise_end: float = 5e-4
+
+
+@dataclass
 class PolicyConfig:
     # "embedded:tiny" (made locally, the default) or any Hugging Face causal LM directory or hub name.
     model_name: str = "embedded:tiny"
@@ -80,6 +103,7 @@ class PolicyConfig:
     # Quantize each weight once per change of the weights instead of at every forward (same bits;
     # costs one quantized copy of each quantized weight, see qarl/quant/weight_cache.py).
     quant_weight_cache: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -192,6 +216,8 @@ class ParityConfig:
     formats: list[str] = field(default_factory=lambda: ["quant_configs/nvfp4_a16.yaml"])
     num_prompts: int = 16
     max_new_tokens: int = 32
+    # Also measure each format with LoRA adapters (random, non-zero) in these modes: qlora, merged.
+    lora_modes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -34,19 +34,19 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, resolve_checkpoint, restore_trainer_state,
-                             save_checkpoint, trainer_state)
-from qarl.config import ConfigError, RecipeConfig, to_dict
+from qarl.checkpoint import latest_checkpoint, resolve_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
+from qarl.config import ConfigError, LoraConfig, RecipeConfig, to_dict
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
+from qarl.lora import ADAPTER_PARAMS
 from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
-from qarl.train import (Rollout, check_run_settings, initial_model_dir, initial_policy, rollout,
+from qarl.train import (Rollout, check_run_settings, initial_model_dir, initial_policy, resumed_policy, rollout,
                         rollout_and_timing_metrics, step_problems)
 
 GiB = 2**30
@@ -181,15 +181,17 @@ def load_teacher(cfg: RecipeConfig, task: Task) -> Policy:
     """The teacher as an unquantized, frozen Policy (so `evaluate` and the engine take it like the student)."""
     name = cfg.teacher.model_name
     model_dir = initial_model_dir(cfg, task) if name == WARM_START_TEACHER else teacher_source(cfg)
-    settings = dataclasses.replace(cfg.policy, dtype=cfg.teacher.dtype, trust_remote_code=cfg.teacher.trust_remote_code)
+    settings = dataclasses.replace(cfg.policy, dtype=cfg.teacher.dtype, trust_remote_code=cfg.teacher.trust_remote_code,
+                                   lora=LoraConfig())  # the teacher is a whole model, never adapted
     teacher = build_policy(settings, [], model_dir=model_dir, fmt=None)
     teacher.model.eval().requires_grad_(False)
     return teacher
 
 
 def same_architecture(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    """Same parameter names and shapes: the teacher's weights can be loaded into the student's engine."""
-    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}  # noqa: E731
+    """Same weight names and shapes (adapters aside): the teacher's weights fit the student's engine."""
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()  # noqa: E731
+                        if n.rpartition(".")[2] not in ADAPTER_PARAMS}
     return shapes(a) == shapes(b)
 
 
@@ -315,7 +317,8 @@ def distill(cfg: RecipeConfig) -> Path:
     # 2. The student (resumed, or built fresh: warm start, quantize, calibrate) and the frozen teacher.
     checkpoint = latest_checkpoint(run_dir) if t.resume else None
     torch.manual_seed(cfg.run.seed)
-    student = load_policy_checkpoint(checkpoint, cfg.policy, trainable=True) if checkpoint else initial_policy(cfg, task)
+    student = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
+    student.start_noise(t.steps, cfg.run.seed)
     teacher = load_teacher(cfg, task)
     attach_rollout_view(student, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(student, t.lr, t.weight_decay, t.max_grad_norm)
@@ -334,6 +337,7 @@ def distill(cfg: RecipeConfig) -> Path:
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    step_state = student.prepare_step(start_step)
     engine.refit(student.rollout_model())
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
@@ -347,7 +351,7 @@ def distill(cfg: RecipeConfig) -> Path:
     progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
-        row: dict[str, float | int | None] = {"step": step, **(first_row if step == 0 else {})}
+        row: dict[str, float | int | None] = {"step": step, **step_state, **(first_row if step == 0 else {})}
         if step % cfg.eval.every == 0:
             row.update(evaluation())
 
@@ -362,11 +366,12 @@ def distill(cfg: RecipeConfig) -> Path:
         memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
+        step_state = student.prepare_step(step + 1)
         refit = engine.refit(student.rollout_model())
         done = time.perf_counter()
 
         row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts, **memory,
-                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done)})
         metrics.write(row)
         bar.set_postfix_str(f"kl={update.get('distill/kl', float('nan')):.4f}, {progress.update(row)}")
         guard(update.get("train/nonfinite", 0) > 0, step)

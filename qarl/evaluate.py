@@ -34,11 +34,12 @@ def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:
 
 def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
     """Accuracy of a checkpoint (or run directory, or model) quantized and unquantized."""
-    from qarl.checkpoint import checkpoint_format, load_policy_checkpoint, resolve_checkpoint
+    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
+                                 resolve_checkpoint)
     from qarl.quant import resolve_format
 
     path = Path(target)
-    is_checkpoint = path.is_dir() and ((path / "policy").is_dir() or (path / "checkpoints").is_dir())
+    is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
     task = build_task(cfg.task, cfg.run.seed)
@@ -47,8 +48,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
     if is_checkpoint:
         checkpoint = resolve_checkpoint(path)
         quantized = load_policy_checkpoint(checkpoint, cfg.policy)
+        plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
         fmt = checkpoint_format(checkpoint)
-        model_dir = str(checkpoint / "policy")
+        model_dir = str(checkpoint_model_dir(checkpoint))
     else:
         if path.is_dir() and not (path / "config.json").is_file():
             raise ConfigError(f"{path} is neither a qarl checkpoint/run directory nor a Hugging Face model")
@@ -56,7 +58,7 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         model_dir = str(path) if path.is_dir() else None
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size), model_dir=model_dir)
         model_dir = quantized.model_dir
-    plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
+        plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     results = {}
     if fmt is not None:

@@ -66,7 +66,9 @@ class PolicyOptimizer:
         self.masters = self.params if policy.master is None else [policy.master[n] for n, _ in named]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
-        self.scaler = LossScaler() if self.params and self.params[0].dtype == torch.float16 else None
+        # fp16 compute needs loss scaling even when the trained tensors are fp32 (LoRA adapters): the
+        # gradients pass through fp16 activations on their way back
+        self.scaler = LossScaler() if self.params and policy.model.dtype == torch.float16 else None
         self._loss_finite: torch.Tensor | None = None
 
     @property
@@ -85,12 +87,14 @@ class PolicyOptimizer:
 
     def step(self) -> StepResult:
         """Apply the accumulated gradient, or skip it if the loss or the gradient is not finite."""
-        if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads, unscaled
+        if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads
             for p, m in zip(self.params, self.masters):
                 m.grad = None if p.grad is None else p.grad.to(m.dtype)
-                if m.grad is not None and self.scaler:
-                    m.grad.mul_(1.0 / self.scaler.scale)
                 p.grad = None
+        if self.scaler:
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.mul_(1.0 / self.scaler.scale)
         norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
         grad_finite = bool(torch.isfinite(norm).item())

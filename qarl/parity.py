@@ -8,12 +8,14 @@ refit; (b) unsynced: the policy quantized, the engine not (the mismatch that syn
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from qarl.config import RecipeConfig
 from qarl.generation import VLLMEngine
+from qarl.lora import check_lora, lora_layers
 from qarl.policy import Policy, build_policy, resolve_model_dir, score_completions
 from qarl.quant import resolve_format
 from qarl.tasks import build_task
@@ -49,11 +51,27 @@ def measure(engine: VLLMEngine, policy: Policy, prompts: list[list[int]], max_ne
     return Mismatch(diffs.mean().item(), diffs.max().item(), diffs.numel(), int((diffs > FLIP_THRESHOLD).sum()))
 
 
+@torch.no_grad()
+def lora_policy(cfg: RecipeConfig, calib: list[str], model_dir: str, fmt, mode: str) -> Policy:
+    """The policy with LoRA adapters in `mode` whose B is random (seeded: the same for every format),
+    so that the adapters change the outputs and the engine has to reproduce them."""
+    settings = dataclasses.replace(cfg.policy, lora=dataclasses.replace(cfg.policy.lora, mode=mode))
+    torch.manual_seed(cfg.run.seed)
+    policy = build_policy(settings, calib, model_dir=model_dir, fmt=fmt)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    for _, layer in lora_layers(policy.model):
+        layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+    return policy
+
+
 def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
+    """Synced / unsynced / floor mismatch per format, and per format x `parity.lora_modes`."""
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg.task, cfg.run.seed)
     formats = [resolve_format(spec) for spec in cfg.parity.formats]  # bad names fail before any work
     model_dir = resolve_model_dir(cfg.policy.model_name)
+    for mode in cfg.parity.lora_modes:
+        check_lora(dataclasses.replace(cfg.policy, lora=dataclasses.replace(cfg.policy.lora, mode=mode)), model_dir)
     calib = task.calibration_texts(cfg.policy.quant_calib_size)
     unquantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=None)
     tokenizer = unquantized.tokenizer
@@ -77,6 +95,17 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
         unsynced = measure(engine, quantized, prompts, n, seed)
         results[fmt.name] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
                              "unquantized": floor.as_dict()}
+        for mode in cfg.parity.lora_modes:  # the same three measurements with adapters on both sides
+            adapted, adapted_plain = (lora_policy(cfg, calib, model_dir, f, mode) for f in (fmt, None))
+            engine.set_quant_format(fmt)
+            engine.refit(adapted.model)
+            synced = measure(engine, adapted, prompts, n, seed)
+            engine.set_quant_format(None)
+            engine.refit(adapted_plain.model)
+            unsynced = measure(engine, adapted, prompts, n, seed)
+            floor_lora = measure(engine, adapted_plain, prompts, n, seed)
+            results[f"{fmt.name}+{mode}"] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
+                                             "unquantized": floor_lora.as_dict()}
     return results
 
 

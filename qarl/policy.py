@@ -7,14 +7,15 @@ Everything that can be wrong with the input is checked before the expensive step
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from qarl.config import ConfigError, PolicyConfig
+from qarl.config import ConfigError, LoraConfig, PolicyConfig
+from qarl.lora import AdapterDisabled, QuantNoise, apply_lora
 from qarl.quant import QuantFormat, quantize_policy, resolve_format
 from qarl.quant.rollout_view import RolloutView
 
@@ -125,6 +126,8 @@ class Policy:
     model_dir: str
     master: dict[str, torch.Tensor] | None = None
     rollout: RolloutView | None = None  # set when the engine quantizes differently (attach_rollout_view)
+    lora: LoraConfig | None = None  # adapters over a frozen base (qarl/lora.py); None: full training
+    noise: QuantNoise | None = None  # LoRA's adaptive quantization noise, when on (`start_noise`)
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +137,23 @@ class Policy:
         """The model the rollout engine is refitted from: the policy itself, or (rollouts quantized in
         another format) the policy's current weights quantized and calibrated in the engine's format."""
         return self.rollout.sync(self.model) if self.rollout is not None else self.model
+
+    def kl_reference(self, fresh_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """The frozen model the KL term compares with: a LoRA policy's own base (adapters off, no copy);
+        otherwise `fresh_model()`, the step-0 policy, frozen."""
+        if self.lora is not None:
+            return AdapterDisabled(self.model)
+        return fresh_model().eval().requires_grad_(False)
+
+    def start_noise(self, total_steps: int, seed: int) -> None:
+        """Turn on LoRA's adaptive quantization noise if the config asks for it (before the first refit)."""
+        if self.lora is not None and self.lora.noise_start > 0:
+            self.noise = QuantNoise(self.model, self.lora, total_steps, seed)
+
+    def prepare_step(self, step: int) -> dict[str, float]:
+        """Set the policy state that is a function of the step (LoRA's noise) before the refit that
+        serves `step`'s rollout; returns its metrics for that step's row."""
+        return {"lora/noise_std": self.noise.apply(step)} if self.noise is not None else {}
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""
@@ -177,7 +197,7 @@ def build_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     master = None
-    if trainable and cfg.master_dtype != cfg.dtype:
+    if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":
         model = load_model(model_dir, cfg, device, dtype=cfg.master_dtype)
         master = {n: p.detach() for n, p in model.named_parameters()}  # .to() below leaves these alone
         model.to(getattr(torch, cfg.dtype))
@@ -186,7 +206,11 @@ def build_policy(
     if fmt is not None:
         batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
         quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
-    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master)
+    lora = None
+    if cfg.lora.mode != "none":  # a frozen base: no master copy; the adapters are the masters
+        apply_lora(model, cfg.lora, dtype=getattr(torch, cfg.master_dtype))
+        lora = cfg.lora
+    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master, lora=lora)
 
 
 def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: list[str]) -> None:

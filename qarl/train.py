@@ -25,7 +25,9 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_
 from qarl.config import RecipeConfig, to_dict
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
+from qarl.generation.vllm_engine import RefitTiming
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
+from qarl.lora import check_lora
 from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_precision,
@@ -63,10 +65,19 @@ def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
 
 
 def check_run_settings(cfg: RecipeConfig) -> None:
-    """What every training loop checks before anything loads: precision, metric loggers, colocation."""
+    """What every training loop checks before anything loads: precision, metric loggers, colocation,
+    LoRA settings against the model's layers."""
     check_precision(cfg.policy)
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
+    if cfg.policy.lora.mode != "none":
+        check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
+
+
+def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task) -> Policy:
+    """A checkpoint's policy, trainable. A LoRA adapter must sit on the very base this recipe starts from."""
+    base = initial_model_dir(cfg, task) if cfg.policy.lora.mode != "none" else None
+    return load_policy_checkpoint(checkpoint, cfg.policy, trainable=True, base_dir=base)
 
 
 def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
@@ -90,13 +101,14 @@ def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_gen
 
 
 def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
-                               refit_s: float, done: float) -> dict[str, float]:
+                               refit: RefitTiming, done: float) -> dict[str, float]:
     """The per-step completion statistics and timings, shared by every training loop."""
     generated = sum(len(c.token_ids) for c in batch.completions)
     return {"completion/mean_length": generated / len(batch.completions),
             "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
             "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
-            "perf/train_s": refit_start - train_start, "perf/refit_s": refit_s, "perf/step_s": done - step_start}
+            "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
+            "perf/refit_bytes": float(refit.bytes), "perf/step_s": done - step_start}
 
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
@@ -179,11 +191,12 @@ def train(cfg: RecipeConfig) -> Path:
     # 2. The policy: resumed from the newest complete checkpoint, or built fresh.
     checkpoint = latest_checkpoint(run_dir) if t.resume else None
     torch.manual_seed(cfg.run.seed)
-    fresh = initial_policy(cfg, task) if (checkpoint is None or t.beta > 0) else None
-    policy = load_policy_checkpoint(checkpoint, cfg.policy, trainable=True) if checkpoint else fresh
+    policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
     reference = None
-    if t.beta > 0:
-        reference = copy.deepcopy(fresh.model).eval().requires_grad_(False)
+    if t.beta > 0:  # the step-0 policy, frozen (a LoRA policy's own base)
+        reference = policy.kl_reference(
+            lambda: initial_policy(cfg, task).model if checkpoint else copy.deepcopy(policy.model))
+    policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
@@ -193,6 +206,7 @@ def train(cfg: RecipeConfig) -> Path:
     # 3. The rollout engine, synced to the policy (weights + amax).
     engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    step_state = policy.prepare_step(start_step)
     engine.refit(policy.rollout_model())
     eval_problems = task.eval[: cfg.eval.num_prompts]
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
@@ -203,7 +217,7 @@ def train(cfg: RecipeConfig) -> Path:
     progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
-        row: dict[str, float | int | None] = {"step": step}
+        row: dict[str, float | int | None] = {"step": step, **step_state}
         if step % cfg.eval.every == 0:
             row["eval/accuracy"] = evaluate(engine, policy, eval_problems, rewards)
 
@@ -221,12 +235,13 @@ def train(cfg: RecipeConfig) -> Path:
         memory = {**rollout_memory, **device_memory_gib("update")}
         engine.wake()
         refit_start = time.perf_counter()
+        step_state = policy.prepare_step(step + 1)
         refit = engine.refit(policy.rollout_model())
         done = time.perf_counter()
 
         row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),
                     "reward/frac_zero_std": frac_zero_std, **reward_parts, **update, **memory,
-                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit.total_s, done)})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done)})
         metrics.write(row)
         bar.set_postfix_str(progress.update(row))
         guard(update.get("train/nonfinite", 0) > 0, step)

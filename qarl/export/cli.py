@@ -3,6 +3,12 @@
     qarl export CHECKPOINT --target export/nvfp4_w4a16_modelopt.yaml --out DIR [--then-verify] [--vllm]
     qarl export --verify DIR [--checkpoint CKPT] [--vllm]
     qarl export MODEL --calibrate --target ... --out DIR      # PTQ of an unquantized model (warns)
+    qarl export CHECKPOINT --dequantized --out DIR [--dtype bfloat16]
+                                    # the weights the policy computes with, dequantized (a qlora adapter
+                                    # merged into its dequantized base): a plain model to re-quantize later
+
+A LoRA checkpoint exports in its deployed form: mode=merged as one quantized model of the merged weights,
+mode=qlora as the quantized base plus a PEFT adapter directory in DIR/adapter.
 
 Prints one JSON object: the export summary (sizes, bytes per parameter, bit identity) and/or the
 verification report (weights, fused scales, max |Δ logit| per loader). Exit status 1 if the
@@ -36,6 +42,9 @@ def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
                         help="PTQ: quantize an unquantized model with fresh calibration (warns)")
     parser.add_argument("--calib-data", default="task",
                         help="with --calibrate: 'task' (the embedded task's prompts) or a local data file")
+    parser.add_argument("--dequantized", action="store_true",
+                        help="write the fake-quantized weights dequantized (adapters merged) as a plain model")
+    parser.add_argument("--dtype", default="bfloat16", help="with --dequantized: the dtype written")
     parser.add_argument("--then-verify", action="store_true", help="verify the export right after writing it")
     parser.add_argument("--verify", metavar="DIR", help="verify an existing export instead of writing one")
     parser.add_argument("--checkpoint", dest="reference", metavar="CKPT",
@@ -66,6 +75,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("--verify DIR checks an existing export; give the reference checkpoint with "
                               "--checkpoint CKPT, not as a positional argument, and no --target/--out")
         result["verify"] = verify_export(args.verify, args.reference, vllm=args.vllm)
+    elif args.dequantized:
+        if not args.checkpoint or not args.out or args.target:
+            raise ConfigError("qarl export CHECKPOINT --dequantized --out DIR takes no --target")
+        from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint, trained_dtype
+        from qarl.config import PolicyConfig
+        from qarl.export.dequantized import export_dequantized
+
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        policy = load_policy_checkpoint(checkpoint, PolicyConfig(dtype=trained_dtype(checkpoint)))
+        result["export"] = export_dequantized(policy, args.out, args.dtype, overwrite=args.overwrite)
     else:
         missing = [flag for flag, value in (("CHECKPOINT", args.checkpoint), ("--target", args.target),
                                             ("--out", args.out)) if not value]

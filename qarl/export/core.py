@@ -12,6 +12,7 @@ The directory is assembled under a temporary name and renamed into place when co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -31,6 +32,7 @@ from qarl.quant import FUSED_SIBLINGS
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
 MANIFEST = "qarl_export.json"
+ADAPTER_DIR = "adapter"  # a qlora export's PEFT adapter, beside the quantized base
 
 
 @dataclass
@@ -81,24 +83,18 @@ def target_scheme(target: ExportTarget) -> str:
 # --- inputs ---------------------------------------------------------------------------------------
 
 
-def checkpoint_dtype(policy_dir: Path) -> str:
-    """The dtype the policy was saved (= trained) in, from its config.json."""
-    config = json.loads((policy_dir / "config.json").read_text())
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return str(dtype).replace("torch.", "")
-
-
 def load_source(source: str | Path, target: ExportTarget, calibrate: bool = False, calib_data: str = "task"):
     """Check a checkpoint (or, with calibrate, any model) cheaply, then load the quantized policy.
 
     Returns (policy, source label). With `calibrate`, the policy is quantized now (PTQ) and a
     warning says so.
     """
-    from qarl.checkpoint import checkpoint_format, load_policy_checkpoint, resolve_checkpoint
+    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
+                                 model_dir_dtype, resolve_checkpoint, trained_dtype)
     from qarl.policy import build_policy, resolve_model_dir
 
     path = Path(str(source)).expanduser()
-    is_checkpoint = (path / "policy").is_dir() or (path / "checkpoints").is_dir()
+    is_checkpoint = is_checkpoint_dir(path) or (path / "checkpoints").is_dir()
     if not is_checkpoint and not calibrate:
         if not path.exists():
             raise ConfigError(f"checkpoint not found: {source}")
@@ -106,7 +102,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
                           "checkpoints/). To quantize a plain model now (PTQ), pass --calibrate.")
     if is_checkpoint:
         checkpoint = resolve_checkpoint(path)
-        model_dir = checkpoint / "policy"
+        model_dir = checkpoint_model_dir(checkpoint)
         trained = checkpoint_format(checkpoint)
         has_state = (checkpoint / "quantizer_state.safetensors").is_file()
         if trained is not None and not has_state:
@@ -117,7 +113,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
                 raise ConfigError(f"checkpoint {checkpoint} was trained quantized ({trained.source}); --calibrate "
                                   "would replace the trained amax. Drop --calibrate to export what was trained.")
             check_target_matches(trained, target)
-            cfg = PolicyConfig(model_name=str(model_dir), dtype=checkpoint_dtype(model_dir))
+            cfg = PolicyConfig(model_name=str(model_dir), dtype=trained_dtype(checkpoint))
             return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
         if not calibrate:
             raise ConfigError(f"checkpoint {checkpoint} has no quantizer state (trained unquantized, "
@@ -129,7 +125,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
         source_label = str(source)
     fmt = target.resolved_format()
     warnings.warn(ptq_warning(source_label, fmt.source, calib_data), UserWarning, stacklevel=2)
-    cfg = PolicyConfig(model_name=str(model_dir), dtype=checkpoint_dtype(model_dir), quant_calib_data=calib_data)
+    cfg = PolicyConfig(model_name=str(model_dir), dtype=model_dir_dtype(model_dir), quant_calib_data=calib_data)
     texts = _task_texts(cfg) if calib_data == "task" else []
     return build_policy(cfg, texts, model_dir=str(model_dir), fmt=fmt, calibrate=True), source_label
 
@@ -288,7 +284,16 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
 
     `source_dir`, when given, is the Hugging Face directory the policy was loaded from: its tokenizer
     and generation config are copied (else they are saved from the policy).
+
+    A LoRA policy is exported in its deployed form (`qarl.lora.deployable_model`): `merged` as one
+    quantized model of the merged weights; `qlora` as the quantized base plus a PEFT adapter directory
+    in OUT_DIR/adapter (which transformers/peft and vLLM load on top of the base).
     """
+    lora_policy = policy if policy.lora is not None else None
+    if lora_policy is not None:
+        from qarl.lora import deployable_model
+
+        policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     target = target if isinstance(target, ExportTarget) else load_target(target)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
@@ -332,6 +337,11 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     config["quantization_config"] = fmt_module.write_config(tmp, model, layers, scheme)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _copy_side_files(policy, source_dir, tmp)
+    adapter_bytes = 0
+    if lora_policy is not None and lora_policy.lora.mode == "qlora":
+        from qarl.lora import save_adapter
+
+        adapter_bytes = save_adapter(lora_policy.model, lora_policy.lora, tmp / ADAPTER_DIR, base_model=str(out_dir))
 
     quantized_keys = {k for stats in layer_stats.values() for k in stats["tensors"]}
     q_params = sum(s["params"] for s in layer_stats.values())
@@ -357,6 +367,9 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "unquantized_tensors": {k: str(v.dtype)[6:] for k, v in sorted(tensors.items()) if k not in quantized_keys},
     }
     summary["export_vs_bf16"] = summary["export_bytes"] / summary["bf16_bytes"]
+    if lora_policy is not None:
+        summary["lora"] = {"mode": lora_policy.lora.mode, "adapter_dir": ADAPTER_DIR if adapter_bytes else None,
+                           "adapter_bytes": adapter_bytes}
     manifest = {**summary, "quant_format": policy.format.name, "quant_format_source": policy.format.source,
                 "layers": layer_stats}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
-from qarl.export.core import MANIFEST, checkpoint_dtype, format_module, master_tensors
+from qarl.export.core import ADAPTER_DIR, MANIFEST, format_module, master_tensors
 from qarl.export.encode import same_bits
 from qarl.quant import FUSED_SIBLINGS
 
@@ -75,16 +76,16 @@ def _load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _reference_policy(export_dir: Path, checkpoint: str | Path | None):
-    from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint
+    from qarl.checkpoint import is_checkpoint_dir, load_policy_checkpoint, resolve_checkpoint, trained_dtype
 
     if checkpoint is None:
         manifest = export_dir / MANIFEST
         checkpoint = json.loads(manifest.read_text()).get("source") if manifest.is_file() else None
-        if not checkpoint or not (Path(checkpoint) / "policy").is_dir():
+        if not checkpoint or not is_checkpoint_dir(Path(checkpoint)):
             raise ConfigError(f"no checkpoint to compare {export_dir} with: pass --checkpoint (the export's "
                               f"{MANIFEST} names {checkpoint!r})")
     checkpoint = resolve_checkpoint(checkpoint)
-    cfg = PolicyConfig(model_name=str(checkpoint / "policy"), dtype=checkpoint_dtype(checkpoint / "policy"))
+    cfg = PolicyConfig(dtype=trained_dtype(checkpoint))
     policy = load_policy_checkpoint(checkpoint, cfg)
     if policy.format is None:
         raise ConfigError(f"checkpoint {checkpoint} is not quantized; verify a PTQ export with the in-memory policy "
@@ -169,8 +170,10 @@ def _delta(logits: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) ->
 
 
 @torch.no_grad()
-def _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference) -> dict[str, Any]:
-    model = copy.deepcopy(policy.model)
+def _decoded_copy(model: torch.nn.Module, tensors, config, fmt_module) -> torch.nn.Module:
+    """A copy of `model` holding the export's decoded weights, weight quantizers off (input quantizers
+    on): how the rollout engine runs. A LoRA model keeps its adapters (they are not in the base files)."""
+    model = copy.deepcopy(model)
     stored = fmt_module.read_weights(tensors, config)
     state = model.state_dict()
     for name, module in _quantized_modules(model).items():
@@ -179,7 +182,46 @@ def _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference) -> d
     for key, value in tensors.items():
         if key in state and not any(key.startswith(n + ".") and not key.endswith(".bias") for n in stored):
             state[key].copy_(value)
+    return model
+
+
+def _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference) -> dict[str, Any]:
+    model = _decoded_copy(policy.model, tensors, config, fmt_module)
     return {"status": "ok", "max_abs_logit_diff": _delta(_logits(model, ids, mask), reference, mask)}
+
+
+def _adapter_loaders(export_dir: Path, lora_policy, tensors, config, fmt_module, ids, mask,
+                     unpack_dtype: torch.dtype | None) -> dict[str, Any]:
+    """A qlora export: the base plus the PEFT adapter directory vs the LoRA policy's logits."""
+    from safetensors.torch import load_file
+
+    from qarl.lora import load_adapter_state
+
+    adapter_dir = export_dir / ADAPTER_DIR
+    reference = _logits(lora_policy.model, ids, mask)
+    model = _decoded_copy(lora_policy.model, tensors, config, fmt_module)
+    load_adapter_state(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    report = {"qarl-decode+adapter": {"status": "ok", "max_abs_logit_diff": _delta(_logits(model, ids, mask),
+                                                                                     reference, mask)}}
+    if "compressed-tensors" not in json.dumps(config.get("quantization_config", {})):
+        report["transformers+peft"] = {"status": "unsupported", "why": "transformers has no loader for "
+                                       "quant_method=modelopt checkpoints; export in compressed_tensors for it"}
+        return report
+    try:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        patch = _nvfp4_unpack_dtype(unpack_dtype) if unpack_dtype is not None else contextlib.nullcontext()
+        with patch:
+            base = AutoModelForCausalLM.from_pretrained(
+                export_dir, quantization_config=CompressedTensorsConfig(dequantize=True), dtype="auto")
+        loaded = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        report["transformers+peft"] = {"status": "ok",
+                                       "max_abs_logit_diff": _delta(_logits(loaded, ids, mask), reference, mask)}
+    except Exception as e:  # a loader that fails is a finding to report, not a crash of the verifier
+        report["transformers+peft"] = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return report
 
 
 @contextlib.contextmanager
@@ -260,6 +302,11 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     reference_name = "in-memory policy"
     if policy is None:
         policy, reference_name = _reference_policy(export_dir, checkpoint)
+    lora_policy = policy if policy.lora is not None else None
+    if lora_policy is not None:  # the files hold the deployed form: merged weights, or the base
+        from qarl.lora import deployable_model
+
+        policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     tensors = _load_tensors(export_dir)
     manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
     scheme = manifest.get("scheme") or _scheme(config)
@@ -291,6 +338,10 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders
+    if lora_policy is not None and (export_dir / ADAPTER_DIR).is_dir():
+        dtype = next(policy.model.parameters()).dtype if scheme.startswith("nvfp4") else None
+        report["adapter_loaders"] = _adapter_loaders(export_dir, lora_policy, tensors, config, fmt_module, ids, mask,
+                                                     dtype)
     w = report["weights"]
     w["quantized"]["declared_differing"] = manifest.get("weights_differing", 0)
     report["ok"] = (w["quantized"]["params"] - w["quantized"]["bit_identical"] == w["quantized"]["declared_differing"]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError, GenerationConfig
+from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
 
 
@@ -45,6 +46,7 @@ class Completion:
 class RefitTiming:
     weights_s: float
     amax_s: float
+    bytes: int = 0  # weights, adapters and amax moved into the engine
 
     @property
     def total_s(self) -> float:
@@ -108,6 +110,9 @@ class VLLMEngine:
         self.format: QuantFormat | None = None
         self._quantized = False
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
+        self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
+        self.adapters = EngineAdapters(self.model)
 
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:
@@ -170,12 +175,45 @@ class VLLMEngine:
             self._asleep = False
 
     # -- refit --------------------------------------------------------------------------------
+    def _weights_to_send(self, policy_model: nn.Module) -> set[str]:
+        """Every weight, except frozen ones the engine already holds from this very policy model.
+
+        A frozen parameter (requires_grad=False: LoRA's base) changes only by a tracked in-place write,
+        which bumps its version; one whose served weight is computed from trainable adapters (merged
+        LoRA) is always sent. So a qlora refit sends the base once and then only what changed."""
+        modules = dict(policy_model.named_modules())
+        same_source = self._held_from is not None and self._held_from() is policy_model
+        held = self._held if same_source else {}
+        send, now = set(), {}
+        for name, param in policy_model.named_parameters():
+            owner = modules.get(name.rpartition(".")[0])
+            computed = hasattr(owner, "served_weight") and not getattr(owner, "serves_adapter", False)
+            if param.requires_grad or computed:
+                send.add(name)
+                continue
+            now[name] = (param.data_ptr(), param._version)
+            if held.get(name) != now[name]:
+                send.add(name)
+        self._held_from, self._held = weakref.ref(policy_model), now
+        return send
+
     @torch.no_grad()
     def refit(self, policy_model: nn.Module, sync_amax: bool = True) -> RefitTiming:
-        """Load the policy's (folded) weights and, if `sync_amax`, its input amax into the engine."""
+        """Load the policy's (folded) weights, its qlora adapters and, if `sync_amax`, its input amax
+        into the engine. Frozen weights the engine already holds from this policy model are skipped."""
+        from qarl.lora import served_adapters
+
         self.wake()
         start = time.perf_counter()
-        self.model.load_weights(folded_weights(policy_model))
+        moved = 0
+        weights = []
+        for name, tensor in folded_weights(policy_model, only=self._weights_to_send(policy_model)):
+            weights.append((name, tensor))
+            moved += tensor.numel() * tensor.element_size()
+        if weights:
+            self.model.load_weights(weights)
+        del weights
+        moved += self.adapters.load(served_adapters(policy_model), dict(policy_model.named_modules()))
         loaded = time.perf_counter()
         if sync_amax:
             for engine_quantizer, policy_quantizer in self._input_quantizer_links(policy_model):
@@ -183,8 +221,9 @@ class VLLMEngine:
                     engine_quantizer.amax = policy_quantizer.amax  # the first refit creates the buffer
                 else:  # later ones write into it: the engine's tensors never change identity
                     engine_quantizer.amax.copy_(policy_quantizer.amax)
+                moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded)
+        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
 
     # -- sampling -----------------------------------------------------------------------------
     def generate(

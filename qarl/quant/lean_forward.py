@@ -22,16 +22,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    if self.input_quantizer.is_enabled:
-        input = self.input_quantizer(input)
-    weight = self._parameters["weight"]
-    if self.weight_quantizer.is_enabled:
-        weight = self.weight_quantizer(weight)
-    output = F.linear(input, weight, self._parameters.get("bias"))
-    if self.output_quantizer.is_enabled:
-        output = self.output_quantizer(output)
+def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's quantized linear math with `weight` in place of the layer's own parameter (LoRA's
+    merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`."""
+    input_quantizer = getattr(layer, "input_quantizer", None)
+    if input_quantizer is not None and input_quantizer.is_enabled:
+        input = input_quantizer(input)
+    weight_quantizer = getattr(layer, "weight_quantizer", None)
+    if weight_quantizer is not None and weight_quantizer.is_enabled:
+        weight = weight_quantizer(weight)
+    output = F.linear(input, weight, layer._parameters.get("bias"))
+    output_quantizer = getattr(layer, "output_quantizer", None)
+    if output_quantizer is not None and output_quantizer.is_enabled:
+        output = output_quantizer(output)
     return output
+
+
+def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return quantized_linear(self, input, self._parameters["weight"])
 
 
 def enable_lean_forward(model: nn.Module) -> int:

@@ -146,18 +146,33 @@ def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 @torch.no_grad()
-def folded_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter by its Hugging Face name; quantized weights come quantized-dequantized.
+def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight the engine holds, by its Hugging Face name; quantized weights come
+    quantized-dequantized.
 
     This is what the rollout engine loads: its weight quantizers stay off, so it computes with exactly
-    the tensors the policy's forward computes with.
+    the tensors the policy's forward computes with. A layer may serve a weight other than its parameter
+    (`served_weight()`: LoRA's merged W + s B A) and hold parameters that are not engine weights
+    (`adapter_param_names`: a qlora adapter, which the engine receives separately). `only`: just these
+    names (a refit that skips weights it already holds); each weight is folded when it is yielded.
     """
-    folded = {}
-    for name, module in quantized_linears(model):
-        if module.weight_quantizer.is_enabled:
-            folded[f"{name}.weight" if name else "weight"] = module.weight_quantizer(module.weight)
+    owners, skipped = {}, set()
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        skipped.update(prefix + p for p in getattr(module, "adapter_param_names", ()))
+        quantizer = getattr(module, "weight_quantizer", None)
+        quantized = isinstance(quantizer, _quantizer_modules()) and quantizer.is_enabled
+        if hasattr(module, "served_weight") or quantized:
+            owners[f"{prefix}weight"] = (module, quantizer if quantized else None)
     for name, param in model.named_parameters():
-        yield name, folded.get(name, param.detach())
+        if name in skipped or (only is not None and name not in only):
+            continue
+        if name not in owners:
+            yield name, param.detach()
+            continue
+        module, quantizer = owners[name]
+        weight = module.served_weight() if hasattr(module, "served_weight") else module.weight
+        yield name, quantizer(weight) if quantizer is not None else weight.detach()
 
 
 def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,8 +7,10 @@ copy of mixed precision), and its amax only when calibration or a state load set
 quantizer keeps its last output and quantizes again only after one of them changed, which it sees by
 itself, without any caller remembering to tell it:
 
-* every optimizer step anywhere (torch's global step hook) counts as a change: fused optimizer
-  kernels write parameters without bumping their version counters (seen with AdamW(fused=True));
+* every optimizer step anywhere (torch's global step hook) counts as a change of a trainable weight:
+  fused optimizer kernels write parameters without bumping their version counters (seen with
+  AdamW(fused=True)); a frozen weight (requires_grad=False: LoRA's base) is in no optimizer, so only
+  the writes below change it, and it is quantized once for the whole run;
 * any other write into the weight bumps the tensor's version counter (in-place ops: `copy_`,
   `load_state_dict`, `mul_`), and a replaced weight (`module.to(...)`) is another storage;
 * amax changes go through ModelOpt's setter, which writes through `.data` (invisible to version
@@ -70,16 +72,18 @@ class WeightCacheMixin:
     _qarl_generation: int = 0
 
     def _qarl_cacheable(self, inputs: torch.Tensor) -> bool:
-        """Only plain fake quantization is a pure function of (weight, amax): no calibration pass,
-        no smoothing scale, rotation or bias, no tracing."""
-        return (type(inputs) in (torch.Tensor, nn.Parameter) and self.is_enabled and self._if_quant
+        """Only plain fake quantization of a parameter is a pure function of (weight, amax): no
+        calibration pass, no smoothing scale, rotation or bias, no tracing. A computed weight (LoRA's
+        merged W + s B A) is a new tensor at every forward, so it is quantized afresh each time."""
+        return (type(inputs) is nn.Parameter and self.is_enabled and self._if_quant
                 and not self._if_calib and self._fake_quant and self.pre_quant_scale is None
                 and not self.rotate_is_enabled and getattr(self, "_bias", None) is None
                 and not torch.compiler.is_compiling())
 
     def _qarl_cache_key(self, inputs: torch.Tensor) -> tuple:
         amax = getattr(self, "_amax", None)
-        return (_optimizer_steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
+        steps = _optimizer_steps if inputs.requires_grad else None  # a frozen weight is in no optimizer
+        return (steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
                 self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
