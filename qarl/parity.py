@@ -64,6 +64,18 @@ def lora_policy(cfg: RecipeConfig, calib: list[str], model_dir: str, fmt, mode: 
     return policy
 
 
+def synced_and_unsynced(engine: VLLMEngine, fmt, quantized: Policy, plain: Policy, prompts: list[list[int]],
+                        max_new_tokens: int, seed: int) -> tuple[Mismatch, Mismatch]:
+    """The quantized policy against the engine synced with it, then against the engine holding `plain`
+    (the same weights unquantized), which the engine keeps afterwards."""
+    engine.set_quant_format(fmt)
+    engine.refit(quantized.model)
+    synced = measure(engine, quantized, prompts, max_new_tokens, seed)
+    engine.set_quant_format(None)
+    engine.refit(plain.model)
+    return synced, measure(engine, quantized, prompts, max_new_tokens, seed)
+
+
 def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
     """Synced / unsynced / floor mismatch per format, and per format x `parity.lora_modes`."""
     torch.manual_seed(cfg.run.seed)
@@ -87,23 +99,13 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
         if fmt is None:
             continue
         quantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=fmt)
-        engine.set_quant_format(fmt)
-        engine.refit(quantized.model)
-        synced = measure(engine, quantized, prompts, n, seed)
-        engine.set_quant_format(None)
-        engine.refit(unquantized.model)
-        unsynced = measure(engine, quantized, prompts, n, seed)
+        synced, unsynced = synced_and_unsynced(engine, fmt, quantized, unquantized, prompts, n, seed)
         results[fmt.name] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
                              "unquantized": floor.as_dict()}
         for mode in cfg.parity.lora_modes:  # the same three measurements with adapters on both sides
             adapted, adapted_plain = (lora_policy(cfg, calib, model_dir, f, mode) for f in (fmt, None))
-            engine.set_quant_format(fmt)
-            engine.refit(adapted.model)
-            synced = measure(engine, adapted, prompts, n, seed)
-            engine.set_quant_format(None)
-            engine.refit(adapted_plain.model)
-            unsynced = measure(engine, adapted, prompts, n, seed)
-            floor_lora = measure(engine, adapted_plain, prompts, n, seed)
+            synced, unsynced = synced_and_unsynced(engine, fmt, adapted, adapted_plain, prompts, n, seed)
+            floor_lora = measure(engine, adapted_plain, prompts, n, seed)  # the engine holds adapted_plain
             results[f"{fmt.name}+{mode}"] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
                                              "unquantized": floor_lora.as_dict()}
     return results

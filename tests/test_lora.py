@@ -4,14 +4,10 @@ their base, exact resume after SIGKILL), exports (qlora base + PEFT adapter, mer
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +21,7 @@ from qarl.optim import PolicyOptimizer
 from qarl.parity import measure
 from qarl.quant import folded_weights
 from tests.conftest import answer_loss, tiny_policy
-from tests.test_train import SMALL, _deterministic
+from tests.test_train import SMALL, _deterministic, kill_after_first_checkpoint
 
 W4A16 = "quant_configs/nvfp4_a16.yaml"
 
@@ -165,14 +161,7 @@ def test_lora_run_refits_only_adapters_and_keeps_small_checkpoints(lora_run):
 
 def test_lora_resume_after_sigkill_is_exact(lora_run, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(run_dir), start_new_session=True)
-    deadline = time.time() + 600
-    while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists():
-        assert proc.poll() is None, "training ended before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_first_checkpoint(_train_cmd(run_dir), run_dir)
     subprocess.run(_train_cmd(run_dir, "trainer.resume=true"), check=True, timeout=600)
     assert _deterministic(read_metrics(run_dir / "metrics.jsonl")) == _deterministic(read_metrics(lora_run / "metrics.jsonl"))
 
@@ -233,4 +222,3 @@ def test_merged_export_and_dequantized_merge_match_the_policy(task, tiny_dir, tm
     ids = qlora.tokenizer([p.prompt for p in task.eval[:4]], return_tensors="pt", padding=True)
     with torch.no_grad():
         assert (merged(**ids).logits - _logits(qlora, task)).abs().max() < 1e-4
-    assert dataclasses.asdict(qlora.lora)["mode"] == "qlora"

@@ -56,9 +56,9 @@ def test_a_few_steps_write_metrics_checkpoints_and_plot(uninterrupted):
     assert policy.format is not None and policy.format.name == "nvfp4_a16"
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(run_dir), start_new_session=True)
+def kill_after_first_checkpoint(cmd: list[str], run_dir: Path) -> None:
+    """Start a training command and SIGKILL it (its whole process group) once checkpoint step_2 is complete."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
     deadline = time.time() + 600
     while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists():
         assert proc.poll() is None, "training ended before its first checkpoint"
@@ -66,6 +66,11 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(uninterrupted, tm
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # in the middle of step 2
     proc.wait()
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
+    run_dir = tmp_path / "killed"
+    kill_after_first_checkpoint(_train_cmd(run_dir), run_dir)
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
     subprocess.run(_train_cmd(run_dir, "trainer.resume=true"), check=True, timeout=600)
     resumed = _deterministic(read_metrics(run_dir / "metrics.jsonl"))

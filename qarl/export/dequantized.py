@@ -23,6 +23,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
     """Write `policy` (a qarl Policy) as an unquantized `dtype` model directory; returns a summary."""
     from transformers import AutoModelForCausalLM
 
+    from qarl.export.core import _check_out_dir
     from qarl.lora import lora_layers
     from qarl.policy import DTYPES
     from qarl.quant import folded_weights
@@ -30,8 +31,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {DTYPES}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ConfigError(f"output directory {out_dir} exists and is not empty; choose another or pass --overwrite")
+    _check_out_dir(out_dir, overwrite)
     weights = dict(folded_weights(policy.model))
     merged = 0
     for name, layer in lora_layers(policy.model):

@@ -175,13 +175,12 @@ class VLLMEngine:
             self._asleep = False
 
     # -- refit --------------------------------------------------------------------------------
-    def _weights_to_send(self, policy_model: nn.Module) -> set[str]:
+    def _weights_to_send(self, policy_model: nn.Module, modules: dict[str, nn.Module]) -> set[str]:
         """Every weight, except frozen ones the engine already holds from this very policy model.
 
         A frozen parameter (requires_grad=False: LoRA's base) changes only by a tracked in-place write,
         which bumps its version; one whose served weight is computed from trainable adapters (merged
         LoRA) is always sent. So a qlora refit sends the base once and then only what changed."""
-        modules = dict(policy_model.named_modules())
         same_source = self._held_from is not None and self._held_from() is policy_model
         held = self._held if same_source else {}
         send, now = set(), {}
@@ -207,13 +206,14 @@ class VLLMEngine:
         start = time.perf_counter()
         moved = 0
         weights = []
-        for name, tensor in folded_weights(policy_model, only=self._weights_to_send(policy_model)):
+        modules = dict(policy_model.named_modules())
+        for name, tensor in folded_weights(policy_model, only=self._weights_to_send(policy_model, modules)):
             weights.append((name, tensor))
             moved += tensor.numel() * tensor.element_size()
         if weights:
             self.model.load_weights(weights)
         del weights
-        moved += self.adapters.load(served_adapters(policy_model), dict(policy_model.named_modules()))
+        moved += self.adapters.load(served_adapters(policy_model), modules)
         loaded = time.perf_counter()
         if sync_amax:
             for engine_quantizer, policy_quantizer in self._input_quantizer_links(policy_model):
