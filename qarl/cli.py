@@ -4,6 +4,8 @@
   qarl distill RECIPE [a.b=c ...]          on-policy QAD: quantized student, full-precision teacher
   qarl eval CHECKPOINT_OR_MODEL [a.b=c ...]  held-out accuracy, quantized and unquantized (JSON)
   qarl parity RECIPE [a.b=c ...] [--json]  train/rollout log-prob mismatch per quant format
+  qarl matrix RECIPE [a.b=c ...]           accuracy of models x precisions vs PTQ: gain survival, SEs
+  qarl diagnose MODEL [MODEL ...] [--recipe R] [--out DIR]  per-layer quantizability, before vs after training
   qarl export CHECKPOINT --target export/T.yaml --out DIR   real NVFP4/FP8 Hugging Face checkpoint
   qarl export --verify DIR                 load an export independently and compare its logits
 """
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from qarl.config import ConfigError, RecipeConfig, TrainingDiverged, load_recipe
 from qarl.rewards import RewardError
@@ -52,6 +55,28 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _matrix(args: argparse.Namespace) -> int:
+    from qarl.matrix import markdown, run_matrix
+
+    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
+    with contextlib.redirect_stdout(sys.stderr):
+        report, out = run_matrix(cfg)
+    print(markdown(report))
+    print(f"\n{out}/matrix.json, matrix.md, matrix.png ({report['seconds']:.0f} s)")
+    return 0
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from qarl.diagnose import markdown, run_diagnose
+
+    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
+    with contextlib.redirect_stdout(sys.stderr):
+        report = run_diagnose(cfg, args.models, Path(args.out))
+    print(markdown(report))
+    print(f"\n{args.out}/diagnose.json, diagnose.md, diagnose.png")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     distill.add_argument("overrides", nargs="*",
                          help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
     distill.set_defaults(func=_distill)
+    matrix = sub.add_parser("matrix", help="held-out accuracy of models x precisions (full, PTQ methods, trained "
+                                           "quantization): gain over the base and its survival, with SEs")
+    matrix.add_argument("recipe", help="a recipe with a matrix: section, e.g. recipes/matrix_tiny.yaml")
+    matrix.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. matrix.num_prompts=2000")
+    matrix.set_defaults(func=_matrix)
+    diagnose = sub.add_parser("diagnose", help="per-layer quantizability (kurtosis, outliers, NVFP4/FP8 errors of "
+                                               "weights, inputs and outputs) of models, compared layer by layer")
+    diagnose.add_argument("models", nargs="+", help="qarl runs, checkpoints, Hugging Face model directories, or "
+                                                    "warm-start (the recipe's step-0 model); the first is the reference")
+    diagnose.add_argument("--recipe", default=str(Path(__file__).parent / "recipe_defaults.yaml"),
+                          help="the recipe whose task gives the calibration data (default: the embedded task)")
+    diagnose.add_argument("--set", dest="overrides", nargs="*", default=[], help="a.b=c recipe overrides")
+    diagnose.add_argument("--out", default="runs/diagnose", help="where diagnose.json/.md/.png go")
+    diagnose.set_defaults(func=_diagnose)
     from qarl.export.cli import add_export_command  # argparse only: the export itself is imported when run
 
     add_export_command(sub)

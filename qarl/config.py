@@ -116,6 +116,9 @@ class TaskConfig:
     num_digits: int = 5
     num_train: int = 2000
     num_eval: int = 100
+    # arithmetic: the seed that draws the problems and splits them; None = run.seed. Pin it to give runs
+    # of different run.seed one train/held-out split (and `qarl matrix` one held-out set for all of them).
+    seed: int | None = None
     # name=dataset: local .jsonl/.json/.parquet files or hub names (datasets.load_dataset), with a
     # prompt and an answer column; eval_data is the held-out split.
     train_data: str = ""
@@ -140,6 +143,7 @@ class WarmStartConfig:
     steps: int = 150
     batch_size: int = 64
     lr: float = 3e-3
+    seed: int | None = None  # None = run.seed; pin it so RL runs of several seeds share one base model
 
 
 @dataclass
@@ -221,6 +225,25 @@ class ParityConfig:
 
 
 @dataclass
+class MatrixConfig:
+    """`qarl matrix`: held-out accuracy of several models at several precisions, and whether each
+    model's gain over `base` survives quantization better than post-training quantization (PTQ)."""
+
+    # The model gains are measured from: "warm-start" (this recipe's step-0 model) or a model/run path.
+    base: str = "warm-start"
+    # name -> qarl run directories, checkpoints or Hugging Face model directories. Several paths are
+    # seeds of one recipe: each is evaluated, and the rows average them prompt by prompt.
+    models: dict[str, list[str]] = field(default_factory=dict)
+    # Every model is evaluated unquantized, at each of these formats with each PTQ method (ModelOpt
+    # calibration algorithms, on the recipe's calibration data), and at its own trained quantization.
+    formats: list[str] = field(default_factory=lambda: [
+        "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
+    ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])
+    num_prompts: int = 1000  # held-out prompts (task.num_eval must provide them); SE <= 0.5/sqrt(n)
+    out: str = "${run.dir}/matrix"
+
+
+@dataclass
 class RecipeConfig:
     run: RunConfig = field(default_factory=RunConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -232,6 +255,7 @@ class RecipeConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    matrix: MatrixConfig = field(default_factory=MatrixConfig)
 
 
 def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:

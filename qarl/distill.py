@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from qarl.checkpoint import latest_checkpoint, resolve_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
 from qarl.config import ConfigError, LoraConfig, RecipeConfig, to_dict
@@ -40,6 +40,7 @@ from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
+from qarl.models.checks import parameter_count, tokenizer_differences, vocab_width
 from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, plot_runs, read_metrics, summary
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
@@ -86,51 +87,14 @@ def teacher_source(cfg: RecipeConfig) -> str:
     return resolve_model_dir(name)
 
 
-def _from_pretrained(loader: Any, model_dir: str, trust_remote_code: bool) -> Any:
-    """AutoConfig / AutoTokenizer, with an unreachable hub id or a broken directory as a ConfigError."""
-    try:
-        return loader.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{model_dir!r} could not be loaded ({first_line}). A hub id needs HF_HUB_OFFLINE=0 "
-                          "and a reachable hub (or a warm cache); else give a local model directory.") from None
-
-
-def _vocab_width(model_dir: str, trust_remote_code: bool) -> int:
-    return _from_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config().vocab_size
-
-
 def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool = False) -> None:
     """Distillation compares the two next-token distributions id by id: same vocabulary, same
     special tokens, same output width."""
-    student = _from_pretrained(AutoTokenizer, student_dir, trust_remote_code)
-    teacher = _from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code)
-    problems = []
-    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
-    if s_vocab != t_vocab:
-        differ = sorted(k for k in s_vocab.keys() | t_vocab.keys() if s_vocab.get(k) != t_vocab.get(k))
-        problems.append(f"vocabularies differ ({len(s_vocab)} vs {len(t_vocab)} tokens, {len(differ)} tokens "
-                        f"with different ids, e.g. {differ[:3]})")
-    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        if getattr(student, attr) != getattr(teacher, attr):
-            problems.append(f"{attr}: {getattr(student, attr)!r} vs {getattr(teacher, attr)!r}")
-    if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
-        problems.append("special tokens differ")
-    s_width, t_width = _vocab_width(student_dir, trust_remote_code), _vocab_width(teacher_dir, trust_remote_code)
-    if not problems and s_width != t_width:
-        problems.append(f"output vocabulary widths differ ({s_width} vs {t_width} logits)")
+    problems = tokenizer_differences(student_dir, teacher_dir, trust_remote_code)
     if problems:
         raise ConfigError(f"teacher.model_name ({teacher_dir}) does not share the student's tokenizer "
                           f"(policy.model_name: {student_dir}): {'; '.join(problems)}. Distillation compares the "
                           "two next-token distributions token by token; choose a teacher of the student's model family.")
-
-
-def parameter_count(model_dir: str, trust_remote_code: bool = False) -> int:
-    """Parameters of a model directory's architecture, counted on the meta device (nothing is read or allocated)."""
-    config = _from_pretrained(AutoConfig, model_dir, trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -145,7 +109,7 @@ def check_memory(cfg: RecipeConfig, student_dir: str, teacher_dir: str) -> dict[
     student_params = parameter_count(student_dir, cfg.policy.trust_remote_code)
     teacher_params = (student_params if teacher_dir == student_dir
                       else parameter_count(teacher_dir, cfg.teacher.trust_remote_code))
-    vocab = _vocab_width(student_dir, cfg.policy.trust_remote_code)
+    vocab = vocab_width(student_dir, cfg.policy.trust_remote_code)
     need = {
         "teacher": teacher_params * _dtype_bytes(cfg.teacher.dtype),
         # the compute-dtype model and its grads; master weights, their grads and AdamW's two moments
@@ -333,7 +297,7 @@ def distill(cfg: RecipeConfig) -> Path:
     if start_step == 0 and cfg.distill.eval_teacher_accuracy:
         if same_architecture(teacher.model, student.model):
             engine.refit(teacher.model)
-            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, rewards)
+            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, rewards).accuracy
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
@@ -343,7 +307,7 @@ def distill(cfg: RecipeConfig) -> Path:
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
 
     def evaluation() -> dict[str, float]:
-        return {"eval/accuracy": evaluate(engine, student, eval_problems, rewards),
+        return {"eval/accuracy": evaluate(engine, student, eval_problems, rewards).accuracy,
                 "eval/teacher_kl": teacher_kl(engine, student, teacher, eval_problems, cfg)}
 
     # 4. The loop.

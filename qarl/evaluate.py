@@ -6,22 +6,51 @@ checkpoint's quantizers and amax) and for the same master weights unquantized.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
 from qarl.generation import VLLMEngine
 from qarl.policy import Policy, build_policy
-from qarl.rewards import WeightedRewards
+from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, build_task
 
 
-def evaluate(engine: VLLMEngine, policy: Policy, problems: list[Problem], rewards: WeightedRewards) -> float:
-    """Greedy accuracy: the fraction of problems the first reward (the verifier) scores 1."""
+@dataclass
+class EvalResult:
+    """Greedy held-out results, one entry per problem: the verifier's score (1 = right), whether the
+    completion held a readable answer (None: the verifier has no parser), why it stopped, its length."""
+
+    correct: list[float]
+    parsed: list[bool] | None
+    finish_reasons: list[str]
+    lengths: list[int]
+
+    @property
+    def accuracy(self) -> float:
+        return sum(c >= 1.0 for c in self.correct) / max(len(self.correct), 1)
+
+    def hygiene(self) -> dict[str, float | None]:
+        """Why answers failed, not only how many: parse rate, truncation (max tokens hit), stop/EOS rate,
+        mean completion length in tokens."""
+        n = max(len(self.correct), 1)
+        return {"parse_rate": sum(self.parsed) / n if self.parsed is not None else None,
+                "truncation_rate": sum(r == "length" for r in self.finish_reasons) / n,
+                "stop_rate": sum(r == "stop" for r in self.finish_reasons) / n,
+                "mean_length": sum(self.lengths) / n}
+
+
+def evaluate(engine: VLLMEngine, policy: Policy, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
+    """Greedy completions of `problems` from the engine (refitted by the caller), scored by the
+    first reward (the verifier)."""
     prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
     completions = engine.generate(prompts, greedy=True)
     texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    scores = rewards.verify(texts, [p.answer for p in problems])
-    return sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+    parser = ANSWER_PARSERS.get(rewards.verifier_name)
+    return EvalResult(correct=rewards.verify(texts, [p.answer for p in problems]),
+                      parsed=[parser(t) for t in texts] if parser is not None else None,
+                      finish_reasons=[c.finish_reason for c in completions],
+                      lengths=[len(c.token_ids) for c in completions])
 
 
 def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:
@@ -64,10 +93,10 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
     if fmt is not None:
         engine.set_quant_format(fmt)
         engine.refit(quantized.model)
-        results["quantized"] = evaluate(engine, quantized, problems, rewards)
+        results["quantized"] = evaluate(engine, quantized, problems, rewards).accuracy
         results["format"] = fmt.name
     engine.set_quant_format(None)
     engine.refit(plain.model)
-    results["unquantized"] = evaluate(engine, plain, problems, rewards)
+    results["unquantized"] = evaluate(engine, plain, problems, rewards).accuracy
     results["num_prompts"] = len(problems)
     return results

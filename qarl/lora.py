@@ -133,12 +133,9 @@ def check_lora(cfg: PolicyConfig, model_dir: str) -> None:
         raise ConfigError("policy.lora with rollouts quantized in another format (policy.generation.quant_cfg) is "
                           "not supported: LoRA trains the base in its rollout format already; drop the generation "
                           "override or policy.lora")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from qarl.models.checks import meta_model
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    linears = dict(_linears(model))
+    linears = dict(_linears(meta_model(model_dir, cfg.trust_remote_code)))
     targeted = {n: m for n, m in linears.items() if _matches(n, lora.target_modules)}
     if not targeted:
         names = sorted({n.rsplit(".", 1)[-1] for n in linears})

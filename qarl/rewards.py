@@ -56,10 +56,14 @@ def arithmetic_digits_reward(completions: list[str], answers: list[str]) -> list
     return out
 
 
+def _is_bare_integer(text: str) -> bool:
+    return re.fullmatch(r"\s*-?\d+\s*", text) is not None
+
+
 @register("format")
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1 if the completion is a bare (signed) integer, whatever its value: the answer format."""
-    return [1.0 if re.fullmatch(r"\s*-?\d+\s*", c) else 0.0 for c in completions]
+    return [1.0 if _is_bare_integer(c) else 0.0 for c in completions]
 
 
 def _last_boxed(text: str) -> str | None:
@@ -94,6 +98,17 @@ def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
         ref = a.split("####")[-1]
         out.append(1.0 if got and _normalize_number(got.group(1)) == _normalize_number(ref) else 0.0)
     return out
+
+
+# Whether a completion holds an answer the verifier could read at all, whatever its value: the "parse
+# rate" of evaluation hygiene (an answer lost to formatting is not the same failure as a wrong one).
+ANSWER_PARSERS: dict[str, Callable[[str], bool]] = {
+    "arithmetic": _is_bare_integer,
+    "arithmetic_digits": _is_bare_integer,
+    "format": _is_bare_integer,
+    "boxed_math": lambda c: _last_boxed(c) is not None,
+    "gsm8k": lambda c: re.search(r"####\s*-?[\d,\.]+", c) is not None,
+}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -151,6 +166,10 @@ class WeightedRewards:
         except Exception:
             return 0.0
         return value if math.isfinite(value) else 0.0
+
+    @property
+    def verifier_name(self) -> str:
+        return self.fns[0][0]
 
     def verify(self, completions: list[str], answers: list[str]) -> list[float]:
         """The first reward alone: by convention the verifier that held-out accuracy counts."""

@@ -53,7 +53,8 @@ def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
     a baseline and a distillation teacher all find the very model the policy started from)."""
     model_dir = resolve_model_dir(cfg.policy.model_name)
     if cfg.warm_start.enabled:
-        model_dir = warm_start(model_dir, task.train, cfg.warm_start, cfg.run.seed, cache_dir())
+        seed = cfg.run.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, seed, cache_dir())
     return model_dir
 
 
@@ -219,7 +220,7 @@ def train(cfg: RecipeConfig) -> Path:
         step_start = time.perf_counter()
         row: dict[str, float | int | None] = {"step": step, **step_state}
         if step % cfg.eval.every == 0:
-            row["eval/accuracy"] = evaluate(engine, policy, eval_problems, rewards)
+            row["eval/accuracy"] = evaluate(engine, policy, eval_problems, rewards).accuracy
 
         problems = step_problems(task, step, prompts_per_step, cfg.run.seed)
         batch = rollout(engine, policy, problems, t.num_generations, seed=cfg.run.seed * 1_000_003 + step * t.batch_size)
@@ -251,7 +252,7 @@ def train(cfg: RecipeConfig) -> Path:
 
     # 5. Final evaluation, plot, summary.
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
-        metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards)})
+        metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards).accuracy})
     metrics.close()
     rows = read_metrics(run_dir / "metrics.jsonl")
     plot_runs({run_dir.name: rows}, run_dir / "metrics.png")

@@ -222,8 +222,24 @@ class VLLMEngine:
                 else:  # later ones write into it: the engine's tensors never change identity
                     engine_quantizer.amax.copy_(policy_quantizer.amax)
                 moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
+                moved += self._sync_smoothing(engine_quantizer, policy_quantizer)
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
+
+    def _sync_smoothing(self, engine_quantizer: nn.Module, policy_quantizer: nn.Module) -> int:
+        """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale
+        arrives folded into the weight), or drop one a previous policy left; returns bytes moved."""
+        scale = policy_quantizer.pre_quant_scale
+        if scale is None:
+            if hasattr(engine_quantizer, "_pre_quant_scale"):
+                del engine_quantizer._pre_quant_scale
+            return 0
+        if self.cfg.tensor_parallel_size > 1:
+            raise ConfigError("a policy with AWQ/SmoothQuant input scales (calibration algorithm awq_* or "
+                              "smoothquant) needs policy.generation.tensor_parallel_size=1: the scales are not sharded")
+        engine_quantizer._enable_pre_quant_scale = True
+        engine_quantizer.pre_quant_scale = scale  # ModelOpt's setter: a buffer once, then copies into it
+        return scale.numel() * scale.element_size()
 
     # -- sampling -----------------------------------------------------------------------------
     def generate(

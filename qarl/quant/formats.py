@@ -45,6 +45,26 @@ class QuantFormat:
         return cfg
 
 
+def calibration_methods() -> list[str]:
+    """ModelOpt's calibration algorithms by name: max, mse, awq_lite, awq_clip, smoothquant, gptq, ..."""
+    from modelopt.torch.quantization.mode import CalibrateModeRegistry
+
+    names = CalibrateModeRegistry._name2descriptor
+    return sorted(n.removesuffix("_calibrate") for n in names if not n.startswith("_"))
+
+
+def with_calibration(fmt: QuantFormat, method: str) -> QuantFormat:
+    """`fmt` calibrated by ModelOpt's algorithm `method` instead of its own: the same quantizers, a
+    different PTQ (amax by max or by MSE search; AWQ's activation-aware smoothing scales)."""
+    if method not in calibration_methods():
+        raise ConfigError(f"unknown calibration method {method!r}; ModelOpt has {calibration_methods()}")
+    if method == fmt.algorithm:
+        return fmt
+    cfg = copy.deepcopy(fmt.modelopt_cfg)
+    cfg["algorithm"] = method
+    return QuantFormat(name=f"{fmt.name}+{method}", source=f"{fmt.source} (algorithm: {method})", modelopt_cfg=cfg)
+
+
 def _canonical(obj: Any) -> Any:
     """Dicts as key-sorted pairs (keys may mix int and str, as ModelOpt's block_sizes do)."""
     if isinstance(obj, dict):

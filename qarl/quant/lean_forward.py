@@ -26,8 +26,8 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
     """ModelOpt's quantized linear math with `weight` in place of the layer's own parameter (LoRA's
     merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`."""
     input_quantizer = getattr(layer, "input_quantizer", None)
-    if input_quantizer is not None and input_quantizer.is_enabled:
-        input = input_quantizer(input)
+    if input_quantizer is not None and (input_quantizer.is_enabled or input_quantizer.pre_quant_scale is not None):
+        input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
     weight_quantizer = getattr(layer, "weight_quantizer", None)
     if weight_quantizer is not None and weight_quantizer.is_enabled:
         weight = weight_quantizer(weight)

@@ -16,7 +16,7 @@ from torch import nn
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
 from qarl.quant.lean_forward import enable_lean_forward
-from qarl.quant.weight_cache import enable_weight_cache
+from qarl.quant.weight_cache import enable_weight_cache, invalidate
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
 # siblings must share one per-tensor amax for their weights and one for their inputs: the fused
@@ -66,24 +66,31 @@ def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
         )
 
 
+def check_format_fits(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> None:
+    """`fmt`'s block sizes against every layer it would quantize, on the meta device: a format that does
+    not apply to a model is refused before any weights load."""
+    import modelopt.torch.quantization as mtq
+
+    from qarl.models.checks import meta_model
+
+    model = meta_model(model_dir, trust_remote_code)
+    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    check_block_sizes(model, fmt)
+
+
 def share_fused_amax(model: nn.Module) -> int:
     """Give fused siblings (q/k/v, gate/up) the max of their per-tensor amaxes; returns groups merged."""
-    modules = dict(model.named_modules())
     merged = 0
-    for name, module in modules.items():
-        for siblings in FUSED_SIBLINGS.values():
-            members = [modules.get(f"{name}.{s}") for s in siblings]
-            if not all(m is not None and hasattr(m, "weight_quantizer") for m in members):
-                continue
-            for attr in ("weight_quantizer", "input_quantizer"):
-                quantizers = [getattr(m, attr, None) for m in members]
-                amaxes = [q.amax for q in quantizers if q is not None and q.is_enabled and q.amax is not None]
-                if len(amaxes) != len(members) or any(a.numel() != 1 for a in amaxes):
-                    continue  # disabled, or per-channel amax (concatenates naturally when fused)
-                shared = torch.stack([a.reshape(()) for a in amaxes]).max()
-                for q in quantizers:
-                    q.amax = shared.reshape(q.amax.shape)
-            merged += 1
+    for members in _fused_groups(model):
+        for attr in ("weight_quantizer", "input_quantizer"):
+            quantizers = [getattr(m, attr, None) for m in members]
+            amaxes = [q.amax for q in quantizers if q is not None and q.is_enabled and q.amax is not None]
+            if len(amaxes) != len(members) or any(a.numel() != 1 for a in amaxes):
+                continue  # disabled, or per-channel amax (concatenates naturally when fused)
+            shared = torch.stack([a.reshape(()) for a in amaxes]).max()
+            for q in quantizers:
+                q.amax = shared.reshape(q.amax.shape)
+        merged += 1
     return merged
 
 
@@ -135,7 +142,34 @@ def calibrate(model: nn.Module, fmt: QuantFormat, batches: list[dict[str, torch.
     missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
     if missing:
         raise ConfigError(f"calibration left {len(missing)} quantizer(s) without amax (no data reached them): {missing[:5]}")
+    share_fused_smoothing(model)
     share_fused_amax(model)
+    invalidate(model)  # AWQ rescales weights through `.data`, which version counters do not see
+
+
+def _fused_groups(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """The quantized sibling layers (q/k/v, gate/up) that serving engines fuse into one matrix."""
+    modules = dict(model.named_modules())
+    for name in modules:
+        for siblings in FUSED_SIBLINGS.values():
+            members = [modules.get(f"{name}.{s}") for s in siblings]
+            if all(m is not None and hasattr(m, "weight_quantizer") for m in members):
+                yield members
+
+
+def share_fused_smoothing(model: nn.Module) -> int:
+    """Give fused siblings one AWQ/SmoothQuant input scale (they read one input): the mean of theirs,
+    each weight rescaled to keep its product with the input and its amax recollected, by ModelOpt's
+    own export step (`preprocess_linear_fusion`, resmooth only). Returns the groups changed."""
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+
+    changed = 0
+    for members in _fused_groups(model):
+        scales = [getattr(m, "input_quantizer", None) for m in members]
+        if all(q is not None and q.pre_quant_scale is not None for q in scales):
+            preprocess_linear_fusion(members, resmooth_only=True)
+            changed += 1
+    return changed
 
 
 def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -172,27 +206,52 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
             continue
         module, quantizer = owners[name]
         weight = module.served_weight() if hasattr(module, "served_weight") else module.weight
-        yield name, quantizer(weight) if quantizer is not None else weight.detach()
+        weight = quantizer(weight) if quantizer is not None else weight.detach()
+        scale = _weight_only_smoothing(module)
+        yield name, weight * scale.to(weight.dtype) if scale is not None else weight
+
+
+def _weight_only_smoothing(module: nn.Module) -> torch.Tensor | None:
+    """The AWQ scale s of a layer whose input is not quantized (W4A16 AWQ): y = (x * s) Q(W)^T, which the
+    engine computes as x (Q(W) * s)^T, the scale folded into the served weight (as deployment folds it
+    into the layer before). A quantized input keeps its scale: the engine applies it (refit syncs it)."""
+    quantizer = getattr(module, "input_quantizer", None)
+    if quantizer is None or quantizer.is_enabled:
+        return None
+    return quantizer.pre_quant_scale
+
+
+SMOOTHING = ".pre_quant_scale"  # quantizer-state key suffix of an AWQ/SmoothQuant input scale
 
 
 def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{quantizer name: amax} of every quantizer that has one: the calibrated state a checkpoint keeps."""
-    quantizer_cls = _quantizer_modules()
-    return {
-        name: module.amax.detach().clone().contiguous()
-        for name, module in model.named_modules()
-        if isinstance(module, quantizer_cls) and module.amax is not None
-    }
+    """{quantizer name: amax} of every quantizer that has one, and {name + SMOOTHING: scale} of every
+    AWQ/SmoothQuant input scale: the calibrated state a checkpoint keeps."""
+    state = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, _quantizer_modules()):
+            continue
+        if module.amax is not None:
+            state[name] = module.amax.detach().clone().contiguous()
+        if module.pre_quant_scale is not None:
+            state[name + SMOOTHING] = module.pre_quant_scale.detach().clone().contiguous()
+    return state
 
 
 def load_quantizer_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Restore amaxes saved by `quantizer_state` into a model quantized with the same format."""
+    """Restore amaxes and smoothing scales saved by `quantizer_state` into a model quantized with the
+    same format."""
     quantizers = dict(model.named_modules())
-    unknown = [n for n in state if n not in quantizers]
+    unknown = [n for n in state if n.removesuffix(SMOOTHING) not in quantizers]
     if unknown:
         raise ConfigError(f"quantizer state does not fit this model: no quantizer named {unknown[:3]}")
-    for name, amax in state.items():
-        quantizers[name].amax = amax
+    for name, value in state.items():
+        if name.endswith(SMOOTHING):
+            quantizer = quantizers[name.removesuffix(SMOOTHING)]
+            quantizer._enable_pre_quant_scale = True
+            quantizer.pre_quant_scale = value
+        else:
+            quantizers[name].amax = value
     missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
     if missing:
         raise ConfigError(f"quantizer state has no amax for enabled quantizers {missing[:5]}")

@@ -10,10 +10,12 @@ Task = ArithmeticTask | DatasetTask
 
 
 def build_task(cfg: TaskConfig, seed: int) -> Task:
+    """The task of `cfg`; an arithmetic task draws its problems from `cfg.seed`, else from `seed` (run.seed)."""
     if cfg.name == "arithmetic":
         if cfg.op not in ArithmeticTask.OPS:
             raise ConfigError(f"task.op={cfg.op!r}; choose one of {ArithmeticTask.OPS}")
-        return ArithmeticTask(op=cfg.op, num_digits=cfg.num_digits, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed)
+        return ArithmeticTask(op=cfg.op, num_digits=cfg.num_digits, num_train=cfg.num_train, num_eval=cfg.num_eval,
+                              seed=seed if cfg.seed is None else cfg.seed)
     if cfg.name == "dataset":
         return DatasetTask(cfg)
     raise ConfigError(f"unknown task {cfg.name!r}; choose 'arithmetic' (embedded) or 'dataset'")

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The runs behind the README's accuracy matrix and W4A4 study (issue 13), on the embedded default, 2 CPU cores.
+# Every run shares one held-out split (task.seed=0) and one warm-started base (warm_start.seed=0); run.seed varies.
+#   bash benchmarks/matrix_runs.sh [OUT=runs/matrix]     then: bash benchmarks/matrix_table.sh
+# Runs that already finished are skipped, so the script resumes after an interruption.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/matrix}
+QARL=".venv/bin/qarl"
+W4A4=quant_configs/nvfp4_w4a4.yaml
+run() {  # run NAME COMMAND RECIPE OVERRIDES...
+  local name=$1 cmd=$2 recipe=$3; shift 3
+  if [ -f "$OUT/$name/metrics.jsonl" ] && grep -q '"eval/accuracy"' <(tail -n 1 "$OUT/$name/metrics.jsonl"); then
+    echo "== $name: done"; return
+  fi
+  echo "== $name"
+  $QARL "$cmd" "$recipe" run.dir="$OUT/$name" task.seed=0 warm_start.seed=0 trainer.resume=true "$@"
+}
+for seed in 0 1 2; do
+  run "grpo_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed policy.quant_cfg=none
+  run "qagrpo_w4a16_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed
+  run "qagrpo_w4a4_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed policy.quant_cfg=$W4A4
+  # QAD from the same base as the GRPO runs (qa_grpo_tiny's 90-step warm start), which is also its teacher
+  run "qad_w4a4_s$seed" distill recipes/qa_distillation_tiny.yaml run.seed=$seed warm_start.steps=90
+done
+# The W4A4 study: what helps QA-GRPO at NVFP4 W4A4 (seed 0; compare with qagrpo_w4a4_s0 and qagrpo_w4a16_s0)
+run w4a4_lr3e-5 train recipes/qa_grpo_tiny.yaml policy.quant_cfg=$W4A4 trainer.lr=3.0e-5
+run w4a4_lr3e-4 train recipes/qa_grpo_tiny.yaml policy.quant_cfg=$W4A4 trainer.lr=3.0e-4
+run w4a4_no_tis train recipes/qa_grpo_tiny.yaml policy.quant_cfg=$W4A4 trainer.vllm_importance_sampling_correction=false
+run w4a4_layer0_fp train recipes/qa_grpo_tiny.yaml policy.quant_cfg=benchmarks/quant_configs/nvfp4_w4a4_layer0_fp.yaml
+run w4a4_mlp_only train recipes/qa_grpo_tiny.yaml policy.quant_cfg=benchmarks/quant_configs/nvfp4_w4a4_mlp_only.yaml

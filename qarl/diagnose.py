@@ -1,0 +1,166 @@
+"""`qarl diagnose MODEL [MODEL ...]`: how quantizable is each layer, and did training change it?
+
+Per linear layer that the formats quantize, on the recipe's calibration data:
+  weights      kurtosis (3 for a Gaussian), outlier fraction (|w - mean| > 3 std; 0.27 % for a Gaussian);
+  activations  the same two statistics of the layer's inputs;
+  error        relative reconstruction error ||Q(t) - t|| / ||t|| of the weight and of the inputs in NVFP4
+               and in FP8 (ModelOpt's own quantizers, max-calibrated), and of the layer's output when both
+               are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most.
+Several models (e.g. the base, then runs trained from it) are compared layer by layer: before vs after.
+Writes diagnose.json, diagnose.md and diagnose.png to --out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qarl.config import RecipeConfig
+
+FORMATS = {"nvfp4": "quant_configs/nvfp4_w4a4.yaml", "fp8": "quant_configs/fp8_w8a8.yaml"}
+MAX_TOKENS = 8192  # activation rows kept per layer
+
+
+def moments(t: torch.Tensor) -> dict[str, float]:
+    """Kurtosis and the fraction of entries more than 3 standard deviations from the mean."""
+    x = t.detach().double().flatten()
+    centered = x - x.mean()
+    std = centered.pow(2).mean().sqrt()
+    return {"kurtosis": float(centered.pow(4).mean() / std.pow(4)),
+            "outlier_fraction": float((centered.abs() > 3 * std).double().mean())}
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def layer_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], names: set[str]) -> dict[str, torch.Tensor]:
+    """The inputs of the named linear layers over the calibration batches, as [tokens, width] rows
+    (padding rows dropped), at most MAX_TOKENS per layer."""
+    captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    masks: list[torch.Tensor] = []
+    modules = dict(model.named_modules())
+    hooks = [modules[n].register_forward_hook(lambda m, args, out, n=n: captured[n].append(args[0].detach()))
+             for n in names]
+    try:
+        for batch in batches:
+            masks.append(batch["attention_mask"].bool())
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat([x[mask] for x, mask in zip(xs, masks)])[:MAX_TOKENS] for n, xs in captured.items()}
+
+
+def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) -> dict[str, dict[str, Any]]:
+    """{layer: statistics} of one model (see the module docstring)."""
+    from qarl.policy import build_policy, calibration_batches
+    from qarl.quant import resolve_format
+    from qarl.quant.quantize import quantized_linears
+
+    plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
+    batches = list(calibration_batches(calibration, plain.tokenizer, cfg.policy, plain.device))
+    quantized = {key: build_policy(cfg.policy, calibration, model_dir=model_dir, fmt=resolve_format(spec))
+                 for key, spec in FORMATS.items()}
+    layers = {key: {n: m for n, m in quantized_linears(p.model) if m.weight_quantizer.is_enabled}
+              for key, p in quantized.items()}
+    names = set.intersection(*(set(v) for v in layers.values()))
+    inputs = layer_inputs(plain.model, batches, names)
+    plain_modules = dict(plain.model.named_modules())
+    report = {}
+    with torch.no_grad():
+        for name in sorted(names, key=list(plain_modules).index):
+            weight, x = plain_modules[name].weight, inputs[name]
+            row = {**{f"weight_{k}": v for k, v in moments(weight).items()},
+                   **{f"input_{k}": v for k, v in moments(x).items()}}
+            exact = x @ weight.T
+            for key in FORMATS:
+                layer = layers[key][name]
+                qw, qx = layer.weight_quantizer(weight), layer.input_quantizer(x)
+                row[f"weight_error_{key}"] = relative_error(qw, weight)
+                row[f"input_error_{key}"] = relative_error(qx, x)
+                row[f"output_error_{key}"] = relative_error(qx @ qw.T, exact)
+            report[name] = row
+    return report
+
+
+def markdown(report: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Per model, per layer: the statistics, layers sorted by NVFP4 output error (worst first); then,
+    with several models, the change of each statistic's layer mean from the first model."""
+    columns = [("weight_kurtosis", "W kurt", 1), ("weight_outlier_fraction", "W >3σ %", 100),
+               ("input_kurtosis", "X kurt", 1), ("input_outlier_fraction", "X >3σ %", 100),
+               ("weight_error_nvfp4", "W err NVFP4 %", 100), ("weight_error_fp8", "W err FP8 %", 100),
+               ("input_error_nvfp4", "X err NVFP4 %", 100), ("input_error_fp8", "X err FP8 %", 100),
+               ("output_error_nvfp4", "out err NVFP4 %", 100), ("output_error_fp8", "out err FP8 %", 100)]
+    parts = []
+    for model, layers in report.items():
+        lines = [f"### {model}: layers by NVFP4 W4A4 output error (worst first)",
+                 "| layer | " + " | ".join(c[1] for c in columns) + " |", "|---|" + "---|" * len(columns)]
+        for name, row in sorted(layers.items(), key=lambda kv: -kv[1]["output_error_nvfp4"]):
+            lines.append(f"| {name} | " + " | ".join(f"{row[k] * s:.2f}" for k, _, s in columns) + " |")
+        parts.append("\n".join(lines))
+    if len(report) > 1:
+        first = next(iter(report))
+        mean = lambda layers, k: sum(r[k] for r in layers.values()) / len(layers)  # noqa: E731
+        lines = [f"### Layer means, change from {first}", "| model | " + " | ".join(c[1] for c in columns) + " |",
+                 "|---|" + "---|" * len(columns)]
+        for model, layers in report.items():
+            cells = [f"{mean(layers, k) * s:.2f}" + ("" if model == first else
+                     f" ({(mean(layers, k) - mean(report[first], k)) * s:+.2f})") for k, _, s in columns]
+            lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def plot(report: dict[str, dict[str, dict[str, Any]]], out: Path) -> Path:
+    """Per layer and model: NVFP4 output error, weight kurtosis, input kurtosis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("output_error_nvfp4", "NVFP4 W4A4 output error (%)", 100), ("weight_kurtosis", "weight kurtosis", 1),
+              ("input_kurtosis", "input kurtosis", 1)]
+    layers = list(next(iter(report.values())))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.5 * len(layers)), 2.6 * len(panels)), sharex=True)
+    width = 0.8 / len(report)
+    for ax, (key, title, scale) in zip(axes, panels):
+        for i, (model, rows) in enumerate(report.items()):
+            xs = [j + (i - (len(report) - 1) / 2) * width for j in range(len(layers))]
+            ax.bar(xs, [rows[n][key] * scale for n in layers], width, label=model)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xticks(range(len(layers)))
+    axes[-1].set_xticklabels([n.removeprefix("model.") for n in layers], rotation=60, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Diagnose each model ("warm-start" = the recipe's step-0 model) and write the report to `out`."""
+    from qarl.matrix import WARM_START, resolve_model_source
+    from qarl.quant import resolve_format
+    from qarl.quant.quantize import check_format_fits
+    from qarl.tasks import build_task
+    from qarl.train import initial_model_dir
+
+    task = build_task(cfg.task, cfg.run.seed)
+    sources = {m: resolve_model_source(m) for m in models if m != WARM_START}  # bad paths fail first
+    dirs = {m: initial_model_dir(cfg, task) if m == WARM_START else sources[m].model_dir for m in models}
+    for model_dir in dirs.values():
+        for spec in FORMATS.values():
+            check_format_fits(model_dir, resolve_format(spec), cfg.policy.trust_remote_code)
+    calibration = task.calibration_texts(cfg.policy.quant_calib_size)
+    report = {m: diagnose_model(cfg, d, calibration) for m, d in dirs.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnose.json").write_text(json.dumps(report, indent=1))
+    (out / "diagnose.md").write_text(markdown(report) + "\n")
+    plot(report, out / "diagnose.png")
+    return report

@@ -1,0 +1,390 @@
+"""`qarl matrix`: does the RL gain survive quantization better than post-training quantization (PTQ)?
+
+Every model (a base, and models trained from it: qarl runs or checkpoints, or Hugging Face directories)
+is evaluated greedily, in the rollout engine, on one held-out set at every precision of the matrix:
+  full       unquantized;
+  FMT METHOD each format after PTQ with each calibration method, on the recipe's calibration data
+             (ModelOpt's max calibration, and stronger ones: AWQ's activation-aware smoothing, MSE
+             scale search), so "quantization-aware training beats PTQ" is tested against the best PTQ run;
+  trained    a run trained quantized, at its own trained quantization (its checkpoint's format and amax).
+A run's trained format is always also a PTQ column, so its transfer to the other formats shows too.
+
+  gain      D(m, p) = acc(m, p) - acc(base, p)            the trained column compares with the base's PTQ
+  survival  S(m, p) = D(m, p) - D(m, full)                > 0: quantization kept more of the gain
+
+Standard errors: every cell is scored on the same prompts, so differences are paired, the standard
+error of a mean of per-prompt differences, sqrt(var(d) / n); for one accuracy that is the binomial
+sqrt(p (1 - p) / n). A model given as several seeds is averaged prompt by prompt, and the spread of
+its per-seed survival is reported beside (the seed noise that the prompt SE does not contain).
+
+Outputs under `matrix.out`: matrix.json (every number and the hygiene of every cell: answer parse
+rate, truncation rate, stop/EOS rate, mean length), matrix.md (the tables), matrix.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qarl.config import ConfigError, RecipeConfig, load_recipe
+
+if TYPE_CHECKING:  # the engine's import is heavy: the checks come first
+    from qarl.evaluate import EvalResult
+
+FULL = "full"
+TRAINED = "trained"
+WARM_START = "warm-start"
+CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "use_cache"}
+
+
+# -- statistics --------------------------------------------------------------------------------------
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error sqrt(var / n), var the population variance: for 0/1 scores exactly the
+    binomial standard error sqrt(p (1 - p) / n)."""
+    if not values:
+        raise ValueError("no values")
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / n / n)
+
+
+def per_prompt(results: Sequence[EvalResult]) -> list[float]:
+    """Each prompt's score averaged over the seeds of a model (1 = right in every seed)."""
+    return [sum(r.correct[i] >= 1.0 for r in results) / len(results) for i in range(len(results[0].correct))]
+
+
+def gain(model: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
+    """Paired gain of per-prompt scores over the base's on the same prompts: mean and SE."""
+    return mean_and_se([m - b for m, b in zip(model, base, strict=True)])
+
+
+def survival(model_q: Sequence[float], base_q: Sequence[float], model_full: Sequence[float],
+             base_full: Sequence[float]) -> tuple[float, float]:
+    """Gain survival (model_q - base_q) - (model_full - base_full), prompt by prompt: mean and SE."""
+    return mean_and_se([mq - bq - mf + bf for mq, bq, mf, bf in zip(model_q, base_q, model_full, base_full, strict=True)])
+
+
+# -- what is evaluated -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    """A matrix column: unquantized (format None), a format with a PTQ method, or the model's own
+    trained quantization."""
+
+    name: str
+    format: Any = None  # qarl.quant.QuantFormat
+    trained: bool = False
+
+
+@dataclass
+class ModelSource:
+    """One evaluated model: where its weights are and, for a checkpoint, how it was trained."""
+
+    path: str
+    model_dir: str
+    checkpoint: Path | None = None
+    trained_format: Any = None  # the checkpoint's QuantFormat; None: trained unquantized (or not by qarl)
+
+
+@dataclass
+class Plan:
+    """Everything `qarl matrix` will evaluate, checked before anything heavy runs."""
+
+    cfg: RecipeConfig
+    problems: list
+    calibration: list[str]
+    models: dict[str, list[ModelSource]]  # the base first
+    precisions: list[Precision]
+    base: str = "base"
+    trained_precision: dict[str, str] = field(default_factory=dict)  # model -> its trained format's PTQ column
+
+
+def resolve_model_source(path: str) -> ModelSource:
+    from qarl.checkpoint import checkpoint_format, is_checkpoint_dir, resolve_checkpoint
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"matrix model {path!r} does not exist")
+    if is_checkpoint_dir(p) or (p / "checkpoints").is_dir():
+        checkpoint = resolve_checkpoint(p)
+        if (checkpoint / "lora.json").is_file():
+            raise ConfigError(f"{checkpoint} is a LoRA adapter; the matrix quantizes whole models. Merge it first: "
+                              f"qarl export {checkpoint} --dequantized --out DIR, and list DIR")
+        return ModelSource(path, str(checkpoint / "policy"), checkpoint, checkpoint_format(checkpoint))
+    if (p / "config.json").is_file():
+        return ModelSource(path, str(p))
+    raise ConfigError(f"matrix model {path!r} is neither a qarl run/checkpoint nor a Hugging Face model directory")
+
+
+def _check_held_out(source: ModelSource, held_out: set[str]) -> None:
+    """A run must not have trained on the matrix's held-out prompts (a run of another task split has)."""
+    from qarl.tasks import build_task
+
+    if source.checkpoint is None or not (source.checkpoint.parent.parent / "config.yaml").is_file():
+        return
+    run_cfg = load_recipe(source.checkpoint.parent.parent / "config.yaml", [], RecipeConfig)
+    seen = {p.prompt for p in build_task(run_cfg.task, run_cfg.run.seed).train} & held_out
+    if seen:
+        raise ConfigError(f"{source.path} trained on {len(seen)} of the matrix's held-out prompts (e.g. "
+                          f"{sorted(seen)[0]!r}): its task split differs. Train with the matrix recipe's task "
+                          "(pin task.seed) or give the matrix that run's task settings.")
+
+
+def _architecture(model_dir: str, trust_remote_code: bool) -> dict:
+    from transformers import AutoConfig
+
+    from qarl.models.checks import load_pretrained
+
+    config = load_pretrained(AutoConfig, model_dir, trust_remote_code).to_dict()
+    return {k: v for k, v in config.items() if k not in CONFIG_KEYS_IGNORED}
+
+
+def plan_matrix(cfg: RecipeConfig) -> Plan:
+    """Resolve and check the whole matrix: models, formats, methods, tokenizers, architectures, block
+    sizes, the held-out split. Every error surfaces here, before any model loads or engine starts."""
+    from qarl.models.checks import tokenizer_differences
+    from qarl.quant import resolve_format
+    from qarl.quant.formats import with_calibration
+    from qarl.quant.quantize import check_format_fits
+    from qarl.tasks import build_task
+    from qarl.train import initial_model_dir
+
+    m = cfg.matrix
+    if not m.models:
+        raise ConfigError("matrix.models is empty: name the models to compare with the base, e.g. "
+                          "matrix.models={grpo: [runs/grpo], qa_grpo: [runs/qa_grpo]}")
+    if m.num_prompts < 1:
+        raise ConfigError(f"matrix.num_prompts={m.num_prompts}: the held-out set is empty")
+    task = build_task(cfg.task, cfg.run.seed)
+    if len(task.eval) < m.num_prompts:
+        raise ConfigError(f"matrix.num_prompts={m.num_prompts} but the task has {len(task.eval)} held-out "
+                          f"problems: raise task.num_eval (or lower matrix.num_prompts)")
+    problems = task.eval[: m.num_prompts]
+    trust = cfg.policy.trust_remote_code
+    models = {}
+    for name, paths in m.models.items():
+        if not paths:
+            raise ConfigError(f"matrix.models.{name} lists no model")
+        if name == "base":
+            raise ConfigError("matrix.models: 'base' names the base model (matrix.base); call the model otherwise")
+        models[name] = [resolve_model_source(p) for p in paths]
+    base_source = ModelSource(WARM_START, initial_model_dir(cfg, task)) if m.base == WARM_START else resolve_model_source(m.base)
+    models = {"base": [base_source], **models}
+    base = models["base"][0]
+    held_out = {p.prompt for p in problems}
+    reference = _architecture(base.model_dir, trust)
+    for name, sources in models.items():
+        for source in sources:
+            _check_held_out(source, held_out)
+            problems_found = tokenizer_differences(base.model_dir, source.model_dir, trust)
+            if problems_found:
+                raise ConfigError(f"matrix model {source.path} does not share the base's tokenizer "
+                                  f"({base.model_dir}): {'; '.join(problems_found)}. The matrix compares models "
+                                  "trained from one base on one task.")
+            if _architecture(source.model_dir, trust) != reference:
+                raise ConfigError(f"matrix model {source.path} has another architecture than the base "
+                                  f"({base.model_dir}); the matrix compares models trained from one base")
+    formats = [resolve_format(spec) for spec in m.formats]
+    if any(f is None for f in formats):
+        raise ConfigError("matrix.formats lists 'none'; the unquantized column is always there")
+    precisions = [Precision(FULL)]
+    for fmt in formats:
+        for method in m.ptq_methods:
+            calibrated = with_calibration(fmt, method)
+            precisions.append(Precision(f"{fmt.name} {method}", calibrated))
+    plan = Plan(cfg, problems, [], models, precisions)
+    trained = [(name, s.trained_format) for name, sources in models.items() for s in sources if s.trained_format]
+    for name, fmt in trained:  # a trained format is a PTQ column too: the base's counterpart of "trained"
+        column = next((p for p in plan.precisions if p.format is not None
+                       and p.format.fingerprint() == fmt.fingerprint()), None)
+        if column is None:
+            column = Precision(f"{fmt.name} {fmt.algorithm}", fmt)
+            plan.precisions.append(column)
+        if plan.trained_precision.setdefault(name, column.name) != column.name:
+            raise ConfigError(f"the seeds of matrix.models.{name} were trained in different formats")
+    if trained:
+        plan.precisions.append(Precision(TRAINED, trained=True))
+    for precision in plan.precisions:
+        if precision.format is not None:
+            check_format_fits(base.model_dir, precision.format, trust)
+    plan.calibration = task.calibration_texts(cfg.policy.quant_calib_size)
+    return plan
+
+
+# -- evaluation --------------------------------------------------------------------------------------
+def _policy(plan: Plan, source: ModelSource, precision: Precision):
+    from qarl.checkpoint import load_policy_checkpoint
+    from qarl.policy import build_policy
+
+    if precision.trained:
+        return load_policy_checkpoint(source.checkpoint, plan.cfg.policy)
+    return build_policy(plan.cfg.policy, plan.calibration, model_dir=source.model_dir, fmt=precision.format)
+
+
+def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
+    """{model: {precision: one EvalResult per seed}}, precision by precision (one engine format switch
+    each); the trained column by trained format."""
+    from tqdm import tqdm
+
+    from qarl.evaluate import evaluate
+    from qarl.generation import VLLMEngine
+    from qarl.rewards import WeightedRewards
+
+    cfg = plan.cfg
+    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    engine = VLLMEngine(plan.models["base"][0].model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    cells = []  # (engine format, model, source, precision), grouped by engine format
+    for precision in plan.precisions:
+        for name, sources in plan.models.items():
+            for source in sources:
+                if not precision.trained:
+                    cells.append((precision.format, name, source, precision))
+                elif source.trained_format is not None:
+                    cells.append((source.trained_format, name, source, precision))
+    cells.sort(key=lambda c: (c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
+    results: dict[str, dict[str, list[EvalResult]]] = {name: {} for name in plan.models}
+    current = "unset"
+    for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
+        key = fmt.fingerprint() if fmt is not None else None
+        if key != current:
+            engine.set_quant_format(fmt)
+            current = key
+        policy = _policy(plan, source, precision)
+        engine.refit(policy.model)
+        results[name].setdefault(precision.name, []).append(evaluate(engine, policy, plan.problems, rewards))
+    return results
+
+
+# -- the report --------------------------------------------------------------------------------------
+def _hygiene(results: list[EvalResult]) -> dict[str, float | None]:
+    rows = [r.hygiene() for r in results]
+    return {k: (None if rows[0][k] is None else sum(r[k] for r in rows) / len(rows)) for k in rows[0]}
+
+
+def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> dict[str, Any]:
+    """Accuracy, gain and survival (each with its SE), per-seed numbers and hygiene, as one JSON-able dict."""
+    scores = {m: {p: per_prompt(r) for p, r in cells.items()} for m, cells in results.items()}
+    base = scores["base"]
+    report: dict[str, Any] = {
+        "num_prompts": len(plan.problems),
+        "precisions": [p.name for p in plan.precisions],
+        "models": {m: {"sources": [s.path for s in sources], "seeds": len(sources),
+                       "trained_format": (sources[0].trained_format.name if sources[0].trained_format else None)}
+                   for m, sources in plan.models.items()},
+        "accuracy": {}, "gain": {}, "survival": {},
+    }
+    for m, cells in results.items():
+        report["accuracy"][m] = {}
+        for p, per_seed in cells.items():
+            mean, se = mean_and_se(scores[m][p])
+            report["accuracy"][m][p] = {"mean": mean, "se": se, "per_seed": [r.accuracy for r in per_seed],
+                                        **_hygiene(per_seed)}
+        if m == "base":
+            continue
+        report["gain"][m], report["survival"][m] = {}, {}
+        for p in cells:
+            base_p = plan.trained_precision[m] if p == TRAINED else p
+            g, g_se = gain(scores[m][p], base[base_p])
+            report["gain"][m][p] = {"mean": g, "se": g_se}
+            if p == FULL:
+                continue
+            s, s_se = survival(scores[m][p], base[base_p], scores[m][FULL], base[FULL])
+            seeds = [survival(*(per_prompt([r]) for r in (cells[p][i], results["base"][base_p][0], cells[FULL][i],
+                                                            results["base"][FULL][0])))[0] for i in range(len(cells[p]))]
+            seed_sd = (math.sqrt(sum((x - s) ** 2 for x in seeds) / (len(seeds) - 1)) if len(seeds) > 1 else None)
+            report["survival"][m][p] = {"mean": s, "se": s_se, "per_seed": seeds, "seed_sd": seed_sd}
+    return report
+
+
+def _points(value: float, se: float, signed: bool = False) -> str:
+    return f"{100 * value:+.1f} ± {100 * se:.1f}" if signed else f"{100 * value:.1f} ± {100 * se:.1f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The tables: accuracy, gain over the base, gain survival, evaluation hygiene."""
+    precisions = report["precisions"]
+    header = "| model | " + " | ".join(precisions) + " |\n|---|" + "---|" * len(precisions)
+
+    def label(m: str) -> str:
+        info = report["models"][m]
+        notes = [n for n in (info["trained_format"], f"{info['seeds']} seeds" if info["seeds"] > 1 else None) if n]
+        return f"{m} ({', '.join(notes)})" if notes else m
+
+    def table(key: str, signed: bool, extra: str = "") -> str:
+        lines = [header]
+        for m, cells in report[key].items():
+            row = []
+            for p in precisions:
+                c = cells.get(p)
+                text = _points(c["mean"], c["se"], signed) if c else "–"
+                if c and extra and c.get(extra) is not None:
+                    text += f" (sd {100 * c[extra]:.1f})"
+                row.append(text)
+            lines.append(f"| {label(m)} | " + " | ".join(row) + " |")
+        return "\n".join(lines)
+
+    n = report["num_prompts"]
+    hygiene = ["| model | precision | accuracy | parse rate | truncated | stopped (EOS) | mean length |",
+               "|---|---|---|---|---|---|---|"]
+    for m, cells in report["accuracy"].items():
+        for p in precisions:
+            c = cells.get(p)
+            if c:
+                parse = f"{100 * c['parse_rate']:.1f}" if c["parse_rate"] is not None else "n/a"
+                hygiene.append(f"| {m} | {p} | {100 * c['mean']:.1f} | {parse} | {100 * c['truncation_rate']:.1f} | "
+                               f"{100 * c['stop_rate']:.1f} | {c['mean_length']:.2f} |")
+    return "\n\n".join([
+        f"### Held-out accuracy (%, greedy, n = {n} prompts, ± binomial SE)", table("accuracy", False),
+        "### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's PTQ in that format)",
+        table("gain", True),
+        "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",
+        table("survival", True, "seed_sd"),
+        "### Evaluation hygiene (%, mean over seeds)", "\n".join(hygiene)])
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """Accuracy per precision and model (left) and gain survival (right), with SE error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precisions = report["precisions"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
+    for ax, key, models in ((axes[0], "accuracy", list(report["accuracy"])), (axes[1], "survival", list(report["survival"]))):
+        columns = precisions if key == "accuracy" else [p for p in precisions if p != FULL]
+        width = 0.8 / max(len(models), 1)
+        for i, m in enumerate(models):
+            xs = [j + (i - (len(models) - 1) / 2) * width for j, p in enumerate(columns) if p in report[key][m]]
+            cells = [report[key][m][p] for p in columns if p in report[key][m]]
+            ax.bar(xs, [100 * c["mean"] for c in cells], width, yerr=[100 * c["se"] for c in cells], capsize=2, label=m)
+        ax.set_xticks(range(len(columns)))
+        ax.set_xticklabels(columns, rotation=30, ha="right", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.axhline(0, color="black", lw=0.6)
+    axes[0].set_title(f"held-out accuracy (%), n = {report['num_prompts']}", fontsize=10)
+    axes[1].set_title("gain survival: Δ at precision − Δ unquantized (points)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run_matrix(cfg: RecipeConfig) -> tuple[dict[str, Any], Path]:
+    """Plan (all checks), evaluate every cell, write matrix.json / matrix.md / matrix.png to matrix.out."""
+    start = time.perf_counter()
+    plan = plan_matrix(cfg)
+    results = evaluate_matrix(plan)
+    report = summarize(plan, results)
+    report["seconds"] = time.perf_counter() - start
+    out = Path(cfg.matrix.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps(report, indent=1))
+    (out / "matrix.md").write_text(markdown(report) + "\n")
+    plot(report, out / "matrix.png")
+    return report, out
