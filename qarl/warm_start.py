@@ -29,7 +29,8 @@ def _fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, 
     identity = Path(model_dir) / "qarl_embedded.json"
     h.update((identity.read_text() if identity.is_file() else str(Path(model_dir).resolve())).encode())
     h.update(config.read_bytes() if config.is_file() else b"")
-    h.update(json.dumps([asdict(cfg), seed, [(p.prompt, p.answer) for p in problems]]).encode())
+    settings = {k: v for k, v in asdict(cfg).items() if k != "seed"}  # the seed in effect is hashed beside
+    h.update(json.dumps([settings, seed, [(p.prompt, p.answer) for p in problems]]).encode())
     return h.hexdigest()[:16]
 
 

@@ -121,3 +121,29 @@ def test_amax_sync_is_a_few_scalars_written_in_place(engine, make_policy):
     amax_bytes = sum(p.amax.numel() * p.amax.element_size() for _, p in links)
     weight_bytes = sum(t.numel() * t.element_size() for _, t in folded_weights(policy.model))
     assert amax_bytes / weight_bytes < 1e-4
+
+@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml"])
+def test_awq_calibrated_policy_is_served_exactly(engine, task, tiny_dir, floor, fmt):
+    """AWQ's smoothing scales reach the engine (folded into the weight at W4A16, the engine's input
+    quantizer at W4A4): synced it matches the policy at the floor; without them it would not."""
+    from qarl.config import PolicyConfig
+    from qarl.policy import build_policy
+    from qarl.quant import resolve_format
+    from qarl.quant.formats import with_calibration
+
+    awq = with_calibration(resolve_format(fmt), "awq_lite")
+    policy = build_policy(PolicyConfig(quant_calib_size=32), task.calibration_texts(32), model_dir=tiny_dir, fmt=awq)
+    engine.set_quant_format(awq)
+    engine.refit(policy.model)
+    synced = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
+    assert synced.mean_abs <= 10 * floor.mean_abs + 1e-4, (synced, floor)
+    engine_modules = dict(engine.model.named_modules())
+    qkv = engine_modules["model.layers.0.self_attn.qkv_proj"].input_quantizer
+    served = getattr(qkv, "_pre_quant_scale", None)
+    assert (served is not None) == fmt.endswith("w4a4.yaml")  # W4A16: folded into the weight instead
+    max_calibrated = build_policy(PolicyConfig(quant_calib_size=32), task.calibration_texts(32), model_dir=tiny_dir,
+                                  fmt=resolve_format(fmt))
+    engine.refit(max_calibrated.model)  # a policy without smoothing leaves none behind in the engine
+    assert getattr(qkv, "_pre_quant_scale", None) is None
+    other = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
+    assert other.mean_abs >= 10 * synced.mean_abs, (other, synced)

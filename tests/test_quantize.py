@@ -112,3 +112,34 @@ def test_missing_calibration_data_is_an_error_before_loading_the_model(tmp_path)
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(ConfigError, match="no column"):
         load_calibration_texts(PolicyConfig(quant_calib_data=str(bad)), [])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_a16", "nvfp4_w4a4"])
+def test_awq_smoothing_is_shared_by_fused_siblings_and_kept_by_the_quantizer_state(task, tiny_dir, fmt):
+    """AWQ-lite PTQ: one input scale per fused group (the engine fuses q/k/v and gate/up and reads one
+    input), folded into the served weight when the input is not quantized, and saved with the amax."""
+    from qarl.quant.formats import with_calibration
+
+    calibrated = with_calibration(resolve_format(fmt), "awq_lite")
+    cfg = PolicyConfig(quant_calib_size=32)
+    policy = build_policy(cfg, task.calibration_texts(32), model_dir=tiny_dir, fmt=calibrated)
+    attn = policy.model.model.layers[0].self_attn
+    scales = [m.input_quantizer.pre_quant_scale for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert all(s is not None for s in scales) and not torch.equal(scales[0], torch.ones_like(scales[0]))
+    assert torch.equal(scales[0], scales[1]) and torch.equal(scales[0], scales[2])
+    layer = policy.model.model.layers[1].mlp.down_proj
+    x = torch.randn(3, 5, layer.in_features)
+    folded = dict(folded_weights(policy.model))["model.layers.1.mlp.down_proj.weight"]
+    with torch.no_grad():
+        expected = layer(x)
+        if fmt == "nvfp4_a16":  # the scale lives in the served weight: x (Q(W) s)^T
+            manual = torch.nn.functional.linear(x, folded)
+        else:  # the engine's input quantizer applies it: Q(x s) Q(W)^T
+            manual = torch.nn.functional.linear(layer.input_quantizer(x), folded)
+    torch.testing.assert_close(manual, expected, rtol=1e-5, atol=1e-6)
+    state = quantizer_state(policy.model)
+    assert sum(k.endswith(".pre_quant_scale") for k in state) == 2 * 7
+    fresh = build_policy(cfg, [], model_dir=tiny_dir, fmt=calibrated, calibrate=False)
+    load_quantizer_state(fresh.model, state)
+    assert torch.equal(fresh.model.model.layers[1].mlp.down_proj.input_quantizer.pre_quant_scale,
+                       layer.input_quantizer.pre_quant_scale)

@@ -1,0 +1,154 @@
+"""`qarl matrix` and `qarl diagnose`: the table's arithmetic against direct computation, the checks that
+refuse bad input before any model loads, and a small matrix end to end (real vLLM, real ModelOpt PTQ)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import shutil
+
+import pytest
+import torch
+
+from qarl.checkpoint import save_checkpoint
+from qarl.config import ConfigError, RecipeConfig, WarmStartConfig, load_recipe
+from qarl.evaluate import EvalResult
+from qarl.matrix import FULL, TRAINED, gain, mean_and_se, per_prompt, plan_matrix, run_matrix, survival
+from qarl.policy import build_policy, cache_dir
+from qarl.tasks import ArithmeticTask
+from qarl.warm_start import warm_start
+
+
+def _result(correct: list[float]) -> EvalResult:
+    return EvalResult(correct=correct, parsed=[True] * len(correct), finish_reasons=["stop"] * len(correct),
+                      lengths=[6] * len(correct))
+
+
+def test_statistics_match_direct_computation():
+    rng = random.Random(0)
+    n = 1000
+    base_f, base_q, model_f, model_q = ([float(rng.random() < p) for _ in range(n)] for p in (0.3, 0.25, 0.6, 0.55))
+    p = sum(model_f) / n
+    mean, se = mean_and_se(model_f)
+    assert mean == pytest.approx(p) and se == pytest.approx(math.sqrt(p * (1 - p) / n))  # binomial SE
+    assert se <= 0.016  # n = 1000: at most 1.6 points, the issue's bound
+
+    d = [m - b for m, b in zip(model_f, base_f)]
+    d_mean = sum(d) / n
+    g, g_se = gain(model_f, base_f)
+    assert g == pytest.approx(sum(model_f) / n - sum(base_f) / n)
+    assert g_se == pytest.approx(math.sqrt(sum((x - d_mean) ** 2 for x in d) / n) / math.sqrt(n))
+
+    s, s_se = survival(model_q, base_q, model_f, base_f)
+    direct = (sum(model_q) - sum(base_q)) / n - (sum(model_f) - sum(base_f)) / n
+    assert s == pytest.approx(direct)
+    e = [mq - bq - mf + bf for mq, bq, mf, bf in zip(model_q, base_q, model_f, base_f)]
+    e_mean = sum(e) / n
+    assert s_se == pytest.approx(math.sqrt(sum((x - e_mean) ** 2 for x in e) / n / n))
+
+    # seeds are averaged prompt by prompt
+    assert per_prompt([_result([1, 0, 1, 0]), _result([1, 1, 0, 0])]) == [1.0, 0.5, 0.5, 0.0]
+    with pytest.raises(ValueError):
+        mean_and_se([])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_dir):
+    """A warm-started base (qa_grpo_tiny's, cached), a checkpoint of its very weights trained-format
+    NVFP4 W4A16 (calibrated amax), and a perturbed copy of it as a Hugging Face directory."""
+    task = ArithmeticTask(num_train=2000, num_eval=1000, seed=0)
+    base = warm_start(tiny_dir, task.train, WarmStartConfig(steps=90, lr=3.0e-3), 0, cache_dir())
+    root = tmp_path_factory.mktemp("matrix_models")
+    cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig)
+    policy = build_policy(cfg.policy, task.calibration_texts(64), model_dir=base)
+    save_checkpoint(root / "same", 1, policy, {"step": 1})
+    noisy = build_policy(cfg.policy, [], model_dir=base, fmt=None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in noisy.model.parameters():
+            p.add_(0.02 * torch.randn_like(p) * p.std())
+    noisy.model.save_pretrained(root / "noisy", safe_serialization=True)
+    noisy.tokenizer.save_pretrained(root / "noisy")
+    return {"base": base, "same": str(root / "same"), "noisy": str(root / "noisy"), "root": root}
+
+
+def _cfg(made: dict, **matrix) -> RecipeConfig:
+    cfg = load_recipe("recipes/matrix_tiny.yaml", ["task.num_eval=1000"], RecipeConfig)
+    settings = dict(base=made["base"], models={"same": [made["same"]], "noisy": [made["noisy"]]},
+                    formats=["quant_configs/nvfp4_w4a4.yaml"], ptq_methods=["max", "awq_lite"], num_prompts=48,
+                    out=str(made["root"] / "out"))
+    settings.update(matrix)
+    return dataclasses.replace(cfg, matrix=dataclasses.replace(cfg.matrix, **settings))
+
+
+def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
+    with pytest.raises(ConfigError, match="matrix.models is empty"):
+        plan_matrix(_cfg(models, models={}))
+    with pytest.raises(ConfigError, match="held-out set is empty"):
+        plan_matrix(_cfg(models, num_prompts=0))
+    with pytest.raises(ConfigError, match="raise task.num_eval"):
+        plan_matrix(_cfg(models, num_prompts=5000))
+    with pytest.raises(ConfigError, match="does not exist"):
+        plan_matrix(_cfg(models, models={"x": [str(tmp_path / "nope")]}))
+    with pytest.raises(ConfigError, match="unknown calibration method 'awq_best'"):
+        plan_matrix(_cfg(models, ptq_methods=["awq_best"]))
+    # a tokenizer that differs from the base's (the task's): one token renamed
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(models["noisy"], other)
+    vocab_file = next(p for p in other.iterdir() if p.name == "tokenizer.json")
+    text = json.loads(vocab_file.read_text())
+    text["model"]["vocab"]["@"] = text["model"]["vocab"].pop("9")
+    vocab_file.write_text(json.dumps(text))
+    with pytest.raises(ConfigError, match="does not share the base's tokenizer"):
+        plan_matrix(_cfg(models, models={"other": [str(other)]}))
+    # a format whose block size does not divide the model's layers (128 and 384 wide)
+    blocky = tmp_path / "nvfp4_block256.yaml"
+    blocky.write_text(open("quant_configs/nvfp4_w4a4.yaml").read().replace("-1: 16", "-1: 256"))
+    with pytest.raises(ConfigError, match="block size does not divide"):
+        plan_matrix(_cfg(models, formats=[str(blocky)]))
+
+
+def test_small_matrix_end_to_end(models):
+    report, out = run_matrix(_cfg(models))
+    assert {p for p in report["precisions"]} == {FULL, "nvfp4_w4a4 max", "nvfp4_w4a4 awq_lite", "nvfp4_a16 max", TRAINED}
+    acc, gains, surv = report["accuracy"], report["gain"], report["survival"]
+    assert 0.05 < acc["base"][FULL]["mean"] < 0.6, "the warm-started base is partly right"
+    # the checkpoint holds the base's own weights: no gain anywhere, to the prompt, even at its trained
+    # quantization (its amax = max calibration on the same data = the base's nvfp4_a16 max column)
+    for precision, cell in gains["same"].items():
+        assert cell == {"mean": 0.0, "se": 0.0}, precision
+    assert acc["same"][TRAINED]["mean"] == acc["base"]["nvfp4_a16 max"]["mean"]
+    # the noisy copy: the table's numbers are the accuracies' differences
+    for precision in report["precisions"]:
+        if precision in acc["noisy"]:
+            expected = acc["noisy"][precision]["mean"] - acc["base"][precision]["mean"]
+            assert gains["noisy"][precision]["mean"] == pytest.approx(expected, abs=1e-12)
+    q = "nvfp4_w4a4 max"
+    assert surv["noisy"][q]["mean"] == pytest.approx(gains["noisy"][q]["mean"] - gains["noisy"][FULL]["mean"], abs=1e-12)
+    assert TRAINED not in acc["noisy"]  # a Hugging Face directory has no trained quantization
+    n = report["num_prompts"]
+    assert n == 48 and acc["base"][FULL]["se"] == pytest.approx(
+        math.sqrt(acc["base"][FULL]["mean"] * (1 - acc["base"][FULL]["mean"]) / n))
+    for cell in acc["noisy"].values():  # evaluation hygiene of every cell
+        assert 0 <= cell["parse_rate"] <= 1 and cell["truncation_rate"] + cell["stop_rate"] == pytest.approx(1.0)
+        assert cell["mean_length"] > 0
+    assert json.loads((out / "matrix.json").read_text())["precisions"] == report["precisions"]
+    assert "Gain survival" in (out / "matrix.md").read_text() and (out / "matrix.png").stat().st_size > 10_000
+
+
+def test_diagnose_statistics_and_report(models, tmp_path):
+    from qarl.diagnose import moments, run_diagnose
+
+    gaussian = moments(torch.randn(200_000, generator=torch.Generator().manual_seed(0)))
+    assert gaussian["kurtosis"] == pytest.approx(3.0, abs=0.05)
+    assert gaussian["outlier_fraction"] == pytest.approx(0.0027, abs=0.0005)
+    cfg = load_recipe("recipes/matrix_tiny.yaml", [], RecipeConfig)
+    report = run_diagnose(cfg, [models["base"], models["noisy"]], tmp_path)
+    layers = report[models["base"]]
+    assert len(layers) == 2 * 7
+    for row in layers.values():  # 4-bit is coarser than 8-bit, for weights, inputs and outputs alike
+        for kind in ("weight", "input", "output"):
+            assert 0 < row[f"{kind}_error_fp8"] < row[f"{kind}_error_nvfp4"] < 0.5
+    assert (tmp_path / "diagnose.png").is_file() and "change from" in (tmp_path / "diagnose.md").read_text()
