@@ -235,7 +235,8 @@ class MatrixConfig:
     # seeds of one recipe: each is evaluated, and the rows average them prompt by prompt.
     models: dict[str, list[str]] = field(default_factory=dict)
     # Every model is evaluated unquantized, at each of these formats with each PTQ method (ModelOpt
-    # calibration algorithms, on the recipe's calibration data), and at its own trained quantization.
+    # calibration algorithms: max, mse, awq_lite, ...; "default" = the format's own; on the recipe's
+    # calibration data), and at its own trained quantization.
     formats: list[str] = field(default_factory=lambda: [
         "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
     ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])

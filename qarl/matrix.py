@@ -202,7 +202,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
         column = next((p for p in plan.precisions if p.format is not None
                        and p.format.fingerprint() == fmt.fingerprint()), None)
         if column is None:
-            column = Precision(f"{fmt.name} {fmt.algorithm}", fmt)
+            column = Precision(f"{fmt.name} {fmt.algorithm if isinstance(fmt.algorithm, str) else 'default'}", fmt)
             plan.precisions.append(column)
         if plan.trained_precision.setdefault(name, column.name) != column.name:
             raise ConfigError(f"the seeds of matrix.models.{name} were trained in different formats")
@@ -361,14 +361,15 @@ def plot(report: dict[str, Any], out: Path) -> Path:
         for i, m in enumerate(models):
             xs = [j + (i - (len(models) - 1) / 2) * width for j, p in enumerate(columns) if p in report[key][m]]
             cells = [report[key][m][p] for p in columns if p in report[key][m]]
-            ax.bar(xs, [100 * c["mean"] for c in cells], width, yerr=[100 * c["se"] for c in cells], capsize=2, label=m)
+            ax.bar(xs, [100 * c["mean"] for c in cells], width, yerr=[100 * c["se"] for c in cells], capsize=2, label=m,
+                   color=f"C{list(report['accuracy']).index(m)}")  # one color per model in both panels
         ax.set_xticks(range(len(columns)))
         ax.set_xticklabels(columns, rotation=30, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         ax.axhline(0, color="black", lw=0.6)
     axes[0].set_title(f"held-out accuracy (%), n = {report['num_prompts']}", fontsize=10)
     axes[1].set_title("gain survival: Δ at precision − Δ unquantized (points)", fontsize=10)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

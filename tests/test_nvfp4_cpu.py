@@ -268,3 +268,39 @@ def test_cpu_equals_cuda(mtq, dtype):
             for amax in (top, top / 2, top * 2):
                 gpu = op(xx.cuda(), 16, amax.cuda(), 4, 2, 8, 4).cpu()
                 assert same_bits(nv.nvfp4_fake_quant(xx, amax), gpu), (name, float(amax))
+
+
+# ------------------------------------------------------------ static block scales (MSE, 4-over-6)
+def test_static_port_rounds_a_scaled_grid_exactly_and_ties_to_even():
+    """Values on the E2M1 grid times a power-of-two scale come back unchanged; midpoints go to the even
+    neighbour (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); negatives that
+    round to zero come out +0.0 (Triton's unary minus is 0 - y); a zero scale zeroes its block."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, 6.0])
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 7.0, -7.0, 0.1, -0.1, 0, 0, 0])
+    want = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.0, -4.0, 6.0, -6.0, 0.0, 0.0, 0, 0, 0])
+    x = torch.stack([grid * 0.25, ties * 0.25, grid])
+    y = nv.static_nvfp4_fake_quant(x, torch.tensor([0.25, 0.25, 0.0]))
+    assert same_bits(y[0], grid * 0.25)
+    assert same_bits(y[1], want * 0.25) and not torch.signbit(y[1][want == 0]).any()
+    assert same_bits(y[2], torch.zeros(16))
+
+
+def test_static_formats_run_on_cpu_through_modelopt(mtq):
+    """ModelOpt's 4-over-6 and MSE-sweep NVFP4 formats calibrate and quantize on CPU (their static weight
+    kernel is Triton-only in ModelOpt); the weight quantizer's output is the port applied with its own
+    calibrated block scales, and gradients pass straight through inside the block amax."""
+    for name in ("NVFP4_FOUR_OVER_SIX_CFG", "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+        mtq.quantize(model, getattr(mtq, name), lambda m: m(x))
+        layer = model[0]
+        q = layer.weight_quantizer
+        assert q.is_nvfp4_static and q.amax.numel() == 32 * 64 // 16
+        from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+        scales = nv.static_block_scales(q.amax, q.global_amax, fp8_max_for_normalization(q))
+        with torch.no_grad():
+            assert same_bits(q(layer.weight), nv.static_nvfp4_fake_quant(layer.weight, scales)), name
+        w = layer.weight.detach().clone().requires_grad_(True)
+        q(w).sum().backward()
+        assert w.grad is not None and torch.isfinite(w.grad).all()

@@ -55,10 +55,12 @@ def calibration_methods() -> list[str]:
 
 def with_calibration(fmt: QuantFormat, method: str) -> QuantFormat:
     """`fmt` calibrated by ModelOpt's algorithm `method` instead of its own: the same quantizers, a
-    different PTQ (amax by max or by MSE search; AWQ's activation-aware smoothing scales)."""
-    if method not in calibration_methods():
-        raise ConfigError(f"unknown calibration method {method!r}; ModelOpt has {calibration_methods()}")
-    if method == fmt.algorithm:
+    different PTQ (amax by max or by MSE search; AWQ's activation-aware smoothing scales). "default":
+    the format's own algorithm, as shipped (e.g. NVFP4_FOUR_OVER_SIX_CFG's MSE search settings)."""
+    if method != "default" and method not in calibration_methods():
+        raise ConfigError(f"unknown calibration method {method!r}; use 'default' (the format's own) or one of "
+                          f"ModelOpt's: {calibration_methods()}")
+    if method in ("default", fmt.algorithm):
         return fmt
     cfg = copy.deepcopy(fmt.modelopt_cfg)
     cfg["algorithm"] = method

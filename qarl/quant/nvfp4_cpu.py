@@ -1,4 +1,6 @@
-"""NVFP4 fake quantization in plain torch, bit-identical to ModelOpt's GPU kernel.
+"""NVFP4 fake quantization in plain torch, bit-identical to ModelOpt's GPU kernels: the dynamic one
+(scales from each block's max, below) and the static one (calibrated per-block amax: ModelOpt's MSE
+and 4-over-6 formats, `static_nvfp4_fake_quant`).
 
 Contract (ModelOpt 0.47 ``fp4_fake_quant_block``, the Triton kernel behind
 ``tensorrt::dynamic_block_quantize_op`` on sm_89+; checked bit for bit on an H100 by
@@ -199,6 +201,64 @@ def nvfp4_block_scales(
     return s.reshape(*x.shape[:-1], -1), g
 
 
+_INV6 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
+
+
+def static_block_scales(amax: torch.Tensor, global_amax: torch.Tensor | None, fp8_max: float = _E4M3_MAX) -> torch.Tensor:
+    """ModelOpt's static NVFP4 block scales (``compute_fp4_scales``) as CUDA computes them: s = amax / 6,
+    fake-quantized to E4M3 by the FP8 CUDA extension against a = global_amax * (448 / fp8_max) / 6
+    (fp8_max 448, or 256 in 4/6 mode). CUDA's tensor / Python-scalar division multiplies by the fp32
+    reciprocal; the extension's divisions are IEEE: e = 448 / a, s' = fl32(e4m3(s * e)) * (1 / e),
+    the e4m3 cast saturating at +-448, a <= 2^-24 counting as 1."""
+    s = amax.float() * _INV6
+    if global_amax is None:
+        global_amax = amax.float().amax()
+    a = global_amax.float().reshape(()) * float(torch.tensor(_E4M3_MAX / fp8_max, dtype=torch.float32)) * _INV6
+    a = torch.where(a <= 2.0**-24, torch.ones_like(a), a)
+    e = torch.full_like(a, _E4M3_MAX) / a
+    inv = torch.ones_like(e) / e
+    return (s * e).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).float() * inv
+
+
+@torch.no_grad()
+def static_nvfp4_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize with given fp32 block scales (one per `x.numel() // scale.numel()`
+    consecutive elements), as ModelOpt's ``static_blockwise_fp4_fake_quant_kernel``: |x| / s is
+    Triton's div.full.f32 (fl32(|x| * rcp(s))), rounded to E2M1 with ties to even (its comparison
+    chain), times s, negated where x < 0 by Triton's unary minus (0 - y: zeros come out +0.0); a zero
+    scale gives +0.0, a NaN/inf scale counts as 1.0; the result is cast to x's dtype."""
+    blocks = scale.numel()
+    xb = x.contiguous().view(blocks, -1).float()
+    s = scale.reshape(blocks, 1).float()
+    safe = torch.where((s == 0) | s.isnan() | s.isinf(), 1.0, s)
+    q = xb.abs() * _gpu_rcp(safe)
+    _round_e2m1_(q, torch.empty_like(q, dtype=torch.int32)).mul_(safe)
+    out = torch.where(xb >= 0, q, 0.0 - q)
+    return torch.where(s == 0, 0.0, out).to(x.dtype).view(x.shape)
+
+
+class _StaticNVFP4(torch.autograd.Function):
+    """ModelOpt's StaticBlockwiseFP4FakeQuantFunction on CPU tensors: the same arguments, its
+    straight-through backward (clipped where |x| > amax unless pass_through_bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, amax, global_amax=None, quantize_block_scales=True, fp8_max=_E4M3_MAX, out_dtype=None,
+                pass_through_bwd=False):
+        from modelopt.torch.quantization.tensor_quant import _save_for_backward_if_needed
+
+        if not quantize_block_scales:
+            raise NotImplementedError("static NVFP4 on CPU: block scales are always E4M3 in the shipped formats")
+        _save_for_backward_if_needed(ctx, pass_through_bwd, x, amax)
+        out = static_nvfp4_fake_quant(x, static_block_scales(amax, global_amax, fp8_max))
+        return out if out_dtype is None else out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from modelopt.torch.quantization.tensor_quant import _fake_quant_backward_function
+
+        return _fake_quant_backward_function(ctx, grad, num_args=7)
+
+
 _NVFP4_OP_ARGS = (4, 2, 8, 4)  # num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
 _LIB: torch.library.Library | None = None
 
@@ -228,3 +288,17 @@ def install() -> None:
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
         lib.impl("dynamic_block_quantize_op", cpu_kernel, "CPU", allow_override=True)
     _LIB = lib
+    _install_static()
+
+
+def _install_static() -> None:
+    """Static-scale NVFP4 (ModelOpt's MSE / 4-over-6 weight formats) on CPU tensors: ModelOpt's quantizer
+    calls a Triton-only function; CPU tensors go to `_StaticNVFP4`, CUDA tensors to ModelOpt unchanged."""
+    from modelopt.torch.quantization.nn.modules import tensor_quantizer
+
+    triton_only = tensor_quantizer.static_blockwise_fp4_fake_quant
+
+    def static_blockwise_fp4_fake_quant(x, *args):
+        return (triton_only if x.is_cuda else _StaticNVFP4.apply)(x, *args)
+
+    tensor_quantizer.static_blockwise_fp4_fake_quant = static_blockwise_fp4_fake_quant
