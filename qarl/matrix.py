@@ -5,7 +5,7 @@ is evaluated greedily, in the rollout engine, on one held-out set at every preci
   full       unquantized;
   FMT METHOD each format after PTQ with each calibration method, on the recipe's calibration data
              (ModelOpt's max calibration, and stronger ones: AWQ's activation-aware smoothing, MSE
-             scale search), so "quantization-aware training beats PTQ" is tested against the best PTQ run;
+             scale search), so "quantization-aware training beats PTQ" is tested against each of them;
   trained    a run trained quantized, at its own trained quantization (its checkpoint's format and amax).
 A run's trained format is always also a PTQ column, so its transfer to the other formats shows too.
 
@@ -97,41 +97,49 @@ class Plan:
     cfg: RecipeConfig
     problems: list
     calibration: list[str]
-    models: dict[str, list[ModelSource]]  # the base first
+    models: dict[str, list[ModelSource]]  # "base" first
     precisions: list[Precision]
-    base: str = "base"
     trained_precision: dict[str, str] = field(default_factory=dict)  # model -> its trained format's PTQ column
 
 
 def resolve_model_source(path: str) -> ModelSource:
+    """A qarl run (its newest checkpoint), a checkpoint, or a Hugging Face model directory."""
     from qarl.checkpoint import checkpoint_format, is_checkpoint_dir, resolve_checkpoint
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"matrix model {path!r} does not exist")
+        raise ConfigError(f"model {path!r} does not exist")
     if is_checkpoint_dir(p) or (p / "checkpoints").is_dir():
         checkpoint = resolve_checkpoint(p)
         if (checkpoint / "lora.json").is_file():
-            raise ConfigError(f"{checkpoint} is a LoRA adapter; the matrix quantizes whole models. Merge it first: "
-                              f"qarl export {checkpoint} --dequantized --out DIR, and list DIR")
+            raise ConfigError(f"{checkpoint} is a LoRA adapter; qarl matrix and qarl diagnose read whole models. "
+                              f"Merge it first: qarl export {checkpoint} --dequantized --out DIR, and give DIR")
         return ModelSource(path, str(checkpoint / "policy"), checkpoint, checkpoint_format(checkpoint))
     if (p / "config.json").is_file():
         return ModelSource(path, str(p))
-    raise ConfigError(f"matrix model {path!r} is neither a qarl run/checkpoint nor a Hugging Face model directory")
+    raise ConfigError(f"model {path!r} is neither a qarl run/checkpoint nor a Hugging Face model directory")
 
 
-def _check_held_out(source: ModelSource, held_out: set[str]) -> None:
-    """A run must not have trained on the matrix's held-out prompts (a run of another task split has)."""
+def _check_run(source: ModelSource, held_out: set[str], base_key: str | None) -> None:
+    """A run must not have trained on the matrix's held-out prompts (a run of another task split has), and,
+    when the base is the recipe's warm start, must have started from that very model."""
     from qarl.tasks import build_task
+    from qarl.train import initial_model_key
 
-    if source.checkpoint is None or not (source.checkpoint.parent.parent / "config.yaml").is_file():
+    config = source.checkpoint.parent.parent / "config.yaml" if source.checkpoint is not None else None
+    if config is None or not config.is_file():
         return
-    run_cfg = load_recipe(source.checkpoint.parent.parent / "config.yaml", [], RecipeConfig)
-    seen = {p.prompt for p in build_task(run_cfg.task, run_cfg.run.seed).train} & held_out
+    run_cfg = load_recipe(config, [], RecipeConfig)
+    run_task = build_task(run_cfg.task, run_cfg.run.seed)
+    seen = {p.prompt for p in run_task.train} & held_out
     if seen:
         raise ConfigError(f"{source.path} trained on {len(seen)} of the matrix's held-out prompts (e.g. "
                           f"{sorted(seen)[0]!r}): its task split differs. Train with the matrix recipe's task "
                           "(pin task.seed) or give the matrix that run's task settings.")
+    if base_key is not None and initial_model_key(run_cfg, run_task) != base_key:
+        raise ConfigError(f"{source.path} did not start from the matrix's base (another model, warm start or "
+                          "warm_start.seed): its gain would be measured against the wrong model. Pin "
+                          "warm_start.seed in both, or set matrix.base to that run's starting model.")
 
 
 def _architecture(model_dir: str, trust_remote_code: bool) -> dict:
@@ -143,17 +151,53 @@ def _architecture(model_dir: str, trust_remote_code: bool) -> dict:
     return {k: v for k, v in config.items() if k not in CONFIG_KEYS_IGNORED}
 
 
-def plan_matrix(cfg: RecipeConfig) -> Plan:
-    """Resolve and check the whole matrix: models, formats, methods, tokenizers, architectures, block
-    sizes, the held-out split. Every error surfaces here, before any model loads or engine starts."""
-    from qarl.models.checks import tokenizer_differences
+PTQ_METHODS = ("default", "max", "mse", "awq_lite")  # the calibrations whose cells the engine serves exactly
+
+
+def _precisions(cfg: RecipeConfig) -> list[Precision]:
+    """The unquantized column, then every format x PTQ method, each column once."""
     from qarl.quant import resolve_format
     from qarl.quant.formats import with_calibration
-    from qarl.quant.quantize import check_format_fits
-    from qarl.tasks import build_task
-    from qarl.train import initial_model_dir
+    from qarl.quant.quantize import SMOOTHING_ALGORITHMS
 
     m = cfg.matrix
+    unknown = [method for method in m.ptq_methods if method not in PTQ_METHODS]
+    if unknown:
+        raise ConfigError(f"matrix.ptq_methods {unknown}: choose among {PTQ_METHODS}")
+    if any(method in SMOOTHING_ALGORITHMS for method in m.ptq_methods) and cfg.policy.generation.tensor_parallel_size > 1:
+        raise ConfigError("AWQ's input scales are not sharded for a tensor-parallel engine: use "
+                          "policy.generation.tensor_parallel_size=1 for the matrix, or drop awq_lite")
+    precisions = [Precision(FULL)]
+    for spec in m.formats:
+        fmt = resolve_format(spec)
+        if fmt is None:
+            raise ConfigError("matrix.formats lists 'none'; the unquantized column is always there")
+        for method in m.ptq_methods:
+            precisions.append(Precision(f"{fmt.name} {method}", with_calibration(fmt, method)))
+    _check_columns(precisions)
+    return precisions
+
+
+def _check_columns(precisions: list[Precision]) -> None:
+    names = [p.name for p in precisions]
+    fingerprints = [p.format.fingerprint() for p in precisions if p.format is not None]
+    if len(set(names)) != len(names) or len(set(fingerprints)) != len(fingerprints):
+        raise ConfigError(f"matrix columns repeat ({names}): list each format and PTQ method once, and give "
+                          "formats distinct file names")
+
+
+def plan_matrix(cfg: RecipeConfig) -> Plan:
+    """Resolve and check the whole matrix: formats and methods, models, tokenizers, architectures, block
+    sizes, the held-out split, each run's starting model. Every error surfaces here, before any model
+    loads, the warm start runs (last) or the engine starts."""
+    from qarl.models.checks import tokenizer_differences
+    from qarl.policy import resolve_model_dir
+    from qarl.quant.quantize import check_format_fits
+    from qarl.tasks import build_task
+    from qarl.train import initial_model_dir, initial_model_key
+
+    m = cfg.matrix
+    precisions = _precisions(cfg)
     if not m.models:
         raise ConfigError("matrix.models is empty: name the models to compare with the base, e.g. "
                           "matrix.models={grpo: [runs/grpo], qa_grpo: [runs/qa_grpo]}")
@@ -164,7 +208,6 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
         raise ConfigError(f"matrix.num_prompts={m.num_prompts} but the task has {len(task.eval)} held-out "
                           f"problems: raise task.num_eval (or lower matrix.num_prompts)")
     problems = task.eval[: m.num_prompts]
-    trust = cfg.policy.trust_remote_code
     models = {}
     for name, paths in m.models.items():
         if not paths:
@@ -172,45 +215,46 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
         if name == "base":
             raise ConfigError("matrix.models: 'base' names the base model (matrix.base); call the model otherwise")
         models[name] = [resolve_model_source(p) for p in paths]
-    base_source = ModelSource(WARM_START, initial_model_dir(cfg, task)) if m.base == WARM_START else resolve_model_source(m.base)
-    models = {"base": [base_source], **models}
-    base = models["base"][0]
-    held_out = {p.prompt for p in problems}
-    reference = _architecture(base.model_dir, trust)
+        trained = {s.trained_format.fingerprint() if s.trained_format else None for s in models[name]}
+        if len(trained) > 1:
+            raise ConfigError(f"the seeds of matrix.models.{name} were trained in different formats (or some "
+                              "unquantized): a row averages seeds of one recipe")
+    warm = m.base == WARM_START
+    # the warm start keeps its base's tokenizer and architecture: check against the base before making it
+    base_dir = resolve_model_dir(cfg.policy.model_name) if warm else resolve_model_source(m.base).model_dir
+    trust = cfg.policy.trust_remote_code
+    held_out, base_key = {p.prompt for p in problems}, initial_model_key(cfg, task) if warm else None
+    reference = _architecture(base_dir, trust)
     for name, sources in models.items():
         for source in sources:
-            _check_held_out(source, held_out)
-            problems_found = tokenizer_differences(base.model_dir, source.model_dir, trust)
+            _check_run(source, held_out, base_key)
+            problems_found = tokenizer_differences(base_dir, source.model_dir, trust)
             if problems_found:
                 raise ConfigError(f"matrix model {source.path} does not share the base's tokenizer "
-                                  f"({base.model_dir}): {'; '.join(problems_found)}. The matrix compares models "
+                                  f"({base_dir}): {'; '.join(problems_found)}. The matrix compares models "
                                   "trained from one base on one task.")
             if _architecture(source.model_dir, trust) != reference:
                 raise ConfigError(f"matrix model {source.path} has another architecture than the base "
-                                  f"({base.model_dir}); the matrix compares models trained from one base")
-    formats = [resolve_format(spec) for spec in m.formats]
-    if any(f is None for f in formats):
-        raise ConfigError("matrix.formats lists 'none'; the unquantized column is always there")
-    precisions = [Precision(FULL)]
-    for fmt in formats:
-        for method in m.ptq_methods:
-            calibrated = with_calibration(fmt, method)
-            precisions.append(Precision(f"{fmt.name} {method}", calibrated))
+                                  f"({base_dir}); the matrix compares models trained from one base")
     plan = Plan(cfg, problems, [], models, precisions)
-    trained = [(name, s.trained_format) for name, sources in models.items() for s in sources if s.trained_format]
-    for name, fmt in trained:  # a trained format is a PTQ column too: the base's counterpart of "trained"
+    for name, sources in models.items():  # a trained format is a PTQ column too: the base's "trained" counterpart
+        fmt = sources[0].trained_format
+        if fmt is None:
+            continue
         column = next((p for p in plan.precisions if p.format is not None
                        and p.format.fingerprint() == fmt.fingerprint()), None)
         if column is None:
             column = Precision(f"{fmt.name} {fmt.algorithm if isinstance(fmt.algorithm, str) else 'default'}", fmt)
             plan.precisions.append(column)
-        if plan.trained_precision.setdefault(name, column.name) != column.name:
-            raise ConfigError(f"the seeds of matrix.models.{name} were trained in different formats")
-    if trained:
+        plan.trained_precision[name] = column.name
+    _check_columns(plan.precisions)
+    if plan.trained_precision:
         plan.precisions.append(Precision(TRAINED, trained=True))
     for precision in plan.precisions:
         if precision.format is not None:
-            check_format_fits(base.model_dir, precision.format, trust)
+            check_format_fits(base_dir, precision.format, trust)
+    base = resolve_model_source(m.base) if not warm else ModelSource(WARM_START, initial_model_dir(cfg, task))
+    plan.models = {"base": [base], **models}
     plan.calibration = task.calibration_texts(cfg.policy.quant_calib_size)
     return plan
 
@@ -226,8 +270,8 @@ def _policy(plan: Plan, source: ModelSource, precision: Precision):
 
 
 def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
-    """{model: {precision: one EvalResult per seed}}, precision by precision (one engine format switch
-    each); the trained column by trained format."""
+    """{model: {precision: one EvalResult per seed}}, grouped by the engine's format (one switch each):
+    the trained column first, by trained format, then precision by precision."""
     from tqdm import tqdm
 
     from qarl.evaluate import evaluate
@@ -245,7 +289,8 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
                     cells.append((precision.format, name, source, precision))
                 elif source.trained_format is not None:
                     cells.append((source.trained_format, name, source, precision))
-    cells.sort(key=lambda c: (c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
+    # trained cells first: a checkpoint that cannot load fails before the long part
+    cells.sort(key=lambda c: (not c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
     results: dict[str, dict[str, list[EvalResult]]] = {name: {} for name in plan.models}
     current = "unset"
     for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
@@ -338,7 +383,7 @@ def markdown(report: dict[str, Any]) -> str:
                 hygiene.append(f"| {m} | {p} | {100 * c['mean']:.1f} | {parse} | {100 * c['truncation_rate']:.1f} | "
                                f"{100 * c['stop_rate']:.1f} | {c['mean_length']:.2f} |")
     return "\n\n".join([
-        f"### Held-out accuracy (%, greedy, n = {n} prompts, ± binomial SE)", table("accuracy", False),
+        f"### Held-out accuracy (%, greedy, n = {n} prompts, ± SE: binomial for one seed, over prompts for seed means)", table("accuracy", False),
         "### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's PTQ in that format)",
         table("gain", True),
         "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",

@@ -104,7 +104,7 @@ def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
 # rate" of evaluation hygiene (an answer lost to formatting is not the same failure as a wrong one).
 ANSWER_PARSERS: dict[str, Callable[[str], bool]] = {
     "arithmetic": _is_bare_integer,
-    "arithmetic_digits": _is_bare_integer,
+    "arithmetic_digits": lambda c: c.strip().isdigit(),
     "format": _is_bare_integer,
     "boxed_math": lambda c: _last_boxed(c) is not None,
     "gsm8k": lambda c: re.search(r"####\s*-?[\d,\.]+", c) is not None,

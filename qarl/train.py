@@ -33,9 +33,10 @@ from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_precision,
                          resolve_model_dir, score_completions)
 from qarl.quant import check_generation_matches, resolve_format
+from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
-from qarl.warm_start import warm_start
+from qarl.warm_start import fingerprint, warm_start
 
 
 @dataclass
@@ -53,9 +54,21 @@ def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
     a baseline and a distillation teacher all find the very model the policy started from)."""
     model_dir = resolve_model_dir(cfg.policy.model_name)
     if cfg.warm_start.enabled:
-        seed = cfg.run.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
-        model_dir = warm_start(model_dir, task.train, cfg.warm_start, seed, cache_dir())
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir())
     return model_dir
+
+
+def _warm_start_seed(cfg: RecipeConfig) -> int:
+    return cfg.run.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
+
+
+def initial_model_key(cfg: RecipeConfig, task: Task) -> str:
+    """What identifies the step-0 model without making it: the warm start's cache key, or the base's path.
+    Two recipes with one key start from one model."""
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    if not cfg.warm_start.enabled:
+        return str(Path(model_dir).resolve())
+    return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg))
 
 
 def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
@@ -66,9 +79,11 @@ def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
 
 
 def check_run_settings(cfg: RecipeConfig) -> None:
-    """What every training loop checks before anything loads: precision, metric loggers, colocation,
-    LoRA settings against the model's layers."""
+    """What every training loop checks before anything loads: precision, trainable quant formats, metric
+    loggers, colocation, LoRA settings against the model's layers."""
     check_precision(cfg.policy)
+    check_trainable_format(resolve_format(cfg.policy.quant_cfg), "policy.quant_cfg")
+    check_trainable_format(resolve_format(cfg.policy.generation.quant_cfg), "policy.generation.quant_cfg")
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     if cfg.policy.lora.mode != "none":

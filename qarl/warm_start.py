@@ -23,7 +23,7 @@ from qarl.policy import default_device
 from qarl.tasks import Problem
 
 
-def _fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, seed: int) -> str:
+def fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, seed: int) -> str:
     h = hashlib.sha256()
     config = Path(model_dir) / "config.json"
     identity = Path(model_dir) / "qarl_embedded.json"
@@ -36,7 +36,7 @@ def _fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, 
 
 def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, seed: int, cache: Path) -> str:
     """Fine-tune `model_dir` on prompt -> answer<eos> (loss on the answer) and return the new directory."""
-    out = cache / "warm_start" / _fingerprint(model_dir, problems, cfg, seed)
+    out = cache / "warm_start" / fingerprint(model_dir, problems, cfg, seed)
     if (out / "COMPLETE").is_file():
         return str(out)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from qarl.checkpoint import save_checkpoint
 from qarl.config import ConfigError, RecipeConfig, WarmStartConfig, load_recipe
@@ -92,8 +93,19 @@ def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
         plan_matrix(_cfg(models, num_prompts=5000))
     with pytest.raises(ConfigError, match="does not exist"):
         plan_matrix(_cfg(models, models={"x": [str(tmp_path / "nope")]}))
-    with pytest.raises(ConfigError, match="unknown calibration method 'awq_best'"):
+    with pytest.raises(ConfigError, match=r"matrix.ptq_methods \['awq_best'\]"):
         plan_matrix(_cfg(models, ptq_methods=["awq_best"]))
+    with pytest.raises(ConfigError, match="matrix columns repeat"):
+        plan_matrix(_cfg(models, ptq_methods=["max", "default"]))  # nvfp4_w4a4's own algorithm is max
+    with pytest.raises(ConfigError, match="seeds of matrix.models.mixed were trained in different formats"):
+        plan_matrix(_cfg(models, models={"mixed": [models["same"], models["noisy"]]}))
+    # a run that started from another warm start than the matrix's base
+    run = tmp_path / "other_base_run"
+    shutil.copytree(models["same"], run)
+    other = load_recipe("recipes/matrix_tiny.yaml", ["warm_start.seed=5"], RecipeConfig)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(other)))
+    with pytest.raises(ConfigError, match="did not start from the matrix's base"):
+        plan_matrix(_cfg(models, base="warm-start", models={"other": [str(run)]}))
     # a tokenizer that differs from the base's (the task's): one token renamed
     other = tmp_path / "other_tokenizer"
     shutil.copytree(models["noisy"], other)

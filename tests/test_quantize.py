@@ -115,14 +115,13 @@ def test_missing_calibration_data_is_an_error_before_loading_the_model(tmp_path)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4_a16", "nvfp4_w4a4"])
-def test_awq_smoothing_is_shared_by_fused_siblings_and_kept_by_the_quantizer_state(task, tiny_dir, fmt):
+def test_awq_smoothing_is_shared_by_fused_siblings_and_served_as_the_forward_computes(task, tiny_dir, fmt):
     """AWQ-lite PTQ: one input scale per fused group (the engine fuses q/k/v and gate/up and reads one
-    input), folded into the served weight when the input is not quantized, and saved with the amax."""
+    input), folded into the served weight when the input is not quantized, kept on the input otherwise."""
     from qarl.quant.formats import with_calibration
 
     calibrated = with_calibration(resolve_format(fmt), "awq_lite")
-    cfg = PolicyConfig(quant_calib_size=32)
-    policy = build_policy(cfg, task.calibration_texts(32), model_dir=tiny_dir, fmt=calibrated)
+    policy = build_policy(PolicyConfig(quant_calib_size=32), task.calibration_texts(32), model_dir=tiny_dir, fmt=calibrated)
     attn = policy.model.model.layers[0].self_attn
     scales = [m.input_quantizer.pre_quant_scale for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
     assert all(s is not None for s in scales) and not torch.equal(scales[0], torch.ones_like(scales[0]))
@@ -137,9 +136,35 @@ def test_awq_smoothing_is_shared_by_fused_siblings_and_kept_by_the_quantizer_sta
         else:  # the engine's input quantizer applies it: Q(x s) Q(W)^T
             manual = torch.nn.functional.linear(layer.input_quantizer(x), folded)
     torch.testing.assert_close(manual, expected, rtol=1e-5, atol=1e-6)
-    state = quantizer_state(policy.model)
-    assert sum(k.endswith(".pre_quant_scale") for k in state) == 2 * 7
-    fresh = build_policy(cfg, [], model_dir=tiny_dir, fmt=calibrated, calibrate=False)
-    load_quantizer_state(fresh.model, state)
-    assert torch.equal(fresh.model.model.layers[1].mlp.down_proj.input_quantizer.pre_quant_scale,
-                       layer.input_quantizer.pre_quant_scale)
+
+
+def test_smoothing_calibration_cannot_train():
+    """AWQ rewrites the weights and moves a scale into the input quantizer: PTQ only, refused for training."""
+    from qarl.config import RecipeConfig, load_recipe
+    from qarl.quant.formats import with_calibration
+    from qarl.quant.quantize import check_trainable_format
+    from qarl.train import check_run_settings
+
+    check_trainable_format(resolve_format("nvfp4_w4a4"), "policy.quant_cfg")
+    with pytest.raises(ConfigError, match="awq_lite, a smoothing algorithm"):
+        check_trainable_format(with_calibration(resolve_format("nvfp4_w4a4"), "awq_lite"), "policy.quant_cfg")
+    with pytest.raises(ConfigError, match="policy.quant_cfg .*post-training quantization only"):
+        check_run_settings(load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.quant_cfg=NVFP4_AWQ_LITE_CFG"], RecipeConfig))
+
+
+@pytest.mark.parametrize("spec", ["NVFP4_FOUR_OVER_SIX_CFG", "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"])
+def test_static_block_formats_round_trip_through_the_quantizer_state(task, tiny_dir, spec):
+    """ModelOpt's MSE / 4-over-6 calibration turns weight quantizers into static-block ones with a global
+    amax; a checkpoint's quantizer state restores them: the same folded weights, bit for bit, cached."""
+    from qarl.quant.weight_cache import WeightCacheMixin
+
+    cfg = PolicyConfig(quant_calib_size=16)
+    policy = build_policy(cfg, task.calibration_texts(16), model_dir=tiny_dir, fmt=resolve_format(spec))
+    quantizer = policy.model.model.layers[0].mlp.down_proj.weight_quantizer
+    assert quantizer.is_nvfp4_static and isinstance(quantizer, WeightCacheMixin)
+    fresh = build_policy(cfg, [], model_dir=tiny_dir, fmt=resolve_format(spec), calibrate=False)
+    load_quantizer_state(fresh.model, quantizer_state(policy.model))
+    restored = fresh.model.model.layers[0].mlp.down_proj.weight_quantizer
+    assert restored.is_nvfp4_static and isinstance(restored, WeightCacheMixin)
+    before, after = dict(folded_weights(policy.model)), dict(folded_weights(fresh.model))
+    assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)

@@ -155,6 +155,9 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
         if weight_kind is None:
             continue
         input_quantizer = getattr(module, "input_quantizer", None)
+        if input_quantizer is not None and input_quantizer.pre_quant_scale is not None:
+            raise ConfigError(f"{name} has an AWQ/SmoothQuant input scale: the export targets have no place for it "
+                              "(a smoothing calibration is post-training quantization for qarl matrix / eval only)")
         input_kind = quantizer_kind(input_quantizer, f"{name}.input_quantizer")
         if (weight_kind, input_kind) not in SCHEMES:
             raise ConfigError(f"{name}: weights {weight_kind} with inputs {input_kind or 'unquantized'} is not an "

@@ -16,7 +16,7 @@ from torch import nn
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
 from qarl.quant.lean_forward import enable_lean_forward
-from qarl.quant.weight_cache import enable_weight_cache, invalidate
+from qarl.quant.weight_cache import cache_kept, enable_weight_cache, invalidate
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
 # siblings must share one per-tensor amax for their weights and one for their inputs: the fused
@@ -64,6 +64,22 @@ def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
             f"config's quant_cfg, after the entries that enable quantizers:\n"
             f"  - quantizer_name: '*{example}*'\n    enable: false"
         )
+
+
+SMOOTHING_ALGORITHMS = ("awq_lite", "awq_clip", "awq_full", "smoothquant", "svdquant")
+
+
+def check_trainable_format(fmt: QuantFormat | None, key: str) -> None:
+    """Formats a run can train and serve. A smoothing calibration (AWQ, SmoothQuant) rescales the weights
+    and moves a per-channel scale into the input quantizer: master weights, checkpoints and exports would
+    disagree about which weights are the model. Those algorithms are post-training quantization only
+    (`qarl matrix` PTQ methods, `qarl eval`)."""
+    algorithm = fmt.algorithm if fmt is not None else None
+    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    if method in SMOOTHING_ALGORITHMS:
+        raise ConfigError(f"{key} ({fmt.source}) calibrates with {method}, a smoothing algorithm that rewrites the "
+                          "weights: it is for post-training quantization only (qarl matrix, qarl eval). Train with "
+                          "max or mse calibration (algorithm: max in the quant config).")
 
 
 def check_format_fits(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> None:
@@ -126,7 +142,9 @@ def quantize_policy(
 
 def calibrate(model: nn.Module, fmt: QuantFormat, batches: list[dict[str, torch.Tensor]]) -> None:
     """Calibrate every enabled quantizer's amax from scratch on `batches` (`fmt`'s algorithm), then give
-    fused siblings their shared amax. Calling it again recalibrates for the model's current weights."""
+    fused siblings their shared amax. Calling it again recalibrates for the model's current weights,
+    except after a smoothing algorithm (AWQ), which rescales the weights: those are PTQ-only formats
+    (`check_trainable_format`) and calibrate once."""
     import modelopt.torch.quantization as mtq
 
     for _, quantizer in _enabled_quantizers(model):
@@ -138,7 +156,8 @@ def calibrate(model: nn.Module, fmt: QuantFormat, batches: list[dict[str, torch.
             for batch in batches:
                 m(**batch)
 
-    mtq.calibrate(model, algorithm=fmt.algorithm, forward_loop=forward_loop)
+    with cache_kept(model):  # MSE / 4-over-6 calibration turns weight quantizers into static-block ones
+        mtq.calibrate(model, algorithm=fmt.algorithm, forward_loop=forward_loop)
     missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
     if missing:
         raise ConfigError(f"calibration left {len(missing)} quantizer(s) without amax (no data reached them): {missing[:5]}")
@@ -221,37 +240,44 @@ def _weight_only_smoothing(module: nn.Module) -> torch.Tensor | None:
     return quantizer.pre_quant_scale
 
 
-SMOOTHING = ".pre_quant_scale"  # quantizer-state key suffix of an AWQ/SmoothQuant input scale
+GLOBAL_AMAX = ".global_amax"  # quantizer-state key suffix of a static-block quantizer's global amax
 
 
 def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{quantizer name: amax} of every quantizer that has one, and {name + SMOOTHING: scale} of every
-    AWQ/SmoothQuant input scale: the calibrated state a checkpoint keeps."""
+    """{quantizer name: amax} of every quantizer that has one, and {name + GLOBAL_AMAX: global amax} of
+    every static-block weight quantizer (ModelOpt's MSE / 4-over-6 NVFP4, whose per-block amax is
+    calibrated): the calibrated state a checkpoint keeps."""
     state = {}
     for name, module in model.named_modules():
         if not isinstance(module, _quantizer_modules()):
             continue
         if module.amax is not None:
             state[name] = module.amax.detach().clone().contiguous()
-        if module.pre_quant_scale is not None:
-            state[name + SMOOTHING] = module.pre_quant_scale.detach().clone().contiguous()
+        if getattr(module, "_is_static_block_scale_quantizer", False) and module.global_amax is not None:
+            state[name + GLOBAL_AMAX] = module.global_amax.detach().clone().contiguous()
     return state
 
 
 def load_quantizer_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Restore amaxes and smoothing scales saved by `quantizer_state` into a model quantized with the
-    same format."""
+    """Restore the state saved by `quantizer_state` into a model quantized with the same format (a
+    static-block quantizer becomes one again, as ModelOpt's calibration made it)."""
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import StaticBlockScaleQuantizer
+
     quantizers = dict(model.named_modules())
-    unknown = [n for n in state if n.removesuffix(SMOOTHING) not in quantizers]
+    unknown = [n for n in state if n.removesuffix(GLOBAL_AMAX) not in quantizers]
     if unknown:
         raise ConfigError(f"quantizer state does not fit this model: no quantizer named {unknown[:3]}")
-    for name, value in state.items():
-        if name.endswith(SMOOTHING):
-            quantizer = quantizers[name.removesuffix(SMOOTHING)]
-            quantizer._enable_pre_quant_scale = True
-            quantizer.pre_quant_scale = value
-        else:
-            quantizers[name].amax = value
+    with cache_kept(model):
+        for name, value in state.items():
+            if name.endswith(GLOBAL_AMAX):
+                StaticBlockScaleQuantizer.from_tensor_quantizer(quantizers[name.removesuffix(GLOBAL_AMAX)], value)
+            else:
+                quantizers[name].amax = value
+    static = [n for n, q in _enabled_quantizers(model) if (q.block_sizes or {}).get("type") == "static"
+              and not getattr(q, "_is_static_block_scale_quantizer", False)]
+    if static:
+        raise ConfigError(f"quantizer state has no global amax for the static-block quantizers {static[:3]}: it was "
+                          "saved without one (by a qarl older than static NVFP4 support); recalibrate or retrain")
     missing = [n for n, q in _enabled_quantizers(model) if q.amax is None and not getattr(q, "is_mx_format", False)]
     if missing:
         raise ConfigError(f"quantizer state has no amax for enabled quantizers {missing[:5]}")

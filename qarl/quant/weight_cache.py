@@ -17,7 +17,8 @@ itself, without any caller remembering to tell it:
   counters) and is overridden here to bump a generation; a state-dict load or any in-place write of
   the amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
-such a write. qarl never writes weights that way.
+such a write. In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes weights that way, and
+`calibrate` invalidates after it.
 
 Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
 the shipped formats the op that forward ends in, with the same arguments), so a cached forward equals an
@@ -30,6 +31,9 @@ Memory: one quantized copy of each quantized weight in the weight's dtype (`cach
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -173,6 +177,18 @@ def enable_weight_cache(model: nn.Module) -> int:
         quantizer.qarl_invalidate()
         count += 1
     return count
+
+
+@contextlib.contextmanager
+def cache_kept(model: nn.Module) -> Iterator[None]:
+    """Keep the cache on quantizers whose class ModelOpt swaps inside the block (its MSE / 4-over-6
+    calibration and `StaticBlockScaleQuantizer.from_tensor_quantizer` turn a weight quantizer into a
+    static-block quantizer, dropping the mixin); their cached values are dropped either way."""
+    cached = [q for q in _weight_quantizers(model) if isinstance(q, WeightCacheMixin)]
+    yield
+    for quantizer in cached:
+        quantizer.__class__ = _cached_class(type(quantizer))
+        quantizer.qarl_invalidate()
 
 
 def invalidate(model: nn.Module) -> None:
