@@ -16,24 +16,11 @@ Outputs are compared on their raw bits; the block scales too.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def load_nvfp4_cpu():
-    """qarl/quant/nvfp4_cpu.py by path: the rest of qarl (vLLM, ...) is not needed here."""
-    spec = importlib.util.spec_from_file_location("nvfp4_cpu", ROOT / "qarl/quant/nvfp4_cpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from nvfp4_gpu_check import DTYPES, INT_VIEW, MIDPOINTS, load_nvfp4_cpu  # the dynamic kernel's check, beside
 
 
 def cases(gen: torch.Generator, rows: int, cols: int):
@@ -50,9 +37,10 @@ def cases(gen: torch.Generator, rows: int, cols: int):
     yield "zero blocks", zeros, blocks(zeros).abs().amax(-1)
     # exact midpoints t * s of each block's (pre-E4M3) scale s = amax / 6, random signs
     amax = blocks(gauss).abs().amax(-1)
-    pick = torch.randint(0, len(MIDPOINTS), (rows, cols), generator=gen)
+    midpoints = torch.tensor(MIDPOINTS)
+    pick = torch.randint(0, len(midpoints), (rows, cols), generator=gen)
     sign = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
-    ties = sign * MIDPOINTS[pick] * (amax / 6.0).repeat_interleave(16, dim=1)
+    ties = sign * midpoints[pick] * (amax / 6.0).repeat_interleave(16, dim=1)
     yield "midpoints of amax/6", ties, amax
 
 
