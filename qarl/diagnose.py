@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from qarl.config import ConfigError, RecipeConfig
 
-from qarl.config import RecipeConfig
+if TYPE_CHECKING:  # torch loads in the functions: a bad path is answered before it
+    import torch
 
 FORMATS = {"nvfp4": "quant_configs/nvfp4_w4a4.yaml", "fp8": "quant_configs/fp8_w8a8.yaml"}
 MAX_TOKENS = 8192  # activation rows kept per layer
@@ -37,19 +38,21 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
 
 
-@torch.no_grad()
 def layer_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], names: set[str]) -> dict[str, torch.Tensor]:
     """The inputs of the named linear layers over the calibration batches, as [tokens, width] rows
     (padding rows dropped), at most MAX_TOKENS per layer."""
+    import torch
+
     captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     masks: list[torch.Tensor] = []
     modules = dict(model.named_modules())
     hooks = [modules[n].register_forward_hook(lambda m, args, out, n=n: captured[n].append(args[0].detach()))
              for n in names]
     try:
-        for batch in batches:
-            masks.append(batch["attention_mask"].bool())
-            model(**batch)
+        with torch.no_grad():
+            for batch in batches:
+                masks.append(batch["attention_mask"].bool())
+                model(**batch)
     finally:
         for h in hooks:
             h.remove()
@@ -58,6 +61,8 @@ def layer_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
 
 def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) -> dict[str, dict[str, Any]]:
     """{layer: statistics} of one model (see the module docstring)."""
+    import torch
+
     from qarl.policy import build_policy, calibration_batches
     from qarl.quant import resolve_format
     from qarl.quant.quantize import quantized_linears
@@ -146,6 +151,10 @@ def plot(report: dict[str, dict[str, dict[str, Any]]], out: Path) -> Path:
 def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, dict[str, dict[str, Any]]]:
     """Diagnose each model ("warm-start" = the recipe's step-0 model) and write the report to `out`."""
     from qarl.matrix import WARM_START, resolve_model_source
+
+    missing = [m for m in models if m != WARM_START and not Path(m).expanduser().exists()]
+    if missing:
+        raise ConfigError(f"model {missing[0]!r} does not exist")
     from qarl.quant import resolve_format
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task

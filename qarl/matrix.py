@@ -104,11 +104,11 @@ class Plan:
 
 def resolve_model_source(path: str) -> ModelSource:
     """A qarl run (its newest checkpoint), a checkpoint, or a Hugging Face model directory."""
-    from qarl.checkpoint import checkpoint_format, is_checkpoint_dir, resolve_checkpoint
-
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"model {path!r} does not exist")
+    from qarl.checkpoint import checkpoint_format, is_checkpoint_dir, resolve_checkpoint
+
     if is_checkpoint_dir(p) or (p / "checkpoints").is_dir():
         checkpoint = resolve_checkpoint(p)
         if (checkpoint / "lora.json").is_file():
@@ -154,19 +154,36 @@ def _architecture(model_dir: str, trust_remote_code: bool) -> dict:
 PTQ_METHODS = ("default", "max", "mse", "awq_lite")  # the calibrations whose cells the engine serves exactly
 
 
-def _precisions(cfg: RecipeConfig) -> list[Precision]:
-    """The unquantized column, then every format x PTQ method, each column once."""
-    from qarl.quant import resolve_format
-    from qarl.quant.formats import with_calibration
-    from qarl.quant.quantize import SMOOTHING_ALGORITHMS
-
+def _check_settings(cfg: RecipeConfig) -> None:
+    """The checks that need no library: they answer at once."""
     m = cfg.matrix
     unknown = [method for method in m.ptq_methods if method not in PTQ_METHODS]
     if unknown:
         raise ConfigError(f"matrix.ptq_methods {unknown}: choose among {PTQ_METHODS}")
-    if any(method in SMOOTHING_ALGORITHMS for method in m.ptq_methods) and cfg.policy.generation.tensor_parallel_size > 1:
+    if "awq_lite" in m.ptq_methods and cfg.policy.generation.tensor_parallel_size > 1:
         raise ConfigError("AWQ's input scales are not sharded for a tensor-parallel engine: use "
                           "policy.generation.tensor_parallel_size=1 for the matrix, or drop awq_lite")
+    if not m.models:
+        raise ConfigError("matrix.models is empty: name the models to compare with the base, e.g. "
+                          "matrix.models={grpo: [runs/grpo], qa_grpo: [runs/qa_grpo]}")
+    if m.num_prompts < 1:
+        raise ConfigError(f"matrix.num_prompts={m.num_prompts}: the held-out set is empty")
+    for name, paths in m.models.items():
+        if not paths:
+            raise ConfigError(f"matrix.models.{name} lists no model")
+        if name == "base":
+            raise ConfigError("matrix.models: 'base' names the base model (matrix.base); call the model otherwise")
+        missing = [p for p in paths if not Path(p).expanduser().exists()]
+        if missing:
+            raise ConfigError(f"matrix.models.{name}: {missing[0]!r} does not exist")
+
+
+def _precisions(cfg: RecipeConfig) -> list[Precision]:
+    """The unquantized column, then every format x PTQ method, each column once."""
+    from qarl.quant import resolve_format
+    from qarl.quant.formats import with_calibration
+
+    m = cfg.matrix
     precisions = [Precision(FULL)]
     for spec in m.formats:
         fmt = resolve_format(spec)
@@ -190,6 +207,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     """Resolve and check the whole matrix: formats and methods, models, tokenizers, architectures, block
     sizes, the held-out split, each run's starting model. Every error surfaces here, before any model
     loads, the warm start runs (last) or the engine starts."""
+    _check_settings(cfg)
     from qarl.models.checks import tokenizer_differences
     from qarl.policy import resolve_model_dir
     from qarl.quant.quantize import check_format_fits
@@ -198,11 +216,6 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
 
     m = cfg.matrix
     precisions = _precisions(cfg)
-    if not m.models:
-        raise ConfigError("matrix.models is empty: name the models to compare with the base, e.g. "
-                          "matrix.models={grpo: [runs/grpo], qa_grpo: [runs/qa_grpo]}")
-    if m.num_prompts < 1:
-        raise ConfigError(f"matrix.num_prompts={m.num_prompts}: the held-out set is empty")
     task = build_task(cfg.task, cfg.run.seed)
     if len(task.eval) < m.num_prompts:
         raise ConfigError(f"matrix.num_prompts={m.num_prompts} but the task has {len(task.eval)} held-out "
@@ -210,10 +223,6 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     problems = task.eval[: m.num_prompts]
     models = {}
     for name, paths in m.models.items():
-        if not paths:
-            raise ConfigError(f"matrix.models.{name} lists no model")
-        if name == "base":
-            raise ConfigError("matrix.models: 'base' names the base model (matrix.base); call the model otherwise")
         models[name] = [resolve_model_source(p) for p in paths]
         trained = {s.trained_format.fingerprint() if s.trained_format else None for s in models[name]}
         if len(trained) > 1:

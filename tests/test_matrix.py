@@ -164,3 +164,12 @@ def test_diagnose_statistics_and_report(models, tmp_path):
         for kind in ("weight", "input", "output"):
             assert 0 < row[f"{kind}_error_fp8"] < row[f"{kind}_error_nvfp4"] < 0.5
     assert (tmp_path / "diagnose.png").is_file() and "change from" in (tmp_path / "diagnose.md").read_text()
+
+
+def test_cli_refuses_bad_settings_with_exit_code_2(capsys, tmp_path):
+    from qarl.cli import main
+
+    assert main(["matrix", "recipes/matrix_tiny.yaml", "matrix.ptq_methods=[gptq]"]) == 2
+    assert "matrix.ptq_methods ['gptq']: choose among" in capsys.readouterr().err
+    assert main(["diagnose", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
