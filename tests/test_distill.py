@@ -205,3 +205,19 @@ def test_the_resumed_run_reproduces_the_uninterrupted_one(run_dir, tmp_path):
 def test_a_qarl_checkpoint_is_a_teacher(run_dir, tmp_path):
     cfg = _cfg(tmp_path, f"teacher.model_name={run_dir}")
     assert teacher_source(cfg) == str(run_dir / "checkpoints" / "step_3" / "policy")
+
+
+def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
+    """QAD with policy.lora: only the adapter learns (the checkpoint is an adapter on the warm-started
+    base), the engine serves it (mismatch at the floor), and the KL is finite at every step."""
+    from safetensors.torch import load_file
+
+    run = distill(_cfg(tmp_path, *SMALL, "policy.lora.mode=qlora", "trainer.lr=3.0e-3", "checkpoint.every=3"))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[:3]:
+        assert math.isfinite(r["distill/kl"]) and abs(r["mismatch/kl"]) < 1e-5
+    checkpoint = run / "checkpoints" / "step_3"
+    assert (checkpoint / "lora.json").is_file() and not (checkpoint / "policy").exists()
+    adapter = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0
