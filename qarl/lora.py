@@ -34,6 +34,7 @@ from torch import nn
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.quant.lean_forward import quantized_linear
+from qarl.quant.mixins import with_mixin
 
 MODES = ("none", "qlora", "merged")
 ADAPTER_PARAMS = ("lora_A", "lora_B")
@@ -84,18 +85,9 @@ class LoraLayer:
         return y + adapter_output(a, self.lora_A, self.lora_B, self.lora_scale)
 
 
-_LORA_CLASSES: dict[type, type] = {}
-
-
 def _lora_class(cls: type) -> type:
-    """`Lora<Layer>`, made once per class and registered here so instances pickle and deep-copy."""
-    if issubclass(cls, LoraLayer):
-        return cls
-    if cls not in _LORA_CLASSES:
-        name = f"Lora{cls.__name__}"
-        lora_cls = type(name, (LoraLayer, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = _LORA_CLASSES[cls] = lora_cls
-    return _LORA_CLASSES[cls]
+    """`Lora<Layer>`: the layer's class with the adapter mixed in."""
+    return with_mixin(LoraLayer, cls, "Lora", globals())
 
 
 def _matches(name: str, targets: list[str]) -> bool:

@@ -212,7 +212,9 @@ def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
     base), the engine serves it (mismatch at the floor), and the KL is finite at every step."""
     from safetensors.torch import load_file
 
-    run = distill(_cfg(tmp_path, *SMALL, "policy.lora.mode=qlora", "trainer.lr=3.0e-3", "checkpoint.every=3"))
+    run = tmp_path / "qlora"  # in a subprocess, as the other runs: an engine torn down in-process breaks later ones
+    subprocess.run([*COMMAND, f"run.dir={run}", *SMALL, "policy.lora.mode=qlora", "trainer.lr=3.0e-3",
+                    "checkpoint.every=3"], check=True, timeout=600)
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows[:3]:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qarl.quant.mixins import with_mixin
+
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """ModelOpt's quantized linear math with `weight` in place of the layer's own parameter (LoRA's
@@ -60,11 +62,11 @@ def enable_lean_forward(model: nn.Module) -> int:
     return count
 
 
-_LEAN_CLASSES: dict[type, type] = {}
+class LeanForward:
+    """Mixed into a quantized linear layer's class (see `enable_lean_forward`)."""
+
+    forward = lean_forward
 
 
 def _lean_class(cls: type) -> type:
-    if cls not in _LEAN_CLASSES:
-        name = f"Lean{cls.__name__}"
-        _LEAN_CLASSES[cls] = type(name, (cls,), {"forward": lean_forward, "__module__": __name__, "__qualname__": name})
-    return _LEAN_CLASSES[cls]
+    return with_mixin(LeanForward, cls, "Lean", globals())

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from qarl.quant.mixins import with_mixin
+
 
 _optimizer_steps = 0
 
@@ -144,19 +146,9 @@ class WeightCacheMixin:
         self._qarl_generation += 1
 
 
-_CACHED_CLASSES: dict[type, type] = {}
-
-
 def _cached_class(cls: type) -> type:
-    """`Cached<Quantizer>`: the quantizer's class with the cache mixed in, made once per class and
-    registered in this module so that instances pickle and deep-copy like any module."""
-    if issubclass(cls, WeightCacheMixin):
-        return cls
-    if cls not in _CACHED_CLASSES:
-        name = f"Cached{cls.__name__}"
-        cached = type(name, (WeightCacheMixin, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = _CACHED_CLASSES[cls] = cached
-    return _CACHED_CLASSES[cls]
+    """`Cached<Quantizer>`: the quantizer's class with the cache mixed in."""
+    return with_mixin(WeightCacheMixin, cls, "Cached", globals())
 
 
 def _weight_quantizers(model: nn.Module):
