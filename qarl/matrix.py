@@ -229,8 +229,9 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
             raise ConfigError(f"the seeds of matrix.models.{name} were trained in different formats (or some "
                               "unquantized): a row averages seeds of one recipe")
     warm = m.base == WARM_START
+    base = None if warm else resolve_model_source(m.base)
     # the warm start keeps its base's tokenizer and architecture: check against the base before making it
-    base_dir = resolve_model_dir(cfg.policy.model_name) if warm else resolve_model_source(m.base).model_dir
+    base_dir = resolve_model_dir(cfg.policy.model_name) if warm else base.model_dir
     trust = cfg.policy.trust_remote_code
     held_out, base_key = {p.prompt for p in problems}, initial_model_key(cfg, task) if warm else None
     reference = _architecture(base_dir, trust)
@@ -245,27 +246,27 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
             if _architecture(source.model_dir, trust) != reference:
                 raise ConfigError(f"matrix model {source.path} has another architecture than the base "
                                   f"({base_dir}); the matrix compares models trained from one base")
-    plan = Plan(cfg, problems, [], models, precisions)
+    trained_precision = {}
     for name, sources in models.items():  # a trained format is a PTQ column too: the base's "trained" counterpart
         fmt = sources[0].trained_format
         if fmt is None:
             continue
-        column = next((p for p in plan.precisions if p.format is not None
+        column = next((p for p in precisions if p.format is not None
                        and p.format.fingerprint() == fmt.fingerprint()), None)
         if column is None:
             column = Precision(f"{fmt.name} {fmt.algorithm if isinstance(fmt.algorithm, str) else 'default'}", fmt)
-            plan.precisions.append(column)
-        plan.trained_precision[name] = column.name
-    _check_columns(plan.precisions)
-    if plan.trained_precision:
-        plan.precisions.append(Precision(TRAINED, trained=True))
-    for precision in plan.precisions:
+            precisions.append(column)
+        trained_precision[name] = column.name
+    _check_columns(precisions)
+    if trained_precision:
+        precisions.append(Precision(TRAINED, trained=True))
+    for precision in precisions:
         if precision.format is not None:
             check_format_fits(base_dir, precision.format, trust)
-    base = resolve_model_source(m.base) if not warm else ModelSource(WARM_START, initial_model_dir(cfg, task))
-    plan.models = {"base": [base], **models}
-    plan.calibration = task.calibration_texts(cfg.policy.quant_calib_size)
-    return plan
+    if warm:
+        base = ModelSource(WARM_START, initial_model_dir(cfg, task))
+    return Plan(cfg, problems, task.calibration_texts(cfg.policy.quant_calib_size), {"base": [base], **models},
+                precisions, trained_precision)
 
 
 # -- evaluation --------------------------------------------------------------------------------------

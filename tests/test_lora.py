@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,8 @@ from qarl.optim import PolicyOptimizer
 from qarl.parity import measure
 from qarl.quant import folded_weights
 from tests.conftest import answer_loss, tiny_policy
-from tests.test_train import SMALL, _deterministic, kill_after_first_checkpoint
+from tests.test_train import _deterministic, kill_after_first_checkpoint
+from tests.test_train import _train_cmd as train_cmd
 
 W4A16 = "quant_configs/nvfp4_a16.yaml"
 
@@ -136,8 +136,7 @@ LORA = ["policy.lora.mode=qlora", "trainer.lr=3e-3"]
 
 
 def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_tiny.yaml", f"run.dir={run_dir}", *SMALL, *LORA,
-            *extra]
+    return train_cmd(run_dir, *LORA, *extra)
 
 
 @pytest.fixture(scope="module")
