@@ -11,6 +11,10 @@
 #   qad       QAD NVFP4 W4A4 on the 0.5B model
 #   export    the QA-GRPO checkpoint exported (ModelOpt NVFP4, compressed-tensors NVFP4) and loaded by vLLM
 #   fp8       a short FP8 QA-GRPO run exported (ModelOpt FP8, compressed-tensors FP8) and loaded by vLLM
+#   graphs    GPU tests of the engine with CUDA graphs (refits reach the graphs; the input-quant op equals ModelOpt's)
+#   rollout   rollout tokens/s: plain vLLM against qarl's engine per format (benchmarks/gpu_rollout.py)
+#   parity_graphs  `qarl parity` bf16 with CUDA graphs and with enforce_eager, in one call
+#   e2e       step time of GRPO (unquantized) and QA-GRPO NVFP4 W4A16 on the 0.5B model, graphs; W4A16 eager
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -93,6 +97,39 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       qarl export runs/qa_grpo_0p5b_fp8 --target "export/$target.yaml" --out "exports/$target" --overwrite \
         --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
       echo "== $target"; grep -A4 '"vllm"\|qarl-decode' "$out/export_$target.json" | head -20
+    done
+    ;;
+  graphs)
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_engine_quant.py \
+      tests/test_gpu_colocation.py 2>&1 | tail -6
+    ;;
+  rollout)
+    python3 benchmarks/gpu_rollout.py --repeats 2 --out "$out/gpu_rollout.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
+    ;;
+  parity_graphs)
+    for eager in false true; do
+      qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "policy.generation.enforce_eager=$eager" --json \
+        > "$out/parity_graphs_eager_$eager.json" 2> "$out/parity_graphs_eager_$eager.log"
+      echo "== enforce_eager=$eager"; tail -2 "$out/parity_graphs_eager_$eager.log"; python3 -c "
+import json
+for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
+    s, u, f = r['synced'], r['unsynced'], r['unquantized']
+    print(name, 'synced', s['mean_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'], 'floor', f['mean_abs'])"
+    done
+    ;;
+  e2e)
+    # 10 steps each after the warm start; medians over steps 3-10 (the first steps warm up allocators)
+    for run in "none auto" "nvfp4_a16 auto" "nvfp4_a16 true"; do
+      set -- $run
+      qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=$1" "policy.generation.enforce_eager=$2" \
+        "run.dir=runs/e2e_$1_eager_$2" trainer.steps=10 eval.every=100 checkpoint.every=100 \
+        "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
+      keep "runs/e2e_$1_eager_$2" "e2e_$1_eager_$2"
+      python3 -c "
+import json, statistics as st
+rows = [json.loads(l) for l in open('runs/e2e_$1_eager_$2/metrics.jsonl') if 'perf/step_s' in l][2:]
+print('$1 enforce_eager=$2', {k: round(st.median(r[k] for r in rows), 3) for k in
+      ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/refit_s', 'perf/rollout_tokens_per_s')})"
     done
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

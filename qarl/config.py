@@ -56,6 +56,9 @@ class GenerationConfig:
     # Colocation on one GPU: the engine sleeps (weights to host memory, KV cache released) while the
     # policy trains and wakes for the rollout. "auto": on when CUDA is used; ignored on CPU.
     sleep_between_rollouts: str = "auto"  # auto | on | off
+    # "auto": CUDA graphs and vLLM's compilation on a GPU, refit in place; eager on CPU and for runs
+    # graphs cannot serve (qlora adapters, AWQ input scales). "true": always eager; "false": graphs or refuse.
+    enforce_eager: str = "auto"  # auto | true | false
 
 
 @dataclass

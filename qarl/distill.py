@@ -291,16 +291,19 @@ def distill(cfg: RecipeConfig) -> Path:
     student.model.eval()
 
     # 3. The engine: the teacher's own accuracy first (unquantized), then the student's format, synced.
-    engine = VLLMEngine(student.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
+    teacher_first = start_step == 0 and cfg.distill.eval_teacher_accuracy
+    engine = VLLMEngine(student.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
+                        quant_format=None if teacher_first else rollout_format, qlora=cfg.policy.lora.mode == "qlora")
     eval_problems = task.eval[: cfg.eval.num_prompts]
     first_row: dict[str, float] = {}
-    if start_step == 0 and cfg.distill.eval_teacher_accuracy:
+    if teacher_first:
         if same_architecture(teacher.model, student.model):
             engine.refit(teacher.model)
             first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, rewards).accuracy
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
-    engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    engine.set_quant_format(rollout_format)  # a graph engine restarts for it (once, after the teacher)
     step_state = student.prepare_step(start_step)
     engine.refit(student.rollout_model())
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,

@@ -88,10 +88,10 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size), model_dir=model_dir)
         model_dir = quantized.model_dir
         plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
+                        qlora=cfg.policy.lora.mode == "qlora")
     results = {}
     if fmt is not None:
-        engine.set_quant_format(fmt)
         engine.refit(quantized.model)
         results["quantized"] = evaluate(engine, quantized, problems, rewards).accuracy
         results["format"] = fmt.name

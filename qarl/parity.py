@@ -64,50 +64,43 @@ def lora_policy(cfg: RecipeConfig, calib: list[str], model_dir: str, fmt, mode: 
     return policy
 
 
-def synced_and_unsynced(engine: VLLMEngine, fmt, quantized: Policy, plain: Policy, prompts: list[list[int]],
-                        max_new_tokens: int, seed: int) -> tuple[Mismatch, Mismatch]:
-    """The quantized policy against the engine synced with it, then against the engine holding `plain`
-    (the same weights unquantized), which the engine keeps afterwards."""
-    engine.set_quant_format(fmt)
-    engine.refit(quantized.model)
-    synced = measure(engine, quantized, prompts, max_new_tokens, seed)
-    engine.set_quant_format(None)
-    engine.refit(plain.model)
-    return synced, measure(engine, quantized, prompts, max_new_tokens, seed)
-
-
 def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
-    """Synced / unsynced / floor mismatch per format, and per format x `parity.lora_modes`."""
+    """Synced / unsynced / floor mismatch per format, and per format x `parity.lora_modes`.
+
+    Every unquantized-engine measurement comes first, then one engine format at a time: an engine with
+    CUDA graphs restarts to change format, so the order keeps that to one start per format."""
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg.task, cfg.run.seed)
-    formats = [resolve_format(spec) for spec in cfg.parity.formats]  # bad names fail before any work
+    formats = [f for f in (resolve_format(spec) for spec in cfg.parity.formats) if f is not None]  # bad names fail first
     model_dir = resolve_model_dir(cfg.policy.model_name)
-    for mode in cfg.parity.lora_modes:
+    modes = list(cfg.parity.lora_modes)
+    for mode in modes:
         check_lora(dataclasses.replace(cfg.policy, lora=dataclasses.replace(cfg.policy.lora, mode=mode)), model_dir)
     calib = task.calibration_texts(cfg.policy.quant_calib_size)
     unquantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=None)
-    tokenizer = unquantized.tokenizer
-    prompts = [tokenizer(p.prompt).input_ids for p in task.eval[: cfg.parity.num_prompts]]
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
+    prompts = [unquantized.tokenizer(p.prompt).input_ids for p in task.eval[: cfg.parity.num_prompts]]
     n, seed = cfg.parity.max_new_tokens, cfg.run.seed
+    # (row name, the quantized policy, the same weights unquantized); LoRA rows carry random adapters
+    rows = [(fmt.name, fmt, build_policy(cfg.policy, calib, model_dir=model_dir, fmt=fmt), unquantized) for fmt in formats]
+    for mode in modes:
+        plain = lora_policy(cfg, calib, model_dir, None, mode)
+        rows += [(f"{fmt.name}+{mode}", fmt, lora_policy(cfg, calib, model_dir, fmt, mode), plain) for fmt in formats]
 
-    engine.set_quant_format(None)
-    engine.refit(unquantized.model)
-    floor = measure(engine, unquantized, prompts, n, seed)
-    results = {}
-    for fmt in formats:
-        if fmt is None:
-            continue
-        quantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=fmt)
-        synced, unsynced = synced_and_unsynced(engine, fmt, quantized, unquantized, prompts, n, seed)
-        results[fmt.name] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
-                             "unquantized": floor.as_dict()}
-        for mode in cfg.parity.lora_modes:  # the same three measurements with adapters on both sides
-            adapted, adapted_plain = (lora_policy(cfg, calib, model_dir, f, mode) for f in (fmt, None))
-            synced, unsynced = synced_and_unsynced(engine, fmt, adapted, adapted_plain, prompts, n, seed)
-            floor_lora = measure(engine, adapted_plain, prompts, n, seed)  # the engine holds adapted_plain
-            results[f"{fmt.name}+{mode}"] = {"synced": synced.as_dict(), "unsynced": unsynced.as_dict(),
-                                             "unquantized": floor_lora.as_dict()}
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora="qlora" in modes)
+    results: dict[str, dict[str, dict]] = {}
+    floor, held = None, None
+    for name, _, quantized, plain in rows:  # the engine unquantized: the floor, and the unsynced mismatch
+        if plain is not held:
+            engine.refit(plain.model)
+            floor, held = measure(engine, plain, prompts, n, seed), plain
+        results[name] = {"unsynced": measure(engine, quantized, prompts, n, seed).as_dict(), "unquantized": floor.as_dict()}
+    for fmt in formats:  # the engine synced with each quantized policy
+        engine.set_quant_format(fmt)
+        for name, row_format, quantized, _ in rows:
+            if row_format is fmt:
+                engine.refit(quantized.model)
+                results[name]["synced"] = measure(engine, quantized, prompts, n, seed).as_dict()
+    engine.close()
     return results
 
 

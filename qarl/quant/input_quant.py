@@ -1,0 +1,118 @@
+"""Input (activation) fake quantization for the rollout engine: ModelOpt's math as one op per layer.
+
+The engine receives its weights already quantized-dequantized ("folded"), so what is left for it to
+quantize is the input of each layer in the activation formats (NVFP4 W4A4, FP8 W8A8). It does that
+without ModelOpt's module wrappers: `fake_quant_input` is what ModelOpt's `TensorQuantizer.forward`
+computes for an enabled, calibrated input quantizer of these two kinds, reduced to the one torch.library
+op it ends in (`tensorrt::dynamic_block_quantize_op` for NVFP4, `tensorrt::quantize_op` for FP8; the
+ops qarl's CPU port and GPU kernels implement). Being a single registered op with a shape-only fake
+implementation, it traces into vLLM's compiled graph and runs inside a captured CUDA graph, reading
+the amax from a tensor that a refit overwrites in place.
+
+Which layers quantize their input, and how, comes from ModelOpt itself: `input_quant_plan` quantizes a
+meta-device copy of the model with the format and reads each enabled input quantizer. Anything it
+holds that this op does not reproduce (per-channel amax, integer formats, output or attention
+quantizers, ...) is refused by name before an engine starts. tests/test_engine_quant.py pins the op to
+`TensorQuantizer.forward` bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from qarl.config import ConfigError
+from qarl.quant.formats import QuantFormat
+
+NVFP4, FP8 = "nvfp4", "fp8"
+_NVFP4_OP_ARGS = (4, 2, 8, 4)  # E2M1 values, E4M3 block scales: (num_bits, exponent_bits, scale bits, scale exponent)
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """How one layer's input is fake-quantized: NVFP4 with per-tensor amax and dynamic `block_size`
+    blocks, or FP8 E4M3 with per-tensor amax. `smoothing`: an AWQ/SmoothQuant scale multiplies the
+    input first (a calibration that smooths: the scale arrives with the amax at each refit)."""
+
+    kind: str
+    block_size: int = 0
+    smoothing: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fake_quant_input(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant,
+                     pre_quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`TensorQuantizer.forward(x)` of an enabled input quantizer described by `spec` whose amax is
+    `amax` (and smoothing scale `pre_quant_scale`), as the op it reaches: the same operands, the same bits."""
+    if x.numel() == 0:
+        return x
+    if pre_quant_scale is not None:
+        x = x * pre_quant_scale
+    x = x.contiguous()  # ModelOpt makes non-contiguous inputs contiguous before its kernels
+    if spec.kind == NVFP4:
+        return torch.ops.tensorrt.dynamic_block_quantize_op(x, spec.block_size, amax, *_NVFP4_OP_ARGS)
+    return torch.ops.tensorrt.quantize_op(x, amax, 8, 4, False, False)
+
+
+def install_kernels() -> None:
+    """Register qarl's implementations of the two ops (the NVFP4 CPU port, the fast GPU kernels; the
+    same bits as ModelOpt's): idempotent, and needed before the first call in a process."""
+    from qarl.quant import gpu_kernels, nvfp4_cpu
+
+    nvfp4_cpu.install()
+    gpu_kernels.install()
+
+
+def input_spec(name: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
+    """The `InputQuant` of an enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
+    sizes = dict(quantizer.block_sizes or {})
+    plain = (quantizer.fake_quant and quantizer.bias_calibrator is None and quantizer.backend is None
+             and not quantizer.rotate_is_enabled and not getattr(quantizer, "_use_constant_amax", False))
+    if plain and quantizer.num_bits == (2, 1) and sizes.get("type") == "dynamic" and sizes.get("scale_bits") == (4, 3) \
+            and set(sizes) <= {-1, "type", "scale_bits"} and sizes.get(-1):
+        return InputQuant(NVFP4, block_size=int(sizes[-1]), smoothing=smoothing)
+    if plain and quantizer.num_bits == (4, 3) and not sizes and quantizer.axis is None:
+        return InputQuant(FP8, smoothing=smoothing)
+    raise ConfigError(
+        f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
+        f"FP8 E4M3 (per-tensor amax); {name} has an input quantizer it does not reproduce ({quantizer}). "
+        "Use such a format with an unquantized engine (policy.generation.quant_cfg=none, "
+        "policy.generation.allow_quant_mismatch=true), or quantize weights only."
+    )
+
+
+def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code: bool = False) -> dict[str, InputQuant]:
+    """{Hugging Face layer name: InputQuant} of every layer whose input `fmt` quantizes, read from
+    ModelOpt's quantizers on a meta-device copy of the model (no weights load). Weight-only formats
+    give {}: their engine is a plain vLLM model. Other enabled quantizers are refused: the engine
+    serves folded weights and quantized inputs, nothing else."""
+    if fmt is None:
+        return {}
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from qarl.models.checks import meta_model
+    from qarl.quant.quantize import SMOOTHING_ALGORITHMS
+
+    model = meta_model(model_dir, trust_remote_code)
+    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    algorithm = fmt.algorithm.get("method") if isinstance(fmt.algorithm, dict) else fmt.algorithm
+    smoothing = algorithm in SMOOTHING_ALGORITHMS
+    plan, unsupported = {}, []
+    for name, module in model.named_modules():
+        if not isinstance(module, TensorQuantizer) or not module.is_enabled:
+            continue
+        layer, _, kind = name.rpartition(".")
+        if kind == "input_quantizer":
+            plan[layer] = input_spec(name, module, smoothing)
+        elif kind != "weight_quantizer":
+            unsupported.append(name)
+    if unsupported:
+        raise ConfigError(f"quant config {fmt.source} enables quantizers the rollout engine does not run: "
+                          f"{unsupported[:4]}{' ...' if len(unsupported) > 4 else ''}. qarl quantizes weights and "
+                          "layer inputs; disable the others in the config (enable: false).")
+    return plan

@@ -1,0 +1,105 @@
+"""The engine's input quantization (qarl/quant/input_quant.py, qarl/generation/engine_quant.py): one op per
+layer that must compute exactly what the policy's ModelOpt input quantizer computes, the plan read from
+ModelOpt's own quantizers, and the engine modes (eager / CUDA graphs) with their refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.config import ConfigError, GenerationConfig
+from qarl.generation.vllm_engine import runs_eager
+from qarl.quant import resolve_format
+from qarl.quant.input_quant import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
+
+from .conftest import tiny_policy
+
+ACTIVATION_FORMATS = ["nvfp4_w4a4", "fp8_w8a8"]
+
+
+def _inputs(width: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    normal = torch.randn(3, 7, width, generator=generator)
+    heavy = torch.distributions.StudentT(2.0).sample((5, width)) * 3
+    strided = torch.randn(width, 6, generator=generator).t()  # non-contiguous, as ModelOpt meets it
+    return [t.to(dtype=dtype, device=device) for t in (normal, heavy, strided, torch.zeros(2, width))]
+
+
+def _check_op_equals_modelopt(policy, device: str) -> int:
+    """fake_quant_input == TensorQuantizer.forward bit for bit on every quantized input of `policy`."""
+    checked = 0
+    plan = input_quant_plan(policy.model_dir, policy.format)
+    modules = dict(policy.model.named_modules())
+    for name, spec in plan.items():
+        quantizer = modules[name].input_quantizer.to(device)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for x in _inputs(modules[name].weight.shape[1], dtype, device):
+                expected = quantizer(x)
+                got = fake_quant_input(x, quantizer.amax, spec, quantizer.pre_quant_scale)
+                assert got.dtype == expected.dtype and torch.equal(got, expected), (name, dtype)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("fmt", ACTIVATION_FORMATS)
+def test_engine_op_is_modelopts_input_quantizer_bit_for_bit(task, tiny_dir, fmt):
+    policy = tiny_policy(task, tiny_dir, fmt)
+    assert _check_op_equals_modelopt(policy, "cpu") == 14 * 3 * 4
+
+
+def test_engine_op_applies_awq_smoothing_as_modelopt(task, tiny_dir):
+    from qarl.config import PolicyConfig
+    from qarl.policy import build_policy
+    from qarl.quant.formats import with_calibration
+
+    awq = with_calibration(resolve_format("nvfp4_w4a4"), "awq_lite")
+    policy = build_policy(PolicyConfig(quant_calib_size=16), task.calibration_texts(16), model_dir=tiny_dir, fmt=awq)
+    assert all(spec.smoothing for spec in input_quant_plan(tiny_dir, awq).values())
+    assert policy.model.model.layers[0].self_attn.q_proj.input_quantizer.pre_quant_scale is not None
+    assert _check_op_equals_modelopt(policy, "cpu") == 14 * 3 * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ACTIVATION_FORMATS)
+def test_engine_op_is_modelopts_input_quantizer_on_the_gpu(task, tiny_dir, fmt):
+    policy = tiny_policy(task, tiny_dir, fmt)
+    assert _check_op_equals_modelopt(policy, "cuda") == 14 * 3 * 4
+
+
+def test_plan_reads_modelopts_quantizers(tiny_dir):
+    assert input_quant_plan(tiny_dir, None) == {}
+    assert input_quant_plan(tiny_dir, resolve_format("nvfp4_a16")) == {}  # weight-only: a plain vLLM engine
+    for name, kind in [("nvfp4_w4a4", InputQuant(NVFP4, block_size=16)), ("fp8_w8a8", InputQuant(FP8))]:
+        plan = input_quant_plan(tiny_dir, resolve_format(name))
+        assert len(plan) == 14 and set(plan.values()) == {kind}  # 7 projections x 2 layers; lm_head stays off
+        assert "model.layers.1.mlp.down_proj" in plan and "lm_head" not in plan
+
+
+def test_plan_refuses_what_the_engine_cannot_reproduce(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="does not reproduce"):  # INT8 per-tensor inputs
+        input_quant_plan(tiny_dir, resolve_format("INT8_DEFAULT_CFG"))
+    config = tmp_path / "fp8_with_output.yaml"
+    config.write_text("quant_cfg:\n"
+                      "  - quantizer_name: '*weight_quantizer'\n    cfg: {num_bits: [4, 3], axis: null}\n"
+                      "  - quantizer_name: '*input_quantizer'\n    cfg: {num_bits: [4, 3], axis: null}\n"
+                      "  - quantizer_name: '*output_quantizer'\n    cfg: {num_bits: [4, 3], axis: null}\n"
+                      "algorithm: max\n")
+    with pytest.raises(ConfigError, match="output_quantizer"):
+        input_quant_plan(tiny_dir, resolve_format(str(config)))
+
+
+def test_engine_modes_and_their_refusals():
+    on_gpu = torch.cuda.is_available()
+    assert runs_eager(GenerationConfig()) is not on_gpu  # auto: graphs on a GPU, eager on CPU
+    assert runs_eager(GenerationConfig(enforce_eager=True)) is True  # YAML's boolean spelling
+    assert runs_eager(GenerationConfig(enforce_eager="auto"), qlora=True) is True
+    assert runs_eager(GenerationConfig(enforce_eager="auto"), smoothing=True) is True
+    with pytest.raises(ConfigError, match="choose one of"):
+        runs_eager(GenerationConfig(enforce_eager="sometimes"))
+    with pytest.raises(ConfigError, match="qlora"):
+        runs_eager(GenerationConfig(enforce_eager=False), qlora=True)
+    with pytest.raises(ConfigError, match="AWQ"):
+        runs_eager(GenerationConfig(enforce_eager="false"), smoothing=True)
+    if not on_gpu:
+        with pytest.raises(ConfigError, match="CPU"):
+            runs_eager(GenerationConfig(enforce_eager="false"))

@@ -1,0 +1,53 @@
+"""The engine with CUDA graphs and vLLM's compilation (the GPU default): a refit must reach what the captured
+graphs compute, weights and amax alike. A stale graph is a silent bug, so this checks what the engine samples.
+Needs CUDA; skipped without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.config import GenerationConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_a16", "nvfp4_w4a4", "fp8_w8a8"])
+def test_refit_under_cuda_graphs_changes_what_the_engine_samples(tiny_dir, task, make_policy, fmt):
+    from qarl.generation import VLLMEngine
+    from qarl.generation.engine_quant import QuantizedInput
+    from qarl.parity import measure
+    from qarl.policy import score_completions
+
+    policy = make_policy(fmt)
+    settings = GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2, sleep_between_rollouts="off")
+    engine = VLLMEngine(tiny_dir, settings, "float32", 0, quant_format=policy.format)
+    assert not engine.eager  # "auto" on a GPU: graphs and compilation
+    quantized_inputs = [m for m in engine.model.modules() if isinstance(m, QuantizedInput)]
+    assert len(quantized_inputs) == (0 if fmt == "nvfp4_a16" else 8)  # W4A16: a plain vLLM model
+    engine.refit(policy.model)
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:16]]
+    before = [c.token_ids for c in engine.generate(prompts, greedy=True)]
+    assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < 1e-2
+
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=5.0)  # a large step: greedy outputs change
+    scores = score_completions(policy.model, prompts, before, policy.tokenizer.pad_token_id)
+    scores.logprobs.sum().backward()
+    optimizer.step()
+    assert [c.token_ids for c in engine.generate(prompts, greedy=True)] == before  # no refit yet
+    engine.refit(policy.model)
+    after = [c.token_ids for c in engine.generate(prompts, greedy=True)]
+    assert after != before
+    assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < 1e-2
+
+    if quantized_inputs:  # the amax alone: the graphs read the engine's amax tensors, written in place
+        amax_tensors = [m.input_amax for m in quantized_inputs]
+        for module in policy.model.modules():
+            quantizer = getattr(module, "input_quantizer", None)
+            if quantizer is not None and quantizer.is_enabled:
+                quantizer.amax = quantizer.amax * 64
+        engine.refit(policy.model)
+        assert all(m.input_amax is t for m, t in zip(quantized_inputs, amax_tensors))
+        assert [c.token_ids for c in engine.generate(prompts, greedy=True)] != after
+        assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < 1e-2
+    engine.close()
