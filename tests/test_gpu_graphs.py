@@ -54,3 +54,27 @@ def test_refit_under_cuda_graphs_changes_what_the_engine_samples(tiny_dir, task,
         assert [c.token_ids for c in engine.generate(prompts, greedy=True)] != after
         assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < stale.mean_abs / 5
     engine.close()
+
+
+def test_a_colocated_graph_engine_restarts_for_a_new_format(tiny_dir, make_policy):
+    """A graph engine changes format by restarting in this process, sleep mode on (vLLM's sleep allocator
+    takes one engine at a time, so the old one must have given everything back); it then serves the new
+    format synced (distill's teacher -> student switch, `qarl parity`, `qarl eval`)."""
+    from qarl.generation import VLLMEngine
+    from qarl.generation.engine_quant import QuantizedInput
+
+    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "float32", 0)
+    assert engine.sleeps and not engine.eager
+    plain = make_policy("none")
+    engine.refit(plain.model)
+    prompt = [[5, 6, 7, 8]]
+    first = engine.generate(prompt, greedy=True)[0].token_ids
+    policy = make_policy("nvfp4_w4a4")
+    engine.set_quant_format(policy.format)
+    assert sum(isinstance(m, QuantizedInput) for m in engine.model.modules()) == 8
+    engine.refit(policy.model)
+    engine.generate(prompt, greedy=True)
+    engine.set_quant_format(None)
+    engine.refit(plain.model)
+    assert engine.generate(prompt, greedy=True)[0].token_ids == first
+    engine.close()

@@ -158,13 +158,20 @@ class VLLMEngine:
         self.adapters = EngineAdapters(self.model)
 
     def close(self) -> None:
-        """Shut vLLM down and give its memory back (the engine cannot be used afterwards)."""
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = self.model = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        """Shut vLLM down and give its memory back, so that another engine can start in this process
+        (vLLM's sleep-mode allocator takes one engine at a time: every tensor it gave out must be gone).
+        The engine cannot be used afterwards."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.model = self.adapters = None
+        self._links.clear()
+        self._held_from, self._held = None, {}
+        if not self.eager:
+            torch._dynamo.reset()  # compiled code keeps guards on the engine's modules
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:
