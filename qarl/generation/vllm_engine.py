@@ -168,7 +168,10 @@ class VLLMEngine:
         self._links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
+            from vllm.platforms import current_platform
+
             torch._dynamo.reset()  # compiled code keeps guards on the engine's modules
+            type(current_platform)._global_graph_pool = None  # its graphs are gone: the next engine takes a new pool
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
