@@ -39,8 +39,8 @@ def main() -> None:
                                                       model_dir=model_dir),
                                          lambda: torch.autocast(device, dtype=torch.bfloat16)),
     }
-    engine = VLLMEngine(model_dir, GenerationConfig(max_new_tokens=32), dtype="bfloat16", seed=0)
-    engine.set_quant_format(next(iter(policies.values()))[0].format)
+    engine = VLLMEngine(model_dir, GenerationConfig(max_new_tokens=32), dtype="bfloat16", seed=0,
+                        quant_format=next(iter(policies.values()))[0].format)
     prompts = [policies["fp32 weights + bf16 autocast"][0].tokenizer(p.prompt).input_ids for p in task.eval]
     print("| policy forward | mean |Δ log-prob| vs bf16 engine | max | forward time |\n|---|---|---|---|---|")
     for name, (policy, context) in policies.items():
