@@ -274,12 +274,13 @@ class VLLMEngine:
             self.model.load_weights(weights)
         del weights
         moved += self.adapters.load(served_adapters(policy_model), modules)
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         loaded = time.perf_counter()
         for layer, policy_quantizer in self._input_amax_links(policy_model):
             layer.input_amax.copy_(policy_quantizer.amax.reshape(()))
             moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
-            moved += self._sync_smoothing(layer, policy_quantizer)
-        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+            if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
+                moved += self._sync_smoothing(layer, policy_quantizer)
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
 
     def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
