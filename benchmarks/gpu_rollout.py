@@ -7,33 +7,26 @@ bf16) and samples `--tokens` tokens per completion whatever it draws (EOS ignore
 prompts, at temperature 1. Plain vLLM runs with its defaults (CUDA graphs and compilation); qarl's
 engine runs as a training run would use it: refitted from a ModelOpt-quantized policy of each format
 (folded weights and amax), sampling through `VLLMEngine.generate` (per-sample seeds, log-probs).
-`--eager` runs qarl's engines with `enforce_eager` for comparison. Tokens/s are generated tokens over
-the wall time of one `generate` call, median of `--repeats` after a warm-up call.
+`--eager` runs qarl's engines with `enforce_eager` for comparison.
+
+All engines are started first and then timed in interleaved rounds (engine A, B, C, ..., then again), so
+that what the host machine does meanwhile hits them alike: one `generate` call per engine and batch size
+per round, tokens/s = generated tokens / its wall time, median over `--repeats` rounds after a warm-up round.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 FORMATS = ["none", "nvfp4_a16", "nvfp4_w4a4", "fp8_w8a8"]
-
-
-def _tokens_per_s(generate, tokens: int, repeats: int) -> float:
-    generate()  # warm-up (first-call allocations, graph replays of new sizes)
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        generated = generate()
-        _sync()
-        times.append(time.perf_counter() - start)
-        assert generated == tokens, (generated, tokens)
-    return tokens / statistics.median(times)
+PLAIN = "plain vLLM (graphs + compile)"
+MEMORY_PER_ENGINE = 0.12  # of the GPU: five engines side by side
 
 
 def _sync() -> None:
@@ -46,24 +39,23 @@ def _prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, 16), generator=generator).tolist()
 
 
-def plain_vllm(model_dir: str, dtype: str, batches: list[int], tokens: int, repeats: int) -> dict[int, float]:
+def plain_vllm(model_dir: str, dtype: str, tokens: int) -> Callable[[int], int]:
+    """generate(batch) -> generated tokens, with vLLM's own defaults."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=0.3)
+    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=MEMORY_PER_ENGINE)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, detokenize=False)
-    result = {}
-    for batch in batches:
+
+    def generate(batch: int) -> int:
         requests = [{"prompt_token_ids": p} for p in _prompts(batch, vocab)]
-        result[batch] = _tokens_per_s(
-            lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)),
-            batch * tokens, repeats)
-    llm.llm_engine.engine_core.shutdown()
-    return result
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False))
+
+    return generate
 
 
-def qarl_engine(fmt_name: str, model_dir: str, dtype: str, batches: list[int], tokens: int, repeats: int,
-                eager: bool) -> dict[int, float]:
+def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool) -> Callable[[int], int]:
+    """generate(batch) -> generated tokens, from qarl's engine refitted from a policy in `fmt_name`."""
     from qarl.config import GenerationConfig, PolicyConfig
     from qarl.generation import VLLMEngine
     from qarl.policy import build_policy
@@ -72,19 +64,49 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, batches: list[int], t
     torch.manual_seed(0)
     policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64),
                           ArithmeticTask(num_train=400, num_eval=32, seed=0).calibration_texts(64), model_dir=model_dir)
-    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=0.3,
+    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=MEMORY_PER_ENGINE,
                                 enforce_eager="true" if eager else "auto", sleep_between_rollouts="off")
     engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format)
     engine.refit(policy.model)
     vocab = len(policy.tokenizer)
-    result = {}
-    for batch in batches:
-        prompts = _prompts(batch, vocab)
-        result[batch] = _tokens_per_s(
-            lambda: sum(len(c.token_ids) for c in engine.generate(prompts, max_new_tokens=tokens, ignore_eos=True)),
-            batch * tokens, repeats)
-    engine.close()
-    return result
+
+    def generate(batch: int) -> int:
+        completions = engine.generate(_prompts(batch, vocab), max_new_tokens=tokens, ignore_eos=True)
+        return sum(len(c.token_ids) for c in completions)
+
+    return generate
+
+
+def interleaved(engines: dict[str, Callable[[int], int]], batches: list[int], tokens: int,
+                repeats: int) -> dict[str, dict[int, float]]:
+    """Median tokens/s per engine and batch over `repeats` rounds, each round visiting every engine."""
+    times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name in engines}
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for batch in batches:
+            for name, generate in engines.items():
+                _sync()
+                start = time.perf_counter()
+                generated = generate(batch)
+                _sync()
+                assert generated == batch * tokens, (name, generated)
+                if round_:
+                    times[name][batch].append(time.perf_counter() - start)
+    return {name: {b: b * tokens / statistics.median(t[b]) for b in batches} for name, t in times.items()}
+
+
+def table(rows: dict[str, dict[int, float]], batches: list[int], header: str) -> str:
+    plain = rows.get(PLAIN)
+    unquantized = next((r for n, r in rows.items() if n.startswith("qarl none")), None)
+    head = " | ".join(f"batch {b} tok/s | vs plain | vs qarl unquantized" for b in batches)
+    lines = [header, "", f"| engine | {head} |", "|---|" + "---|---|---|" * len(batches)]
+    for name, r in rows.items():
+        cells = []
+        for b in batches:
+            vs_plain = f"{r[b] / plain[b]:.2f}" if plain else "-"
+            vs_unquantized = f"{r[b] / unquantized[b]:.2f}" if unquantized and name.startswith("qarl") else "-"
+            cells.append(f"{r[b]:.0f} | {vs_plain} | {vs_unquantized}")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -103,41 +125,19 @@ def main() -> None:
     from qarl.policy import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    rows = {}
-    if not args.no_plain:
-        rows["plain vLLM (graphs + compile)"] = plain_vllm(model_dir, args.dtype, args.batches, args.tokens, args.repeats)
-        print(rows, flush=True)
-        gc.collect()
+    engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens)}
     for fmt in args.formats:
-        name = f"qarl {fmt}" + (" (eager)" if args.eager else "")
-        rows[name] = qarl_engine(fmt, model_dir, args.dtype, args.batches, args.tokens, args.repeats, args.eager)
-        print(name, rows[name], flush=True)
-        gc.collect()  # the engine's and the policy's memory, before the next one starts
-
-    plain = rows.get("plain vLLM (graphs + compile)")
-    unquantized = next((r for n, r in rows.items() if n.startswith("qarl none")), None)
-    head = " | ".join(f"batch {b} tok/s | vs plain | vs qarl unquantized" for b in args.batches)
-    lines = [f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS ignored), "
-             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; `python benchmarks/gpu_rollout.py {' '.join(_argv())}`", "",
-             f"| engine | {head} |", "|---|" + "---|---|---|" * len(args.batches)]
-    for name, r in rows.items():
-        cells = []
-        for b in args.batches:
-            vs_plain = f"{r[b] / plain[b]:.2f}" if plain else "-"
-            vs_unq = f"{r[b] / unquantized[b]:.2f}" if unquantized and name.startswith("qarl") else "-"
-            cells.append(f"{r[b]:.0f} | {vs_plain} | {vs_unq}")
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    table = "\n".join(lines)
-    print(table)
+        engines[f"qarl {fmt}" + (" (eager)" if args.eager else "")] = qarl_engine(
+            fmt, model_dir, args.dtype, args.tokens, args.eager)
+    rows = interleaved(engines, args.batches, args.tokens, args.repeats)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "
+                   f"ignored), {device}, engines interleaved, median of {args.repeats} rounds; "
+                   f"`python benchmarks/gpu_rollout.py {' '.join(sys.argv[1:])}`")
+    print(result)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(table + "\n")
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
+            f.write(result + "\n")
 
 
 if __name__ == "__main__":
