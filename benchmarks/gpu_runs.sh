@@ -104,7 +104,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       tests/test_gpu_colocation.py 2>&1 | tail -6
     ;;
   rollout)
-    python3 benchmarks/gpu_rollout.py --repeats 2 --out "$out/gpu_rollout.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
+    python3 benchmarks/gpu_rollout.py --repeats 3 --out "$out/gpu_rollout_interleaved.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
     ;;
   parity_graphs)
     for eager in false true; do
