@@ -88,8 +88,8 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size), model_dir=model_dir)
         model_dir = quantized.model_dir
         plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                        qlora=cfg.policy.lora.mode == "qlora")
+    qlora = getattr(plain.lora, "mode", "none") == "qlora"  # a checkpoint's own adapters, whatever the recipe says
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt, qlora=qlora)
     results = {}
     if fmt is not None:
         engine.refit(quantized.model)

@@ -290,7 +290,6 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
 
     cfg = plan.cfg
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
-    engine = VLLMEngine(plan.models["base"][0].model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     cells = []  # (engine format, model, source, precision), grouped by engine format
     for precision in plan.precisions:
         for name, sources in plan.models.items():
@@ -302,12 +301,10 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
     # trained cells first: a checkpoint that cannot load fails before the long part
     cells.sort(key=lambda c: (not c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
     results: dict[str, dict[str, list[EvalResult]]] = {name: {} for name in plan.models}
-    current = "unset"
+    engine = VLLMEngine(plan.models["base"][0].model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
+                        quant_format=cells[0][0])  # grouped by format: a graph engine restarts once per format
     for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
-        key = fmt.fingerprint() if fmt is not None else None
-        if key != current:
-            engine.set_quant_format(fmt)
-            current = key
+        engine.set_quant_format(fmt)  # the same format again changes nothing
         policy = _policy(plan, source, precision)
         engine.refit(policy.model)
         results[name].setdefault(precision.name, []).append(evaluate(engine, policy, plan.problems, rewards))

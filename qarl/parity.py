@@ -80,13 +80,14 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
     unquantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=None)
     prompts = [unquantized.tokenizer(p.prompt).input_ids for p in task.eval[: cfg.parity.num_prompts]]
     n, seed = cfg.parity.max_new_tokens, cfg.run.seed
-    # (row name, the quantized policy, the same weights unquantized); LoRA rows carry random adapters
+    # (row name, its format, the quantized policy, the same weights unquantized); LoRA rows carry random adapters
     rows = [(fmt.name, fmt, build_policy(cfg.policy, calib, model_dir=model_dir, fmt=fmt), unquantized) for fmt in formats]
     for mode in modes:
         plain = lora_policy(cfg, calib, model_dir, None, mode)
         rows += [(f"{fmt.name}+{mode}", fmt, lora_policy(cfg, calib, model_dir, fmt, mode), plain) for fmt in formats]
 
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora="qlora" in modes)
+    qlora = "qlora" in modes or cfg.policy.lora.mode == "qlora"
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora=qlora)
     results: dict[str, dict[str, dict]] = {}
     floor, held = None, None
     for name, _, quantized, plain in rows:  # the engine unquantized: the floor, and the unsynced mismatch

@@ -24,7 +24,7 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
 from qarl.evaluate import evaluate
-from qarl.generation import Completion, VLLMEngine, sleeps_between_rollouts
+from qarl.generation import Completion, VLLMEngine, runs_eager, sleeps_between_rollouts
 from qarl.generation.vllm_engine import RefitTiming
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.lora import check_lora
@@ -33,6 +33,7 @@ from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_precision,
                          resolve_model_dir, score_completions)
 from qarl.quant import check_generation_matches, resolve_format
+from qarl.quant.input_quant import input_quant_plan
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.tasks import Problem, Task, build_task
@@ -86,6 +87,8 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_trainable_format(resolve_format(cfg.policy.generation.quant_cfg), "policy.generation.quant_cfg")
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
+    runs_eager(cfg.policy.generation, qlora=cfg.policy.lora.mode == "qlora")
+    input_quant_plan(resolve_model_dir(cfg.policy.model_name), resolve_format(cfg.policy.generation.quant_cfg))
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
 

@@ -165,3 +165,33 @@ def test_awq_calibrated_policy_is_served_exactly(engine, task, tiny_dir, floor, 
     assert getattr(qkv, "input_pre_quant_scale", None) is None
     other = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
     assert other.mean_abs >= 10 * synced.mean_abs, (other, synced)
+
+
+def test_format_changes_are_checked_before_anything_changes(engine, make_policy, task):
+    """A format the engine cannot serve is refused and leaves the engine as it was; formats that give the
+    engine the same layers (none, W4A16) change nothing but the recorded format."""
+    from qarl.config import ConfigError
+    from qarl.generation.engine_quant import QuantizedInput
+    from qarl.quant import resolve_format
+
+    policy = make_policy("nvfp4_w4a4")
+    engine.set_quant_format(policy.format)
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantizedInput)]
+    with pytest.raises(ConfigError, match="is neither"):
+        engine.set_quant_format(resolve_format("INT8_DEFAULT_CFG"))
+    assert engine.format is policy.format
+    assert [m for m in engine.model.modules() if isinstance(m, QuantizedInput)] == layers
+    engine.refit(policy.model)
+    prompts = _prompts(policy, task, 4)
+    assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < 1e-4
+    weight_only = make_policy("nvfp4_a16").format
+    engine.set_quant_format(None)
+    model = engine.model
+    engine.set_quant_format(weight_only)
+    assert engine.model is model and engine.format is weight_only
+
+
+def test_an_fp8_policy_cannot_feed_an_nvfp4_engine(engine, make_policy):
+    engine.set_quant_format(make_policy("nvfp4_w4a4").format)
+    with pytest.raises(RuntimeError, match="quant configs differ"):
+        engine.refit(make_policy("fp8_w8a8").model)

@@ -2,7 +2,7 @@
 
 The engine's (fused) linear layers get a forward hook that adds s B A x to the slice of the output that
 belongs to each adapted part (q, k, v inside qkv_proj; gate, up inside gate_up_proj), computed by
-`qarl.lora.adapter_output` from the layer's input before the engine's input quantizer, exactly as the
+`qarl.lora.adapter_output` from the layer's input before its input is fake-quantized, exactly as the
 policy's adapted layer does. A refit copies A and B into buffers the hooks own (in place after the first
 time), so each step moves only the adapter, while the base weights the engine holds stay as folded once.
 

@@ -49,34 +49,34 @@ def policy_names(model: nn.Module, engine_name: str) -> list[str]:
 
 def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
     """Give every engine linear layer whose input `plan` quantizes the quantized-input forward; returns
-    how many. Fused parts must agree, and every planned layer must exist in the engine."""
+    how many. Fused parts must agree, and every planned layer must exist in the engine: both are
+    checked before any layer changes."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    if plan:
-        install_kernels()
-    covered = set()
-    count = 0
+    chosen, covered = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase):
             continue
         parts = policy_names(model, name)
         specs = {plan.get(p) for p in parts}
         covered.update(p for p in parts if p in plan)
-        if specs == {None}:
-            continue
         if len(specs) != 1:
             raise ConfigError(f"engine layer {name} fuses {parts}, which the format quantizes differently "
                               f"({[plan.get(p) for p in parts]}); one fused matrix takes one input quantizer")
-        module.__class__ = _quantized_input_class(type(module))
-        module.input_quant = specs.pop()
-        module.register_buffer("input_amax", torch.zeros((), dtype=torch.float32, device=module.weight.device))
-        module.register_buffer("input_pre_quant_scale", None)
-        count += 1
+        if specs != {None}:
+            chosen.append((module, specs.pop()))
     missing = sorted(set(plan) - covered)
     if missing:
         raise ConfigError(f"the format quantizes the inputs of {missing[:4]}, which the engine has no linear "
                           "layer for (e.g. lm_head); keep them unquantized in the quant config (enable: false)")
-    return count
+    if chosen:
+        install_kernels()
+    for module, spec in chosen:
+        module.__class__ = _quantized_input_class(type(module))
+        module.input_quant = spec
+        module.register_buffer("input_amax", torch.zeros((), dtype=torch.float32, device=module.weight.device))
+        module.register_buffer("input_pre_quant_scale", None)
+    return len(chosen)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -91,9 +91,16 @@ def plan_to_config(plan: dict[str, InputQuant]) -> dict:
     return {PLAN_KEY: {name: spec.as_dict() for name, spec in sorted(plan.items())}}
 
 
+_registered = False
+
+
 def register_loader() -> None:
     """vLLM's default loader, then `install` from the plan in the engine's additional_config (idempotent)."""
     import dataclasses
+
+    global _registered
+    if _registered:
+        return
 
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -108,3 +115,5 @@ def register_loader() -> None:
             plan = (vllm_config.additional_config or {}).get(PLAN_KEY, {})
             install(model, {name: InputQuant(**spec) for name, spec in plan.items()})
             return model
+
+    _registered = True

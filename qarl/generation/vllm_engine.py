@@ -34,7 +34,7 @@ from qarl.config import ConfigError, GenerationConfig
 from qarl.generation import engine_quant
 from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
-from qarl.quant.input_quant import input_quant_plan
+from qarl.quant.input_quant import InputQuant, input_quant_plan, input_spec
 
 
 @dataclass
@@ -126,20 +126,23 @@ class VLLMEngine:
         self.sleeps = sleeps_between_rollouts(cfg)
         self._asleep = False
         self.llm = None
-        self._start(quant_format)
+        self._start(quant_format, *self._mode(quant_format))
 
-    def _start(self, fmt: QuantFormat | None) -> None:
+    def _mode(self, fmt: QuantFormat | None) -> tuple[dict[str, InputQuant], bool]:
+        """What an engine for `fmt` holds: its quantized-input plan, and whether it runs eagerly."""
+        plan = input_quant_plan(self.model_dir, fmt)
+        return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), qlora=self.qlora)
+
+    def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool) -> None:
         """Start vLLM for `fmt`: its quantized-input layers go in as the weights load, before any
         compilation or graph capture."""
         from vllm import LLM
 
-        plan = input_quant_plan(self.model_dir, fmt)
-        self.eager = runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), qlora=self.qlora)
         self.llm = LLM(
             model=self.model_dir,
             dtype=self.dtype,
             seed=self.seed,
-            enforce_eager=self.eager,
+            enforce_eager=eager,
             max_model_len=self.cfg.max_model_len,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             tensor_parallel_size=self.cfg.tensor_parallel_size,
@@ -149,9 +152,8 @@ class VLLMEngine:
             load_format=engine_quant.LOAD_FORMAT,
             additional_config=engine_quant.plan_to_config(plan),
         )
-        self._asleep = False
+        self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self.format = fmt
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
@@ -163,8 +165,9 @@ class VLLMEngine:
         The engine cannot be used afterwards."""
         if self.llm is None:
             return
+        self.wake()  # sleep-mode memory is given back mapped, as vLLM allocated it
         self.llm.llm_engine.engine_core.shutdown()
-        self.llm = self.model = self.adapters = None
+        self.llm = self.model = self.adapters = self.format = self._plan = None
         self._links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
@@ -179,20 +182,19 @@ class VLLMEngine:
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:
         """Quantize the engine's layer inputs as `fmt` does (None: no quantization). Refit after: the
-        weights and amax come from the policy. An eager engine changes in place; a graph engine
+        weights and amax come from the policy. Formats that give the engine the same layers (e.g. none
+        and W4A16) change nothing; otherwise an eager engine changes in place and a graph engine
         restarts, since its compiled graphs hold the layers it started with."""
-        same = (fmt is None and self.format is None) or (
-            fmt is not None and self.format is not None and fmt.fingerprint() == self.format.fingerprint())
-        if same:
-            return
-        if not self.eager:
+        plan, eager = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
+        if plan == self._plan and eager == self.eager:
+            self.format = fmt
+        elif self.eager and eager:
+            engine_quant.uninstall(self.model)
+            engine_quant.install(self.model, plan)
+            self._plan, self.format = plan, fmt
+        else:
             self.close()
-            self._start(fmt)
-            return
-        plan = input_quant_plan(self.model_dir, fmt)
-        engine_quant.uninstall(self.model)
-        engine_quant.install(self.model, plan)
-        self.format = fmt
+            self._start(fmt, plan, eager)
         self._links.clear()
 
     def _input_amax_links(self, policy_model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -208,10 +210,12 @@ class VLLMEngine:
                     continue
                 source_name = engine_quant.policy_names(self.model, name)[0]
                 source = getattr(policy_modules.get(source_name), "input_quantizer", None)
-                if source is None or not source.is_enabled or source.amax is None or source.amax.numel() != 1:
+                if (source is None or not source.is_enabled or source.amax is None or source.amax.numel() != 1
+                        or input_spec(source_name, source, layer.input_quant.smoothing) != layer.input_quant):
                     raise RuntimeError(
-                        f"engine layer {name} quantizes its input but the policy has no per-tensor input amax "
-                        f"for {source_name}: policy and generation quant configs differ"
+                        f"engine layer {name} quantizes its input as {layer.input_quant} but the policy's "
+                        f"{source_name} has no such input quantizer with a per-tensor amax: policy and "
+                        "generation quant configs differ"
                     )
                 links.append((layer, source))
             self._links[policy_model] = links
@@ -220,8 +224,8 @@ class VLLMEngine:
     # -- colocation ---------------------------------------------------------------------------
     def sleep(self) -> None:
         """Release the GPU for the policy's update: weights to host memory, KV cache freed (no-op
-        unless sleeping is on). The ModelOpt quantizers' amax buffers were allocated after vLLM's
-        weights and stay on the GPU."""
+        unless sleeping is on). The input amax buffers were allocated with the weights and travel with
+        them; AWQ input scales (eager engines only) stay on the GPU."""
         if self.sleeps and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
@@ -273,7 +277,11 @@ class VLLMEngine:
         if weights:
             self.model.load_weights(weights)
         del weights
-        moved += self.adapters.load(served_adapters(policy_model), modules)
+        adapters = served_adapters(policy_model)
+        if adapters and not self.eager:
+            raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
+                              "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
+        moved += self.adapters.load(adapters, modules)
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         loaded = time.perf_counter()
         for layer, policy_quantizer in self._input_amax_links(policy_model):
@@ -298,7 +306,7 @@ class VLLMEngine:
             raise ConfigError("a policy with AWQ/SmoothQuant input scales (calibration algorithm awq_* or "
                               "smoothquant) needs policy.generation.tensor_parallel_size=1: the scales are not sharded")
         if layer.input_pre_quant_scale is None or layer.input_pre_quant_scale.shape != scale.shape:
-            layer.input_pre_quant_scale = scale.detach().clone()
+            layer.input_pre_quant_scale = scale.detach().to(layer.weight.device, copy=True)
         else:
             layer.input_pre_quant_scale.copy_(scale)
         return scale.numel() * scale.element_size()

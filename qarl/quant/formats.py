@@ -37,12 +37,11 @@ class QuantFormat:
         """A canonical text of the resolved config: equal fingerprints quantize identically."""
         return json.dumps(_canonical(self.modelopt_cfg))
 
-    def with_weights_disabled(self) -> dict[str, Any]:
-        """The rollout engine's config: weights arrive already fake-quantized, so only inputs quantize."""
-        cfg = copy.deepcopy(self.modelopt_cfg)
-        cfg["quant_cfg"] = cfg["quant_cfg"] + [{"quantizer_name": "*weight_quantizer", "enable": False}]
-        cfg["algorithm"] = None
-        return cfg
+    @property
+    def calibration(self) -> str | None:
+        """The name of the calibration algorithm (max, mse, awq_lite, ...), None for none."""
+        algorithm = self.algorithm
+        return algorithm.get("method") if isinstance(algorithm, dict) else algorithm
 
 
 def calibration_methods() -> list[str]:

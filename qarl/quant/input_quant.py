@@ -67,8 +67,8 @@ def install_kernels() -> None:
     gpu_kernels.install()
 
 
-def input_spec(name: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
-    """The `InputQuant` of an enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
+def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
+    """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
     sizes = dict(quantizer.block_sizes or {})
     plain = (quantizer.fake_quant and quantizer.bias_calibrator is None and quantizer.backend is None
              and not quantizer.rotate_is_enabled and not getattr(quantizer, "_use_constant_amax", False))
@@ -79,9 +79,8 @@ def input_spec(name: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
         return InputQuant(FP8, smoothing=smoothing)
     raise ConfigError(
         f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
-        f"FP8 E4M3 (per-tensor amax); {name} has an input quantizer it does not reproduce ({quantizer}). "
-        "Use such a format with an unquantized engine (policy.generation.quant_cfg=none, "
-        "policy.generation.allow_quant_mismatch=true), or quantize weights only."
+        f"FP8 E4M3 (per-tensor amax); the input quantizer of {layer} is neither ({quantizer}). Serve this "
+        "format with an unquantized engine, or quantize weights only."
     )
 
 
@@ -92,23 +91,19 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
     serves folded weights and quantized inputs, nothing else."""
     if fmt is None:
         return {}
-    import modelopt.torch.quantization as mtq
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from qarl.models.checks import meta_model
-    from qarl.quant.quantize import SMOOTHING_ALGORITHMS
+    from qarl.quant.quantize import SMOOTHING_ALGORITHMS, quantized_meta_model
 
-    model = meta_model(model_dir, trust_remote_code)
-    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
-    algorithm = fmt.algorithm.get("method") if isinstance(fmt.algorithm, dict) else fmt.algorithm
-    smoothing = algorithm in SMOOTHING_ALGORITHMS
+    model = quantized_meta_model(model_dir, fmt, trust_remote_code)
+    smoothing = fmt.calibration in SMOOTHING_ALGORITHMS
     plan, unsupported = {}, []
     for name, module in model.named_modules():
         if not isinstance(module, TensorQuantizer) or not module.is_enabled:
             continue
         layer, _, kind = name.rpartition(".")
         if kind == "input_quantizer":
-            plan[layer] = input_spec(name, module, smoothing)
+            plan[layer] = input_spec(layer, module, smoothing)
         elif kind != "weight_quantizer":
             unsupported.append(name)
     if unsupported:

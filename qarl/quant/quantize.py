@@ -74,24 +74,29 @@ def check_trainable_format(fmt: QuantFormat | None, key: str) -> None:
     and moves a per-channel scale into the input quantizer: master weights, checkpoints and exports would
     disagree about which weights are the model. Those algorithms are post-training quantization only
     (`qarl matrix` PTQ methods, `qarl eval`)."""
-    algorithm = fmt.algorithm if fmt is not None else None
-    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    method = fmt.calibration if fmt is not None else None
     if method in SMOOTHING_ALGORITHMS:
         raise ConfigError(f"{key} ({fmt.source}) calibrates with {method}, a smoothing algorithm that rewrites the "
                           "weights: it is for post-training quantization only (qarl matrix, qarl eval). Train with "
                           "max or mse calibration (algorithm: max in the quant config).")
 
 
-def check_format_fits(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> None:
-    """`fmt`'s block sizes against every layer it would quantize, on the meta device: a format that does
-    not apply to a model is refused before any weights load."""
+def quantized_meta_model(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> nn.Module:
+    """The model on the meta device (no weights) with `fmt`'s quantizers inserted, uncalibrated: what a
+    format does to a model, seen before any weights load."""
     import modelopt.torch.quantization as mtq
 
     from qarl.models.checks import meta_model
 
     model = meta_model(model_dir, trust_remote_code)
     mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
-    check_block_sizes(model, fmt)
+    return model
+
+
+def check_format_fits(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> None:
+    """`fmt`'s block sizes against every layer it would quantize, on the meta device: a format that does
+    not apply to a model is refused before any weights load."""
+    check_block_sizes(quantized_meta_model(model_dir, fmt, trust_remote_code), fmt)
 
 
 def share_fused_amax(model: nn.Module) -> int:
