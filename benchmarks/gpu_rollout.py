@@ -7,7 +7,9 @@ bf16) and samples `--tokens` tokens per completion whatever it draws (EOS ignore
 prompts, at temperature 1. Plain vLLM runs with its defaults (CUDA graphs and compilation); qarl's
 engine runs as a training run would use it: refitted from a ModelOpt-quantized policy of each format
 (folded weights and amax), sampling through `VLLMEngine.generate` (per-sample seeds, log-probs).
-`--eager` runs qarl's engines with `enforce_eager` for comparison.
+`--eager` runs qarl's engines with `enforce_eager` for comparison. `--request-options` adds the unquantized
+qarl engine driven through vLLM's own `generate` with and without what qarl asks of every sample (the
+sampled token's log-prob, a seed per sample), to tell what those cost.
 
 All engines are started first and then timed in interleaved rounds (engine A, B, C, ..., then again), so
 that what the host machine does meanwhile hits them alike: one `generate` call per engine and batch size
@@ -54,8 +56,10 @@ def plain_vllm(model_dir: str, dtype: str, tokens: int) -> Callable[[int], int]:
     return generate
 
 
-def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool) -> Callable[[int], int]:
-    """generate(batch) -> generated tokens, from qarl's engine refitted from a policy in `fmt_name`."""
+def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool,
+                request_options: bool = False) -> dict[str, Callable[[int], int]]:
+    """{name: generate(batch) -> generated tokens} of qarl's engine refitted from a policy in `fmt_name`;
+    `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds."""
     from qarl.config import GenerationConfig, PolicyConfig
     from qarl.generation import VLLMEngine
     from qarl.policy import build_policy
@@ -74,7 +78,24 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
         completions = engine.generate(_prompts(batch, vocab), max_new_tokens=tokens, ignore_eos=True)
         return sum(len(c.token_ids) for c in completions)
 
-    return generate
+    name = f"qarl {fmt_name}" + (" (eager)" if eager else "")
+    runners = {name: generate}
+    if request_options:
+        from vllm import SamplingParams
+
+        def vllm_generate(logprobs: int | None, seeded: bool) -> Callable[[int], int]:
+            def run(batch: int) -> int:
+                params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, detokenize=False,
+                                         logprobs=logprobs, seed=i if seeded else None) for i in range(batch)]
+                requests = [{"prompt_token_ids": p} for p in _prompts(batch, vocab)]
+                outputs = engine.llm.generate(requests, params, use_tqdm=False)
+                return sum(len(o.outputs[0].token_ids) for o in outputs)
+            return run
+
+        for logprobs, seeded in [(0, True), (0, False), (None, True), (None, False)]:
+            label = f"{'log-probs' if logprobs is not None else 'no log-probs'}, {'seeds' if seeded else 'no seeds'}"
+            runners[f"{name}, vLLM generate: {label}"] = vllm_generate(logprobs, seeded)
+    return runners
 
 
 def interleaved(engines: dict[str, Callable[[int], int]], batches: list[int], tokens: int,
@@ -119,6 +140,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--eager", action="store_true", help="qarl's engines with enforce_eager")
     parser.add_argument("--no-plain", action="store_true", help="skip plain vLLM")
+    parser.add_argument("--request-options", action="store_true",
+                        help="also the unquantized engine through vLLM's generate, with / without log-probs and seeds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -127,8 +150,8 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens)}
     for fmt in args.formats:
-        engines[f"qarl {fmt}" + (" (eager)" if args.eager else "")] = qarl_engine(
-            fmt, model_dir, args.dtype, args.tokens, args.eager)
+        engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager,
+                                   request_options=args.request_options and fmt == "none"))
     rows = interleaved(engines, args.batches, args.tokens, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "
