@@ -34,6 +34,7 @@ from qarl.config import ConfigError, GenerationConfig
 from qarl.generation import engine_quant
 from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
+from qarl.quant.formats import same_format
 from qarl.quant.input_quant import InputQuant, input_quant_plan, input_spec
 
 
@@ -185,6 +186,8 @@ class VLLMEngine:
         weights and amax come from the policy. Formats that give the engine the same layers (e.g. none
         and W4A16) change nothing; otherwise an eager engine changes in place and a graph engine
         restarts, since its compiled graphs hold the layers it started with."""
+        if same_format(fmt, self.format):
+            return  # (the matrix asks once per cell: no model is inspected again)
         plan, eager = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
         if plan == self._plan and eager == self.eager:
             self.format = fmt

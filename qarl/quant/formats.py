@@ -116,12 +116,14 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
     return QuantFormat(name=path.stem, source=str(path), modelopt_cfg=cfg)
 
 
+def same_format(a: QuantFormat | None, b: QuantFormat | None) -> bool:
+    """Whether two formats (None: no quantization) quantize identically."""
+    return (a is None and b is None) or (a is not None and b is not None and a.fingerprint() == b.fingerprint())
+
+
 def check_generation_matches(policy: QuantFormat | None, generation: QuantFormat | None, allow_mismatch: bool) -> None:
     """The engine must quantize exactly as the policy trains, unless the user asked otherwise."""
-    same = (policy is None and generation is None) or (
-        policy is not None and generation is not None and policy.fingerprint() == generation.fingerprint()
-    )
-    if not same and not allow_mismatch:
+    if not same_format(policy, generation) and not allow_mismatch:
         p = policy.source if policy else "none"
         g = generation.source if generation else "none"
         raise ConfigError(
