@@ -34,10 +34,11 @@ def _quantizer_modules():
 
 
 def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every module ModelOpt gave a weight quantizer."""
+    """(name, module) of every module ModelOpt gave a weight quantizer and that holds its own weight (not
+    Megatron's output layer when it shares the embedding's)."""
     quantizer_cls = _quantizer_modules()
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "weight_quantizer", None), quantizer_cls):
+        if isinstance(getattr(module, "weight_quantizer", None), quantizer_cls) and getattr(module, "weight", None) is not None:
             yield name, module
 
 
@@ -115,11 +116,60 @@ def share_fused_amax(model: nn.Module) -> int:
     return merged
 
 
+QUANTIZER_ROLES = ("input_quantizer", "weight_quantizer", "output_quantizer")
+
+
+def quantizer_spec(quantizer: nn.Module | None) -> tuple | None:
+    """What a quantizer computes, apart from its calibrated state; None when it is off (or absent)."""
+    if quantizer is None or not quantizer.is_enabled:
+        return None
+    return (str(quantizer.num_bits), _canonical_blocks(quantizer.block_sizes), quantizer.axis, quantizer.unsigned,
+            quantizer.narrow_range, quantizer.fake_quant, getattr(quantizer, "_pass_through_bwd", None))
+
+
+def _canonical_blocks(blocks: dict | None) -> str:
+    return repr(sorted((str(k), str(v)) for k, v in (blocks or {}).items()))
+
+
+def match_reference_quantizers(model: nn.Module, reference: nn.Module,
+                               counterparts: Callable[[str], list[str]]) -> None:
+    """Make `model`'s quantizers those the same format gave `reference`, the same weights laid out another way
+    (Megatron's fused linear_qkv is Hugging Face's q/k/v_proj: `counterparts(name)` lists them). A format's
+    patterns name Hugging Face modules ('*lm_head*'), so on another layout they can switch on a quantizer the
+    Hugging Face model keeps off: it is switched off here. Anything else that differs is refused by name:
+    a fused layer whose parts the format quantizes differently, a quantizer the layout lacks or computes
+    differently."""
+    reference_modules = dict(reference.named_modules())
+    problems = []
+    for name, module in model.named_modules():
+        if not any(isinstance(getattr(module, r, None), _quantizer_modules()) for r in QUANTIZER_ROLES):
+            continue
+        parts = [reference_modules.get(n) for n in counterparts(name)]
+        if not parts or any(p is None for p in parts):
+            problems.append(f"{name}: no counterpart in the Hugging Face model (looked for {counterparts(name)})")
+            continue
+        for role in QUANTIZER_ROLES:
+            wanted = {quantizer_spec(getattr(p, role, None)) for p in parts}
+            if len(wanted) > 1:
+                problems.append(f"{name}.{role}: the format quantizes its parts {counterparts(name)} differently, "
+                                "but this layout fuses them into one layer")
+                continue
+            want, quantizer = wanted.pop(), getattr(module, role, None)
+            if want is None and quantizer_spec(quantizer) is not None:
+                quantizer.disable()
+            elif want != quantizer_spec(quantizer):
+                problems.append(f"{name}.{role}: {quantizer_spec(quantizer)} here, {want} in {counterparts(name)[0]}")
+    if problems:
+        raise ConfigError(f"the format does not quantize this layout as it quantizes the Hugging Face model: "
+                          f"{'; '.join(problems[:4])}")
+
+
 def quantize_policy(
     model: nn.Module,
     fmt: QuantFormat,
     calibration_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None,
     weight_cache: bool = True,
+    align: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Insert `fmt`'s quantizers, check block sizes, calibrate amax on the batches, share fused amax.
 
@@ -127,7 +177,8 @@ def quantize_policy(
     loaded from a saved quantizer state instead. `weight_cache`: quantize each weight once per change
     of the weights instead of at every forward (qarl/quant/weight_cache.py), and call the quantizers
     of each linear layer without ModelOpt's per-call module machinery (lean_forward.py); same bits.
-    Off, the model runs ModelOpt's own path unchanged.
+    Off, the model runs ModelOpt's own path unchanged. `align`: a backend's step between inserting and
+    calibrating that makes its quantizers the Hugging Face model's (`match_reference_quantizers`).
     """
     import modelopt.torch.quantization as mtq
 
@@ -136,6 +187,8 @@ def quantize_policy(
     nvfp4_cpu.install()
     gpu_kernels.install()  # the same bits as ModelOpt's GPU kernels, fast (no-op without CUDA)
     mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    if align is not None:
+        align(model)
     check_block_sizes(model, fmt)
     if weight_cache:
         enable_weight_cache(model)

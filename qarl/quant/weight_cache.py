@@ -14,8 +14,9 @@ itself, without any caller remembering to tell it:
 * any other write into the weight bumps the tensor's version counter (in-place ops: `copy_`,
   `load_state_dict`, `mul_`), and a replaced weight (`module.to(...)`) is another storage;
 * amax changes go through ModelOpt's setter, which writes through `.data` (invisible to version
-  counters) and is overridden here to bump a generation; a state-dict load or any in-place write of
-  the amax buffer bumps its version.
+  counters) and is overridden here to bump a generation, as are the max-reduce across tensor-parallel
+  ranks (an in-place all-reduce, also invisible) and state-dict loads; any other in-place write of the
+  amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
 such a write. In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes weights that way, and
 `calibrate` invalidates after it.
@@ -143,6 +144,10 @@ class WeightCacheMixin:
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
+        self._qarl_generation += 1
+
+    def sync_amax_across_distributed_group(self, parallel_group) -> None:
+        super().sync_amax_across_distributed_group(parallel_group)  # an in-place all-reduce: no version bump
         self._qarl_generation += 1
 
 

@@ -1,0 +1,180 @@
+"""The Megatron backend: the HF <-> Megatron converter round trip, its refusals, and real megatron-core
+models in real torch.distributed processes (gloo on CPU, TP=1 and TP=2, launched by torchrun) against
+the HF backend: logits, folded weights and amax, unquantized and in every shipped format."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from qarl.backends.convert import GPTShape, check_parallel, gpt_shape, hf_modules, megatron_names, \
+    megatron_shards, read_hf_config, unshard
+from qarl.config import ConfigError
+from qarl.quant import folded_weights, quantize_policy, quantizer_state, resolve_format
+
+from .conftest import FORMATS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_model(tmp_path: Path, family: str) -> str:
+    """A random 2-layer Llama (untied head) or Qwen3 (q/k norms, head_dim != hidden / heads), saved as safetensors."""
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    config = (LlamaConfig(**common, tie_word_embeddings=False) if family == "llama"
+              else Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1, so a norm in the wrong place shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path / family
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, tiny_dir) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("families")
+    return {"qwen2": tiny_dir, "llama": small_model(tmp, "llama"), "qwen3": small_model(tmp, "qwen3")}
+
+
+# -- the converter, no Megatron needed ------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_converter_round_trip(families, family, tp):
+    """Shard every tensor for every TP rank, gather back: the Hugging Face checkpoint, bit for bit."""
+    model_dir = families[family]
+    shape = gpt_shape(read_hf_config(model_dir))
+    hf = {k: v for k, v in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items()}
+    per_rank = [dict(megatron_shards(shape, tp, r, hf.__getitem__)) for r in range(tp)]
+    assert list(per_rank[0]) == megatron_names(shape)
+    back = dict(kv for name in megatron_names(shape) for kv in unshard(name, [s[name] for s in per_rank], shape))
+    expected = {k: v for k, v in hf.items() if not (shape.tied and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    if tp == 2:  # a rank holds whole query groups: q heads of the group, then its k and v
+        q_rows = shape.heads_per_group * shape.head_dim
+        first = per_rank[1]["decoder.layers.0.self_attention.linear_qkv.weight"][: q_rows + 2 * shape.head_dim]
+        g = shape.groups // 2  # the first group rank 1 holds
+        assert torch.equal(first[:q_rows], hf["model.layers.0.self_attn.q_proj.weight"][g * q_rows:(g + 1) * q_rows])
+        assert torch.equal(first[q_rows:q_rows + shape.head_dim],
+                           hf["model.layers.0.self_attn.k_proj.weight"][g * shape.head_dim:(g + 1) * shape.head_dim])
+
+
+def test_converter_shapes(families):
+    llama, qwen3, qwen2 = (gpt_shape(read_hf_config(families[f])) for f in ("llama", "qwen3", "qwen2"))
+    assert (llama.qkv_bias, llama.qk_norm, llama.tied) == (False, False, False)
+    assert (qwen2.qkv_bias, qwen2.qk_norm, qwen2.tied) == (True, False, True)
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    assert hf_modules("decoder.layers.1.self_attention.linear_qkv") == [
+        f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert hf_modules("decoder.layers.0.mlp.linear_fc1") == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert hf_modules("output_layer") == ["lm_head"]
+
+
+def test_converter_refusals(tiny_dir):
+    config = read_hf_config(tiny_dir)
+    with pytest.raises(ConfigError, match="model families.*'gpt2'"):
+        gpt_shape({**config, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        gpt_shape({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="hidden_act=gelu"):
+        gpt_shape({**config, "hidden_act": "gelu"})
+    shape = gpt_shape(config)  # 4 heads, 2 query groups, vocab 128, MLP 384
+    with pytest.raises(ConfigError, match="does not divide the model's query groups"):
+        check_parallel(shape, 4)
+    with pytest.raises(ConfigError, match="vocabulary size 129"):
+        check_parallel(GPTShape(**{**shape.__dict__, "vocab": 129}), 2)
+    with pytest.raises(ConfigError, match="block size 16 does not divide the sharded input width of down_proj"):
+        check_parallel(GPTShape(**{**shape.__dict__, "ffn": 96, "groups": 4}), 4, block_size=16)
+    check_parallel(shape, 2, block_size=16)
+
+
+# -- real megatron-core models in real torch.distributed processes ---------------------------------
+
+def run_workers(model_dir: str, out: Path, tp: int, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """tests/megatron_worker.py under torchrun (tp processes, gloo); {format: what rank 0 wrote}."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp),
+               str(REPO / "tests" / "megatron_worker.py"), model_dir, str(out), "--tp", str(tp),
+               "--formats", ",".join(formats)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {f: load_file(str(out / f"{Path(f).stem}.safetensors")) for f in formats}
+
+
+def hf_backend(model_dir: str, fmt_name: str, ids: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """The HF backend on the same weights and calibration batches: logits, folded weights, amax."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fmt = resolve_format(fmt_name)
+    if fmt is not None:
+        quantize_policy(model, fmt, lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return {"logits": logits, "weights": dict(folded_weights(model)), "amax": quantizer_state(model)}
+
+
+def split(result: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(f"{kind}/"): v for k, v in result.items() if k.startswith(f"{kind}/")}
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory, tiny_dir) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    tmp = tmp_path_factory.mktemp("megatron")
+    formats = ["none", *FORMATS]
+    return {tp: run_workers(tiny_dir, tmp / f"tp{tp}", tp, formats) for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("fmt", ["none", *FORMATS])
+def test_megatron_tp1_equals_hf_backend(megatron_runs, tiny_dir, fmt):
+    """TP=1, fp32: the Megatron model computes the HF backend's logits bit for bit, quantized or not; its
+    folded weights and amax by Hugging Face name are the HF backend's (fused layers share amax by construction)."""
+    run = megatron_runs[1][fmt]
+    hf = hf_backend(tiny_dir, fmt, run["ids"])
+    assert torch.equal(run["logits"], hf["logits"])
+    weights, amax = split(run, "weight"), split(run, "amax")
+    assert weights.keys() == hf["weights"].keys() and amax.keys() == hf["amax"].keys()
+    assert all(torch.equal(weights[k], hf["weights"][k]) for k in weights)
+    assert all(torch.equal(amax[k], hf["amax"][k]) for k in amax)
+    if fmt != "none":
+        assert "lm_head.weight_quantizer" not in amax  # '*lm_head*' keeps Megatron's output_layer off too
+
+
+@pytest.mark.parametrize("fmt", ["none", *FORMATS])
+def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
+    """TP=2: the same folded weights bit for bit (per-tensor amax max-reduced across ranks), the same amax
+    to the last bits of the calibration forward, and logits at the fp32 floor (row-parallel layers sum in
+    another order; activation formats turn a few of those last-bit differences into a quantization step)."""
+    one, two = megatron_runs[1][fmt], megatron_runs[2][fmt]
+    weights_one, weights_two = split(one, "weight"), split(two, "weight")
+    assert all(torch.equal(weights_one[k], weights_two[k]) for k in weights_one)
+    amax_one, amax_two = split(one, "amax"), split(two, "amax")
+    assert amax_one.keys() == amax_two.keys()
+    assert all(torch.allclose(amax_one[k], amax_two[k], rtol=1e-6, atol=0) for k in amax_one)
+    weight_only = fmt in ("none", FORMATS[0])
+    mean = (one["logits"] - two["logits"]).abs().mean().item()
+    assert mean < (1e-6 if weight_only else 1e-3), mean
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_megatron_other_families(families, tmp_path, family):
+    """Llama (untied output layer, no biases) and Qwen3 (q/k norms, head_dim 32 with hidden 64 / 4 heads)
+    build, load and compute the HF backend's logits, NVFP4 W4A16 folded weights included, at TP=2."""
+    runs = run_workers(families[family], tmp_path, 2, ["none", FORMATS[0]])
+    for fmt, run in runs.items():
+        hf = hf_backend(families[family], fmt, run["ids"])
+        assert (run["logits"] - hf["logits"]).abs().max().item() < 1e-5
+        weights = split(run, "weight")
+        assert weights.keys() == hf["weights"].keys()
+        assert all(torch.equal(weights[k], hf["weights"][k]) for k in weights)
