@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from qarl.backends.megatron import build_megatron_model, quantize_megatron
 from qarl.quant import resolve_format
@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--formats", default="none", help="comma-separated quant configs ('none': unquantized)")
+    parser.add_argument("--save", action="store_true", help="also write <out>/<format>_checkpoint (Megatron's save_policy)")
+    parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
     for name in args.formats.split(","):
@@ -28,6 +30,11 @@ def main() -> None:
         built = build_megatron_model(args.model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"))
         if fmt is not None:
             quantize_megatron(built, args.model_dir, fmt, [ids[:2], ids[2:]])
+            if args.state_from:
+                saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
+                built.load_quantizer_state(load_file(str(saved)))
+        if args.save:
+            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt)
         with torch.no_grad():
             logits = built.logits(ids)
         tensors = {f"weight/{k}": v.contiguous() for k, v in built.hf_tensors()}

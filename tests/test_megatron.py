@@ -102,13 +102,13 @@ def test_converter_refusals(tiny_dir):
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------
 
-def run_workers(model_dir: str, out: Path, tp: int, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """tests/megatron_worker.py under torchrun (tp processes, gloo); {format: what rank 0 wrote}."""
+def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options: str) -> dict[str, dict[str, torch.Tensor]]:
+    """tests/megatron_worker.py under torchrun (tp processes, gloo) with `options`; {format: what rank 0 wrote}."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp),
                str(REPO / "tests" / "megatron_worker.py"), model_dir, str(out), "--tp", str(tp),
-               "--formats", ",".join(formats)]
+               "--formats", ",".join(formats), *options]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return {f: load_file(str(out / f"{Path(f).stem}.safetensors")) for f in formats}
@@ -130,10 +130,12 @@ def split(result: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory, tiny_dir) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+def megatron_runs(tmp_path_factory, tiny_dir) -> dict:
+    """{tp: {format: what rank 0 wrote}} for TP=1 (which also saves a checkpoint per format) and TP=2."""
     tmp = tmp_path_factory.mktemp("megatron")
     formats = ["none", *FORMATS]
-    return {tp: run_workers(tiny_dir, tmp / f"tp{tp}", tp, formats) for tp in (1, 2)}
+    return {1: run_workers(tiny_dir, tmp / "tp1", 1, formats, "--save"), 2: run_workers(tiny_dir, tmp / "tp2", 2, formats),
+            "root": tmp}
 
 
 @pytest.mark.parametrize("fmt", ["none", *FORMATS])
@@ -178,3 +180,52 @@ def test_megatron_other_families(families, tmp_path, family):
         weights = split(run, "weight")
         assert weights.keys() == hf["weights"].keys()
         assert all(torch.equal(weights[k], hf["weights"][k]) for k in weights)
+
+
+def files_bytes(root: Path) -> dict[str, bytes]:
+    """Every file of an export; the manifest without the lines naming its checkpoint and its own directory."""
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    files["qarl_export.json"] = b"\n".join(line for line in files["qarl_export.json"].splitlines()
+                                           if not line.strip().startswith((b'"source"', b'"out_dir"')))
+    return files
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoints(megatron_runs, tiny_dir) -> Path:
+    """TP=2 checkpoints of each format, with the quantizer state of the TP=1 run loaded into the TP=2 model."""
+    out = megatron_runs["root"] / "tp2_saved"
+    run_workers(tiny_dir, out, 2, FORMATS, "--save", "--state-from", str(megatron_runs["root"] / "tp1"))
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4_w4a16", "nvfp4_w4a4", "fp8_w8a8"])
+def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoints, tiny_dir, tmp_path, scheme):
+    """A Megatron checkpoint is a Hugging Face one (weights by HF name, gathered from the shards), so `qarl export`
+    of a TP=2 checkpoint writes the same bytes as of a TP=1 one with the same quantizer state (loaded into the
+    TP=2 model through its fused layers), and, for the weight-only format whose TP=2 calibration is exact, as
+    the HF backend's own checkpoint of the same model."""
+    from transformers import AutoTokenizer
+
+    from qarl.checkpoint import save_policy
+    from qarl.export import export_checkpoint
+    from qarl.policy import Policy
+
+    fmt = {"nvfp4_w4a16": "quant_configs/nvfp4_a16.yaml"}.get(scheme, f"quant_configs/{scheme}.yaml")
+    one, two = megatron_runs["root"] / "tp1", tp2_checkpoints
+    stem = Path(fmt).stem
+    exported = {}
+    for name, root in (("tp1", one), ("tp2", two)):
+        exported[name] = tmp_path / f"export_{name}"
+        export_checkpoint(root / f"{stem}_checkpoint", scheme + "_modelopt", exported[name])
+    assert files_bytes(exported["tp1"]) == files_bytes(exported["tp2"])
+    if scheme == "nvfp4_w4a16":
+        ids = load_file(str(one / f"{stem}.safetensors"))["ids"]
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        quantize_policy(model, resolve_format(fmt), lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
+        policy = Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_dir), format=resolve_format(fmt),
+                        model_dir=tiny_dir)
+        save_policy(tmp_path / "hf_checkpoint", policy)
+        export_checkpoint(tmp_path / "hf_checkpoint", scheme + "_modelopt", tmp_path / "export_hf")
+        ours, theirs = files_bytes(exported["tp2"]), files_bytes(tmp_path / "export_hf")
+        weights = [k for k in ours if k.endswith(".safetensors")]
+        assert weights and all(ours[k] == theirs[k] for k in weights)

@@ -214,6 +214,56 @@ class MegatronModel:
                 dist.all_gather(shards, local.contiguous(), group=tp_group())
             yield from unshard(name, shards, self.shape)
 
+    def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None) -> None:
+        """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a
+        Hugging Face directory (these weights by Hugging Face name, the source's config and tokenizer files),
+        plus quantizer_state.safetensors and quant_format.yaml. TP-independent: any TP, or the HF backend,
+        loads it, and `qarl export` exports it. Collective (the shards are gathered); rank 0 writes, into
+        a temporary directory renamed into place."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from qarl.quant.formats import format_to_yaml
+
+        weights = {name: tensor.contiguous() for name, tensor in self.hf_tensors(fold=False)}
+        state = self.quantizer_state() if fmt is not None else None
+        if dist.get_rank() == 0:
+            out, source = Path(out_dir), Path(source_dir)
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "policy").mkdir(parents=True)
+            save_file(weights, str(tmp / "policy" / "model.safetensors"), metadata={"format": "pt"})
+            for side_file in source.iterdir():  # config, generation config, tokenizer: everything but weights
+                if side_file.is_file() and side_file.suffix != ".safetensors" and side_file.name != "model.safetensors.index.json":
+                    shutil.copy2(side_file, tmp / "policy" / side_file.name)
+            if fmt is not None:
+                save_file(state, str(tmp / "quantizer_state.safetensors"))
+                (tmp / "quant_format.yaml").write_text(format_to_yaml(fmt))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        dist.barrier()
+
+    def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The inverse of `quantizer_state`: a fused layer takes the amax its Hugging Face parts share."""
+        from qarl.quant.quantize import load_quantizer_state
+
+        megatron_state, problems = {}, []
+        for module_name, module in self.model.named_modules():
+            parts = hf_counterparts(module_name)
+            for quantizer in ("input_quantizer", "weight_quantizer", "output_quantizer"):
+                values = [state.get(f"{p}.{quantizer}") for p in parts]
+                if not parts or all(v is None for v in values):
+                    continue
+                if any(v is None or not torch.equal(v, values[0]) for v in values):
+                    problems.append(f"{module_name}.{quantizer} ({parts})")
+                    continue
+                megatron_state[f"{module_name}.{quantizer}"] = values[0]
+        if problems:
+            raise ConfigError(f"quantizer state: the parts of a fused Megatron layer need one amax, they differ or miss "
+                              f"for {problems[:3]}")
+        load_quantizer_state(self.model, megatron_state)
+
     def quantizer_state(self) -> dict[str, torch.Tensor]:
         """{Hugging Face quantizer name: amax}, as the HF backend's `quantizer_state` names them: a fused
         Megatron layer's amax goes to each of its Hugging Face parts (they share one by construction)."""
