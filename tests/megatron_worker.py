@@ -1,7 +1,7 @@
 """One torch.distributed process of a Megatron-backend test (run by torchrun from tests/test_megatron.py):
 for each format, build the Megatron model from a Hugging Face directory at the given TP, quantize and
-calibrate it, and write from rank 0 what the test compares with the HF backend: logits, folded weights
-and quantizer state by Hugging Face name (`<out>/<format>.safetensors`)."""
+calibrate it, and write from rank 0 what the test compares with the HF backend: logits, folded weights,
+gradients of a log-likelihood loss and quantizer state by Hugging Face name (`<out>/<format>.safetensors`)."""
 
 import argparse
 from pathlib import Path
@@ -35,12 +35,15 @@ def main() -> None:
                 built.load_quantizer_state(load_file(str(saved)))
         if args.save:
             built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt)
-        with torch.no_grad():
-            logits = built.logits(ids)
+        logits = built.logits(ids)
+        # a real loss through the fake-quantized forward: straight-through gradients reach every weight
+        torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum().backward()
+        built.finish_gradients()
         tensors = {f"weight/{k}": v.contiguous() for k, v in built.hf_tensors()}
+        tensors.update({f"grad/{k}": v.contiguous() for k, v in built.hf_tensors(grads=True)})
         tensors.update({f"amax/{k}": v for k, v in built.quantizer_state().items()})
         if dist.get_rank() == 0:
-            save_file({"logits": logits.float().contiguous(), "ids": ids, **tensors},
+            save_file({"logits": logits.detach().float().contiguous(), "ids": ids, **tensors},
                       str(Path(args.out) / f"{Path(name).stem}.safetensors"))
     dist.barrier()
 

@@ -120,9 +120,21 @@ def hf_backend(model_dir: str, fmt_name: str, ids: torch.Tensor) -> dict[str, di
     fmt = resolve_format(fmt_name)
     if fmt is not None:
         quantize_policy(model, fmt, lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    return {"logits": logits, "weights": dict(folded_weights(model)), "amax": quantizer_state(model)}
+    logits = model(input_ids=ids).logits
+    torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {"logits": logits.detach(), "weights": dict(folded_weights(model)), "amax": quantizer_state(model),
+            "grads": grads}
+
+
+def assert_close_grads(run: dict[str, torch.Tensor], hf: dict, rtol: float) -> None:
+    """Straight-through gradients by Hugging Face name: the HF backend's, to `rtol` of each tensor's scale
+    (the fused q/k/v and gate/up matmuls sum their input gradient in another order)."""
+    grads = split(run, "grad")
+    assert grads.keys() == hf["grads"].keys()
+    for name, grad in grads.items():
+        scale = hf["grads"][name].abs().max().item()
+        assert (grad - hf["grads"][name]).abs().max().item() <= rtol * scale, name
 
 
 def split(result: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
@@ -151,13 +163,15 @@ def test_megatron_tp1_equals_hf_backend(megatron_runs, tiny_dir, fmt):
     assert all(torch.equal(amax[k], hf["amax"][k]) for k in amax)
     if fmt != "none":
         assert "lm_head.weight_quantizer" not in amax  # '*lm_head*' keeps Megatron's output_layer off too
+    assert_close_grads(run, hf, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["none", *FORMATS])
 def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
     """TP=2: the same folded weights bit for bit (per-tensor amax max-reduced across ranks), the same amax
-    to the last bits of the calibration forward, and logits at the fp32 floor (row-parallel layers sum in
-    another order; activation formats turn a few of those last-bit differences into a quantization step)."""
+    to the last bits of the calibration forward, and logits and gradients at the fp32 floor (row-parallel
+    layers sum in another order; activation formats turn a few of those last-bit differences into a
+    quantization step, which moves a few logits by up to 0.04 and a few gradient entries more)."""
     one, two = megatron_runs[1][fmt], megatron_runs[2][fmt]
     weights_one, weights_two = split(one, "weight"), split(two, "weight")
     assert all(torch.equal(weights_one[k], weights_two[k]) for k in weights_one)
@@ -167,12 +181,19 @@ def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
     weight_only = fmt in ("none", FORMATS[0])
     mean = (one["logits"] - two["logits"]).abs().mean().item()
     assert mean < (1e-6 if weight_only else 1e-3), mean
+    grads_one, grads_two = split(one, "grad"), split(two, "grad")
+    assert grads_one.keys() == grads_two.keys()
+    for name, grad in grads_one.items():  # not TP times too large: the vocabulary gather's backward does not sum
+        if weight_only:
+            assert (grad - grads_two[name]).abs().max() <= 1e-5 * grad.abs().max(), name
+        else:  # a few activations rounded to the neighbouring 4/8-bit value move a few gradient entries
+            assert (grad - grads_two[name]).norm() <= 0.1 * grad.norm(), name
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_megatron_other_families(families, tmp_path, family):
     """Llama (untied output layer, no biases) and Qwen3 (q/k norms, head_dim 32 with hidden 64 / 4 heads)
-    build, load and compute the HF backend's logits, NVFP4 W4A16 folded weights included, at TP=2."""
+    build, load and compute the HF backend's logits and gradients, NVFP4 W4A16 folded weights included, at TP=2."""
     runs = run_workers(families[family], tmp_path, 2, ["none", FORMATS[0]])
     for fmt, run in runs.items():
         hf = hf_backend(families[family], fmt, run["ids"])
@@ -180,6 +201,7 @@ def test_megatron_other_families(families, tmp_path, family):
         weights = split(run, "weight")
         assert weights.keys() == hf["weights"].keys()
         assert all(torch.equal(weights[k], hf["weights"][k]) for k in weights)
+        assert_close_grads(run, hf, rtol=1e-5)
 
 
 def files_bytes(root: Path) -> dict[str, bytes]:

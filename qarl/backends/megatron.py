@@ -171,6 +171,24 @@ def load_hf_weights(model: nn.Module, shape: GPTShape, model_dir: str | Path) ->
         raise RuntimeError(f"Megatron parameters the converter did not fill: {sorted(set(params) - written)[:5]}")
 
 
+class _GatherVocab(torch.autograd.Function):
+    """Logits gathered over the vocabulary shards of the TP ranks. Every rank then computes the same loss from
+    the whole logits, so each already holds the whole gradient: backward keeps this rank's slice (a summing
+    backward, as torch.distributed.nn's all_gather has, would scale every gradient by the TP size)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor) -> torch.Tensor:
+        rank, tp = tp_rank_and_size()
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=tp_group())
+        ctx.rank, ctx.width = rank, local.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
+
+
 @dataclass
 class MegatronModel:
     """A Megatron GPT model of this TP rank with its Hugging Face shape."""
@@ -188,23 +206,20 @@ class MegatronModel:
         own output gather allocates on the current GPU)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         local = self.model(input_ids, positions, attention_mask=None)  # this rank's vocabulary rows
-        if tp_rank_and_size()[1] == 1:
-            return local
-        from torch.distributed.nn.functional import all_gather  # differentiable: gradients go back to each shard
+        return local if tp_rank_and_size()[1] == 1 else _GatherVocab.apply(local)
 
-        return torch.cat(all_gather(local.contiguous(), group=tp_group()), dim=-1)
-
-    def hf_tensors(self, fold: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, fold: bool = True, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight by Hugging Face name, the TP shards gathered one parameter at a time; `fold`:
         quantized weights come quantized-dequantized by their (TP-synced) weight quantizer, as the
-        engine and the exporter take them. Collective: every TP rank must iterate it."""
+        engine and the exporter take them; `grads`: the weights' gradients instead. Collective: every
+        TP rank must iterate it."""
         _, tp = tp_rank_and_size()
         modules = dict(self.model.named_modules())
         for name, param in self.model.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             quantizer = getattr(modules[module_name], "weight_quantizer", None)
-            local = param.detach()
-            if fold and leaf == "weight" and quantizer is not None and quantizer.is_enabled:
+            local = param.grad if grads else param.detach()
+            if fold and not grads and leaf == "weight" and quantizer is not None and quantizer.is_enabled:
                 local = quantizer(local)
             _, kind = hf_sources(name)
             if kind == "replicated" or tp == 1:
@@ -213,6 +228,18 @@ class MegatronModel:
                 shards = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(shards, local.contiguous(), group=tp_group())
             yield from unshard(name, shards, self.shape)
+
+    def finish_gradients(self) -> None:
+        """After backward, before the optimizer step: sum across TP ranks the gradients of the parameters every
+        rank holds whole but feeds only its own heads through (Qwen3's q/k norms), as Megatron's own
+        finalize_model_grads does for qk_layernorm. The other replicated parameters (RMSNorm weights, biases of
+        replicated inputs) see the whole activations on every rank and have whole gradients already."""
+        _, tp = tp_rank_and_size()
+        if tp == 1:
+            return
+        for name, param in self.model.named_parameters():
+            if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(param.grad, group=tp_group())
 
     def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None) -> None:
         """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a
