@@ -14,6 +14,22 @@ from qarl.backends.megatron import build_megatron_model, quantize_megatron
 from qarl.quant import resolve_format
 
 
+def train_step(model, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """One optimizer step of a policy-gradient loss: completions (the last 8 tokens of each row) scored by
+    qarl's own `score_completions`, weighted by fixed advantages. The same function trains the HF backend in
+    tests/test_megatron.py."""
+    from qarl.policy import score_completions
+
+    prompts, completions = [row[:16].tolist() for row in ids], [row[16:].tolist() for row in ids]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[: len(prompts), None]
+    scores = score_completions(model, prompts, completions, pad_id=0)
+    optimizer.zero_grad()
+    (-(scores.logprobs * advantages).sum() / scores.mask.sum()).backward()
+    getattr(model, "finish_gradients", lambda: None)()
+    optimizer.step()
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
@@ -22,6 +38,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--formats", default="none", help="comma-separated quant configs ('none': unquantized)")
     parser.add_argument("--save", action="store_true", help="also write <out>/<format>_checkpoint (Megatron's save_policy)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="first take this many AdamW steps on a policy-gradient loss of qarl's completion scores")
     parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -33,13 +51,18 @@ def main() -> None:
             if args.state_from:
                 saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
                 built.load_quantizer_state(load_file(str(saved)))
+        optimizer = torch.optim.AdamW(built.parameters(), lr=1e-3)
+        for _ in range(args.train_steps):
+            train_step(built, optimizer, ids)
         if args.save:
             built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt)
+        built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)
         # a real loss through the fake-quantized forward: straight-through gradients reach every weight
         torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum().backward()
         built.finish_gradients()
         tensors = {f"weight/{k}": v.contiguous() for k, v in built.hf_tensors()}
+        tensors.update({f"master/{k}": v.clone() for k, v in built.hf_tensors(fold=False)})
         tensors.update({f"grad/{k}": v.contiguous() for k, v in built.hf_tensors(grads=True)})
         tensors.update({f"amax/{k}": v for k, v in built.quantizer_state().items()})
         if dist.get_rank() == 0:

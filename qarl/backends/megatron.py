@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -207,6 +208,20 @@ class MegatronModel:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         local = self.model(input_ids, positions, attention_mask=None)  # this rank's vocabulary rows
         return local if tp_rank_and_size()[1] == 1 else _GatherVocab.apply(local)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+        """Answers like a Hugging Face causal LM (`.logits`), so the code that scores completions and calibrates
+        runs on this model unchanged. Rows must be right-padded: a mask with a gap or left padding is refused."""
+        if attention_mask is not None:
+            lengths = attention_mask.sum(-1, keepdim=True)
+            positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+            if not torch.equal(attention_mask.bool(), positions < lengths):
+                raise ValueError("the Megatron backend's attention is causal over right-padded rows; this batch has "
+                                 "left padding or gaps (tokenize with padding_side='right')")
+        return SimpleNamespace(logits=self.logits(input_ids))
 
     def hf_tensors(self, fold: bool = True, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight by Hugging Face name, the TP shards gathered one parameter at a time; `fold`:
