@@ -30,7 +30,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from qarl.backends.convert import gpt_shape, read_hf_config
-    from qarl.backends.megatron import build_megatron_model, quantize_megatron
+    from qarl.backends.megatron import build_megatron_model
     from qarl.policy import resolve_model_dir
     from qarl.quant import quantize_policy, resolve_format
 
@@ -65,9 +65,7 @@ def main() -> None:
     for dtype_name, fmt_name in cases:
         fmt = resolve_format(fmt_name)
         start = time.perf_counter()
-        built = build_megatron_model(model_dir, tp, getattr(torch, dtype_name), device)
-        if fmt is not None:
-            quantize_megatron(built, model_dir, fmt, calibration)
+        built = build_megatron_model(model_dir, tp, getattr(torch, dtype_name), device, fmt=fmt, calibration=calibration)
         with torch.no_grad():
             megatron = next_token_logprobs(built.logits(ids), ids)
         del built

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from qarl.backends.megatron import build_megatron_model, quantize_megatron
+from qarl.backends.megatron import build_megatron_model
 from qarl.quant import resolve_format
 
 
@@ -45,12 +45,11 @@ def main() -> None:
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
     for name in args.formats.split(","):
         fmt = resolve_format(name)
-        built = build_megatron_model(args.model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"))
-        if fmt is not None:
-            quantize_megatron(built, args.model_dir, fmt, [ids[:2], ids[2:]])
-            if args.state_from:
-                saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
-                built.load_quantizer_state(load_file(str(saved)))
+        built = build_megatron_model(args.model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"),
+                                     fmt=fmt, calibration=[ids[:2], ids[2:]])
+        if fmt is not None and args.state_from:
+            saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
+            built.load_quantizer_state(load_file(str(saved)))
         optimizer = torch.optim.AdamW(built.parameters(), lr=1e-3)
         for _ in range(args.train_steps):
             train_step(built, optimizer, ids)

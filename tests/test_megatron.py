@@ -98,6 +98,12 @@ def test_converter_refusals(tiny_dir):
     with pytest.raises(ConfigError, match="block size 16 does not divide the sharded input width of down_proj"):
         check_parallel(GPTShape(**{**shape.__dict__, "ffn": 96, "groups": 4}), 4, block_size=16)
     check_parallel(shape, 2, block_size=16)
+    # the model builder checks before torch.distributed or Megatron start
+    from qarl.backends.megatron import build_megatron_model
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide"):
+        build_megatron_model(tiny_dir, 4, torch.float32, torch.device("cpu"), fmt=resolve_format(FORMATS[0]))
+    assert not torch.distributed.is_initialized()
 
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------

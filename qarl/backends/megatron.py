@@ -329,14 +329,14 @@ def hf_counterparts(megatron_module: str) -> list[str]:
         return []
 
 
-def quantize_megatron(built: MegatronModel, model_dir: str, fmt: QuantFormat, calibration: list[torch.Tensor] | None,
-                      weight_cache: bool = True) -> None:
+def _quantize(built: MegatronModel, reference: nn.Module, fmt: QuantFormat, calibration: list[torch.Tensor] | None,
+              weight_cache: bool) -> None:
     """ModelOpt's Megatron plugin quantizes the model with `fmt`, whose quantizers are then made exactly those
-    `fmt` gives the Hugging Face model (its patterns name Hugging Face modules), and calibrated on right-padded
-    token-id batches; ModelOpt max-reduces per-tensor amax across TP ranks, so any TP quantizes as TP=1."""
-    from qarl.quant.quantize import match_reference_quantizers, quantize_policy, quantized_meta_model
+    `fmt` gives the Hugging Face model (`reference`: its patterns name Hugging Face modules), and calibrated on
+    right-padded token-id batches (None: amax to be loaded, `load_quantizer_state`); ModelOpt max-reduces
+    per-tensor amax across TP ranks, so any TP quantizes as TP=1."""
+    from qarl.quant.quantize import match_reference_quantizers, quantize_policy
 
-    reference = quantized_meta_model(model_dir, fmt)
     batches = None
     if calibration is not None:
         batches = lambda: [{"input_ids": ids.to(built.device), "attention_mask": None,  # noqa: E731
@@ -346,12 +346,24 @@ def quantize_megatron(built: MegatronModel, model_dir: str, fmt: QuantFormat, ca
                     align=lambda model: match_reference_quantizers(model, reference, hf_counterparts))
 
 
-def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype,
-                         device: torch.device, block_size: int | None = None) -> MegatronModel:
-    """Check the model and the TP size, then build and load this rank's shard."""
+def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, device: torch.device,
+                         fmt: QuantFormat | None = None, calibration: list[torch.Tensor] | None = None,
+                         weight_cache: bool = True) -> MegatronModel:
+    """Check the model family, the TP size and `fmt`'s blocks against the sharded widths (on the meta device),
+    then build and load this rank's shard and, with `fmt`, quantize it and calibrate it on `calibration`."""
+    from qarl.quant.quantize import block_size, quantized_linears, quantized_meta_model
+
     shape = gpt_shape(read_hf_config(model_dir))
-    check_parallel(shape, tensor_parallel_size, block_size)
+    reference = quantized_meta_model(model_dir, fmt) if fmt is not None else None
+    row_parallel = {name: m for name, m in quantized_linears(reference)} if reference is not None else {}
+    blocks = {block_size(q) for name, m in row_parallel.items() if name.endswith(("o_proj", "down_proj"))
+              for q in (m.weight_quantizer, getattr(m, "input_quantizer", None)) if q is not None}
+    for block in sorted(b for b in blocks if b) or [None]:
+        check_parallel(shape, tensor_parallel_size, block)
     init_parallel(tensor_parallel_size)
     model = build_gpt_model(shape, dtype, device)
     load_hf_weights(model, shape, model_dir)
-    return MegatronModel(model=model, shape=shape)
+    built = MegatronModel(model=model, shape=shape)
+    if fmt is not None:
+        _quantize(built, reference, fmt, calibration, weight_cache)
+    return built

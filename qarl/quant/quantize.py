@@ -42,7 +42,8 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def _block_size(quantizer: nn.Module) -> int | None:
+def block_size(quantizer: nn.Module) -> int | None:
+    """The block size of an enabled block quantizer along the input dimension (NVFP4: 16), else None."""
     sizes = getattr(quantizer, "block_sizes", None) or {}
     return sizes.get(-1) if quantizer.is_enabled else None
 
@@ -53,7 +54,7 @@ def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
     for name, module in quantized_linears(model):
         width = module.weight.shape[-1]
         for quantizer in (module.weight_quantizer, getattr(module, "input_quantizer", None)):
-            block = _block_size(quantizer) if quantizer is not None else None
+            block = block_size(quantizer) if quantizer is not None else None
             if block and width % block:
                 bad.append(f"{name} (input width {width}, block size {block})")
                 break
