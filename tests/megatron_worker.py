@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="also write <out>/<format>_checkpoint (Megatron's save_policy)")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="first take this many AdamW steps on a policy-gradient loss of qarl's completion scores")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="the final loss of each data-parallel rank covers its own rows only (rank::dp)")
     parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -58,7 +60,13 @@ def main() -> None:
         built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)
         # a real loss through the fake-quantized forward: straight-through gradients reach every weight
-        torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum().backward()
+        token_logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+        if args.data_parallel:
+            from megatron.core import parallel_state
+
+            dp = parallel_state.get_data_parallel_world_size()
+            token_logprobs = token_logprobs[parallel_state.get_data_parallel_rank()::dp]
+        token_logprobs.sum().backward()
         built.finish_gradients()
         tensors = {f"weight/{k}": v.contiguous() for k, v in built.hf_tensors()}
         tensors.update({f"master/{k}": v.clone() for k, v in built.hf_tensors(fold=False)})

@@ -108,11 +108,13 @@ def test_converter_refusals(tiny_dir):
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------
 
-def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options: str) -> dict[str, dict[str, torch.Tensor]]:
-    """tests/megatron_worker.py under torchrun (tp processes, gloo) with `options`; {format: what rank 0 wrote}."""
+def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options: str,
+                processes: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """tests/megatron_worker.py under torchrun (`processes`, default tp; gloo) with `options`; {format: what
+    rank 0 wrote}. More processes than TP are data-parallel ranks."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes or tp),
                str(REPO / "tests" / "megatron_worker.py"), model_dir, str(out), "--tp", str(tp),
                "--formats", ",".join(formats), *options]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -298,3 +300,11 @@ def test_megatron_tp2_trains_as_hf_backend(trained_runs, tiny_dir, fmt):
         same = [(folded[name] == tensor).float().mean().item() for name, tensor in folded_weights(model)
                 if "layers" in name and name.endswith("proj.weight")]
         assert min(same) > 0.999, same
+
+
+def test_megatron_data_parallel_gradients(tiny_dir, tmp_path):
+    """Two processes at TP=1 are two data-parallel ranks: each backpropagates its own rows of the batch, and
+    `finish_gradients` sums them into the whole batch's gradients (the HF backend's, on all rows)."""
+    fmt = FORMATS[0]
+    run = run_workers(tiny_dir, tmp_path, 1, [fmt], "--data-parallel", processes=2)[fmt]
+    assert_close_grads(run, hf_backend(tiny_dir, fmt, run["ids"]), rtol=1e-5)

@@ -248,13 +248,20 @@ class MegatronModel:
         """After backward, before the optimizer step: sum across TP ranks the gradients of the parameters every
         rank holds whole but feeds only its own heads through (Qwen3's q/k norms), as Megatron's own
         finalize_model_grads does for qk_layernorm. The other replicated parameters (RMSNorm weights, biases of
-        replicated inputs) see the whole activations on every rank and have whole gradients already."""
+        replicated inputs) see the whole activations on every rank and have whole gradients already. With data
+        parallelism (more processes than TP), every gradient is then summed across the data-parallel ranks:
+        each computes its own rows' share of one loss, normalised by the whole batch."""
+        from megatron.core import parallel_state
+
         _, tp = tp_rank_and_size()
-        if tp == 1:
-            return
         for name, param in self.model.named_parameters():
-            if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            if tp > 1 and param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
                 dist.all_reduce(param.grad, group=tp_group())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
 
     def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None) -> None:
         """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a
