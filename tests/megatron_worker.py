@@ -30,6 +30,34 @@ def train_step(model, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> No
 
 
 
+def refit_both(built, model_dir: str, fmt, ids: torch.Tensor, out: Path) -> None:
+    """A vLLM engine in this process, refitted from the Megatron model, then from the HF backend quantized on the
+    same batches: the engine's log-probs of the same greedy completions after each, and the Megatron model's."""
+    from transformers import AutoModelForCausalLM
+
+    from qarl.config import GenerationConfig
+    from qarl.generation import VLLMEngine
+    from qarl.policy import score_completions
+    from qarl.quant import quantize_policy
+
+    prompts = [row[:8].tolist() for row in ids]
+    engine = VLLMEngine(model_dir, GenerationConfig(max_new_tokens=8), "float32", 0, quant_format=fmt)
+    engine.refit(built)
+    completions = engine.generate(prompts, greedy=True)
+    tokens = [c.token_ids for c in completions]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if fmt is not None:
+        quantize_policy(hf, fmt, lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
+    engine.refit(hf)
+    again = engine.generate(prompts, greedy=True)
+    with torch.no_grad():
+        policy = score_completions(built, prompts, tokens, pad_id=0).logprobs
+    save_file({"engine_megatron": torch.tensor([c.logprobs for c in completions]),
+               "engine_hf": torch.tensor([c.logprobs for c in again]),
+               "same_tokens": torch.tensor([c.token_ids == t for c, t in zip(again, tokens)]),
+               "policy": policy.contiguous()}, str(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
@@ -42,6 +70,8 @@ def main() -> None:
                         help="first take this many AdamW steps on a policy-gradient loss of qarl's completion scores")
     parser.add_argument("--data-parallel", action="store_true",
                         help="the final loss of each data-parallel rank covers its own rows only (rank::dp)")
+    parser.add_argument("--refit", action="store_true",
+                        help="(one process) refit a vLLM engine from the Megatron model and from the HF backend")
     parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -75,6 +105,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             save_file({"logits": logits.detach().float().contiguous(), "ids": ids, **tensors},
                       str(Path(args.out) / f"{Path(name).stem}.safetensors"))
+        if args.refit:  # last, in a world of one: the engine's shutdown destroys torch.distributed's default group
+            refit_both(built, args.model_dir, fmt, ids, Path(args.out) / f"{Path(name).stem}_refit.safetensors")
+            return
     dist.barrier()
 
 

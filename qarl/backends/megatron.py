@@ -190,9 +190,10 @@ class _GatherVocab(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
 
 
-@dataclass
+@dataclass(eq=False)
 class MegatronModel:
-    """A Megatron GPT model of this TP rank with its Hugging Face shape."""
+    """A Megatron GPT model of this TP rank with its Hugging Face shape; what the rollout engine refits from
+    (`qarl.generation.vllm_engine.ShardedPolicy`)."""
 
     model: nn.Module
     shape: GPTShape
@@ -262,6 +263,15 @@ class MegatronModel:
             for param in self.model.parameters():
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=group)
+
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The folded weights by Hugging Face name, gathered from the TP shards one at a time as vLLM loads them."""
+        return self.hf_tensors(fold=True)
+
+    def input_quantizers(self) -> dict[str, nn.Module]:
+        """{Hugging Face linear layer: its input quantizer}: a fused Megatron layer's goes to each of its parts."""
+        return {hf_name: module.input_quantizer for name, module in self.model.named_modules()
+                if hasattr(module, "input_quantizer") for hf_name in hf_counterparts(name)}
 
     def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None) -> None:
         """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a

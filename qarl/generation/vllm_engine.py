@@ -21,11 +21,14 @@ serialization; the caller's entry point must be guarded by `if __name__ == "__ma
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -108,6 +111,15 @@ def runs_eager(cfg: GenerationConfig, smoothing: bool = False, qlora: bool = Fal
         raise ConfigError(f"policy.generation.enforce_eager=false asks for CUDA graphs, which cannot serve {blocker}; "
                           "use auto or true")
     return mode == "true" or blocker is not None
+
+
+class ShardedPolicy(Protocol):
+    """A policy that is not one Hugging Face module tree (the Megatron backend's tensor-parallel shards): it
+    hands the engine its folded weights and its input quantizers by Hugging Face name."""
+
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def input_quantizers(self) -> dict[str, nn.Module]: ...
 
 
 class VLLMEngine:
@@ -200,19 +212,23 @@ class VLLMEngine:
             self._start(fmt, plan, eager)
         self._links.clear()
 
-    def _input_amax_links(self, policy_model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    def _input_amax_links(self, policy_model: nn.Module | ShardedPolicy) -> list[tuple[nn.Module, nn.Module]]:
         """(engine layer with a quantized input, the policy's input quantizer it takes its amax from:
         a fused layer takes its first part's, the parts share one amax on the policy side), found
         once per policy model and format."""
         links = self._links.get(policy_model)
         if links is None:
-            policy_modules = dict(policy_model.named_modules())
+            if isinstance(policy_model, nn.Module):
+                policy_modules = dict(policy_model.named_modules())
+                quantizers = {n: m.input_quantizer for n, m in policy_modules.items() if hasattr(m, "input_quantizer")}
+            else:
+                quantizers = policy_model.input_quantizers()
             links = []
             for name, layer in self.model.named_modules():
                 if not isinstance(layer, engine_quant.QuantizedInput):
                     continue
                 source_name = engine_quant.policy_names(self.model, name)[0]
-                source = getattr(policy_modules.get(source_name), "input_quantizer", None)
+                source = quantizers.get(source_name)
                 if (source is None or not source.is_enabled or source.amax is None or source.amax.numel() != 1
                         or input_spec(source_name, source, layer.input_quant.smoothing) != layer.input_quant):
                     raise RuntimeError(
@@ -263,24 +279,32 @@ class VLLMEngine:
         return send
 
     @torch.no_grad()
-    def refit(self, policy_model: nn.Module) -> RefitTiming:
+    def refit(self, policy_model: nn.Module | ShardedPolicy) -> RefitTiming:
         """Load the policy's (folded) weights, its qlora adapters and its input amax (and AWQ input
         scales) into the engine, each copied into the tensor the engine already holds. Frozen weights
-        the engine already holds from this policy model are skipped."""
+        the engine already holds from this policy model are skipped. The weights stream into vLLM one
+        at a time (a sharded policy gathers each from its shards as vLLM asks for it)."""
         from qarl.lora import served_adapters
 
         self.wake()
         start = time.perf_counter()
         moved = 0
-        weights = []
-        modules = dict(policy_model.named_modules())
-        for name, tensor in folded_weights(policy_model, only=self._weights_to_send(policy_model, modules)):
-            weights.append((name, tensor))
-            moved += tensor.numel() * tensor.element_size()
-        if weights:
-            self.model.load_weights(weights)
-        del weights
-        adapters = served_adapters(policy_model)
+        if isinstance(policy_model, nn.Module):
+            modules = dict(policy_model.named_modules())
+            weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
+        else:
+            modules, weights = {}, policy_model.rollout_weights()
+
+        def counted(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal moved
+            for name, tensor in pairs:
+                moved += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        first = next(weights, None)
+        if first is not None:
+            self.model.load_weights(counted(itertools.chain([first], weights)))
+        adapters = served_adapters(policy_model) if isinstance(policy_model, nn.Module) else {}
         if adapters and not self.eager:
             raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
                               "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
