@@ -185,8 +185,9 @@ def test_a_few_steps_write_the_distillation_metrics(run_dir):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["eval/teacher_accuracy"] is not None  # the teacher, unquantized, in the same engine
     for r in rows[:3]:
-        # the engine samples from the fake-quantized student (the mean, since W4A4 can flip a rare token)
-        assert r["distill/kl"] >= 0 and abs(r["mismatch/kl"]) < 1e-5
+        # the engine samples from the fake-quantized student (the mean, since W4A4 can flip a rare token, more
+        # of them on a CPU whose GEMM sums in an order set by the number of rows: tests/test_lora.py)
+        assert r["distill/kl"] >= 0 and abs(r["mismatch/kl"]) < 1e-4
         assert all(k in r for k in ("entropy", "grad_norm", "reward/mean", "perf/step_s"))
     for r in (rows[0], rows[2], rows[3]):  # step 0 (= PTQ), every eval.every, and the end
         assert 0 <= r["eval/accuracy"] <= 1 and r["eval/teacher_kl"] > 0
@@ -218,7 +219,7 @@ def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows[:3]:
-        assert math.isfinite(r["distill/kl"]) and abs(r["mismatch/kl"]) < 1e-5
+        assert math.isfinite(r["distill/kl"]) and abs(r["mismatch/kl"]) < 1e-4
     checkpoint = run / "checkpoints" / "step_3"
     assert (checkpoint / "lora.json").is_file() and not (checkpoint / "policy").exists()
     adapter = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))

