@@ -15,6 +15,8 @@
 #   rollout   rollout tokens/s: plain vLLM against qarl's engine per format (benchmarks/gpu_rollout.py)
 #   parity_graphs  `qarl parity` bf16 with CUDA graphs and with enforce_eager, in one call
 #   e2e       step time of GRPO (unquantized) and QA-GRPO NVFP4 W4A16 on the 0.5B model, graphs; W4A16 eager
+#   megatron  HF vs Megatron-core backend log-probs on the 0.5B model, fp32 and bf16, every format, TP = the
+#             number of GPUs (benchmarks/megatron_parity.py; one GPU: TP=1, two: TP=2)
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -116,6 +118,11 @@ for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
     s, u, f = r['synced'], r['unsynced'], r['unquantized']
     print(name, 'synced', s['mean_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'], 'floor', f['mean_abs'])"
     done
+    ;;
+  megatron)
+    gpus=$(nvidia-smi -L | wc -l)
+    torchrun --standalone --nproc_per_node "$gpus" benchmarks/megatron_parity.py --model embedded:0.5b \
+      --out "$out/megatron_parity_tp$gpus.md" 2>&1 | grep -v -i "warn\|deprecated" | tail -14
     ;;
   e2e)
     # 10 steps each after the warm start; medians over steps 3-10 (the first steps warm up allocators)
