@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-        lines = [f"HF backend vs Megatron backend, {args.model}, {args.batch} x {args.length} tokens, TP={tp}, {name}",
+        command = f"torchrun --nproc_per_node {tp} benchmarks/megatron_parity.py {' '.join(sys.argv[1:])}"
+        lines = [f"Command: `{command}`", "", f"HF backend vs Megatron backend, {args.model}, {args.batch} x {args.length} tokens, TP={tp}, {name}",
                  "", "| dtype | format | mean abs Δ log-prob | max abs Δ | floor: HF in this dtype vs HF fp32, unquantized |",
                  "|---|---|---|---|---|"]
         lines += [f"| {d} | {f} | {m:.2e} | {x:.2e} | {fl:.2e} |" for d, f, m, x, fl in rows]
