@@ -64,8 +64,8 @@ def gpt_shape(config: dict) -> GPTShape:
     """The GPT shape of a Hugging Face config, or a ConfigError naming what the converter does not handle."""
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise ConfigError(f"policy.backend=megatron converts the model families {FAMILIES}; this model is "
-                          f"{family!r} ({config.get('architectures')}). Use policy.backend=hf for it.")
+        raise ConfigError(f"the Megatron backend converts the model families {FAMILIES}; this model is "
+                          f"{family!r} ({config.get('architectures')}). Train it with the Hugging Face backend.")
     unsupported = []
     if config.get("rope_scaling") not in (None, {}) and (config["rope_scaling"] or {}).get("rope_type", "default") != "default":
         unsupported.append(f"rope_scaling={config['rope_scaling']}")
@@ -78,8 +78,8 @@ def gpt_shape(config: dict) -> GPTShape:
     if config.get("use_sliding_window"):
         unsupported.append("use_sliding_window=true")
     if unsupported:
-        raise ConfigError(f"policy.backend=megatron cannot build this {family} model: {'; '.join(unsupported)}. "
-                          "Use policy.backend=hf for it.")
+        raise ConfigError(f"the Megatron backend cannot build this {family} model: {'; '.join(unsupported)}. "
+                          "Train it with the Hugging Face backend.")
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
     if heads % groups:
@@ -106,12 +106,12 @@ def check_parallel(shape: GPTShape, tp: int, block_size: int | None = None) -> N
     """TP must divide what Megatron splits, and a quantization block must not straddle two ranks' shards
     of a row-parallel layer (o_proj, down_proj: their input columns are split)."""
     if tp < 1:
-        raise ConfigError(f"policy.megatron.tensor_parallel_size={tp}; it must be >= 1")
+        raise ConfigError(f"tensor_parallel_size={tp}; it must be >= 1")
     splits = {"attention heads": shape.heads, "query groups (key/value heads)": shape.groups,
               "vocabulary size": shape.vocab, "MLP width (intermediate_size)": shape.ffn}
     bad = [f"{what} {n}" for what, n in splits.items() if n % tp]
     if bad:
-        raise ConfigError(f"policy.megatron.tensor_parallel_size={tp} does not divide the model's {', '.join(bad)}; "
+        raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(bad)}; "
                           "choose a TP size that divides all of them")
     if block_size:
         widths = {"o_proj": shape.heads * shape.head_dim // tp, "down_proj": shape.ffn // tp}

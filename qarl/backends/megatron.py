@@ -46,7 +46,7 @@ def init_parallel(tensor_parallel_size: int) -> None:
             dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
     world = dist.get_world_size()
     if world % tensor_parallel_size:
-        raise ConfigError(f"policy.megatron.tensor_parallel_size={tensor_parallel_size} does not divide the "
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} does not divide the "
                           f"{world} processes torchrun started")
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel_size:
@@ -140,7 +140,7 @@ def _checkpoint_reader(model_dir: str | Path):
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"{model_dir} has no .safetensors weights (policy.backend=megatron reads safetensors only)")
+        raise ConfigError(f"{model_dir} has no .safetensors weights (the Megatron backend reads safetensors only)")
     where = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
