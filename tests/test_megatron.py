@@ -88,6 +88,8 @@ def test_converter_refusals(tiny_dir):
         gpt_shape({**config, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="rope_scaling"):
         gpt_shape({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope_parameters"):
+        gpt_shape({**config, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}})
     with pytest.raises(ConfigError, match="hidden_act=gelu"):
         gpt_shape({**config, "hidden_act": "gelu"})
     shape = gpt_shape(config)  # 4 heads, 2 query groups, vocab 128, MLP 384

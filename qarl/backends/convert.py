@@ -67,13 +67,15 @@ def gpt_shape(config: dict) -> GPTShape:
         raise ConfigError(f"the Megatron backend converts the model families {FAMILIES}; this model is "
                           f"{family!r} ({config.get('architectures')}). Train it with the Hugging Face backend.")
     unsupported = []
-    if config.get("rope_scaling") not in (None, {}) and (config["rope_scaling"] or {}).get("rope_type", "default") != "default":
-        unsupported.append(f"rope_scaling={config['rope_scaling']}")
+    for key in ("rope_scaling", "rope_parameters"):  # transformers < 5 and >= 5 spell rotary scaling differently
+        rope = config.get(key) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            unsupported.append(f"{key}={rope}")
     if config.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={config['hidden_act']}")
     if config.get("mlp_bias"):
         unsupported.append("mlp_bias=true")
-    if family == "llama" and config.get("attention_bias"):
+    if family in ("llama", "qwen3") and config.get("attention_bias"):
         unsupported.append("attention_bias=true (Megatron's GPT layer has a q/k/v bias but no o_proj bias)")
     if config.get("use_sliding_window"):
         unsupported.append("use_sliding_window=true")
@@ -90,7 +92,7 @@ def gpt_shape(config: dict) -> GPTShape:
         hidden=config["hidden_size"],
         heads=heads,
         groups=groups,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        head_dim=config.get("head_dim") or (128 if family == "qwen3" else config["hidden_size"] // heads),  # HF defaults
         ffn=config["intermediate_size"],
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),

@@ -277,24 +277,30 @@ class MegatronModel:
         """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a
         Hugging Face directory (these weights by Hugging Face name, the source's config and tokenizer files),
         plus quantizer_state.safetensors and quant_format.yaml. TP-independent: any TP, or the HF backend,
-        loads it, and `qarl export` exports it. Collective (the shards are gathered); rank 0 writes, into
-        a temporary directory renamed into place."""
+        loads it, and `qarl export` exports it. Collective (the shards are gathered one tensor at a time);
+        rank 0 keeps them, so it holds the whole model once, in host or device memory as the weights are, to
+        write one safetensors file into a temporary directory renamed into place."""
         import shutil
 
         from safetensors.torch import save_file
 
         from qarl.quant.formats import format_to_yaml
 
-        weights = {name: tensor.contiguous() for name, tensor in self.hf_tensors(fold=False)}
+        writer = dist.get_rank() == 0
+        weights = {}
+        for name, tensor in self.hf_tensors(fold=False):  # every rank gathers; only the writer keeps the tensors
+            if writer:
+                weights[name] = tensor.contiguous()
         state = self.quantizer_state() if fmt is not None else None
-        if dist.get_rank() == 0:
+        if writer:
             out, source = Path(out_dir), Path(source_dir)
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "policy").mkdir(parents=True)
             save_file(weights, str(tmp / "policy" / "model.safetensors"), metadata={"format": "pt"})
+            weight_files = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
             for side_file in source.iterdir():  # config, generation config, tokenizer: everything but weights
-                if side_file.is_file() and side_file.suffix != ".safetensors" and side_file.name != "model.safetensors.index.json":
+                if side_file.is_file() and not side_file.name.endswith(weight_files):
                     shutil.copy2(side_file, tmp / "policy" / side_file.name)
             if fmt is not None:
                 save_file(state, str(tmp / "quantizer_state.safetensors"))

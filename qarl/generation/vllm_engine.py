@@ -292,8 +292,9 @@ class VLLMEngine:
         if isinstance(policy_model, nn.Module):
             modules = dict(policy_model.named_modules())
             weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
-        else:
+        else:  # every weight is replaced: nothing is held from an earlier policy model any more
             modules, weights = {}, policy_model.rollout_weights()
+            self._held_from, self._held = None, {}
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal moved
