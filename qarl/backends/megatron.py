@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qarl.backends.convert import GPTShape, check_parallel, gpt_shape, hf_modules, hf_sources, megatron_shards, \
+from qarl.backends.convert import FAMILIES, GPTShape, check_parallel, gpt_shape, hf_modules, hf_sources, megatron_shards, \
     read_hf_config, unshard
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
@@ -148,7 +148,7 @@ def _checkpoint_reader(model_dir: str | Path):
 
     def read(name: str) -> torch.Tensor:
         if name not in where:
-            raise ConfigError(f"{model_dir} has no tensor {name!r} (is it a {', '.join(sorted({'llama', 'qwen2', 'qwen3'}))} checkpoint?)")
+            raise ConfigError(f"{model_dir} has no tensor {name!r} (is it a checkpoint of one of {FAMILIES}?)")
         with safe_open(str(where[name]), framework="pt") as f:
             return f.get_tensor(name)
 
@@ -378,8 +378,9 @@ def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch
 
     shape = gpt_shape(read_hf_config(model_dir))
     reference = quantized_meta_model(model_dir, fmt) if fmt is not None else None
-    row_parallel = {name: m for name, m in quantized_linears(reference)} if reference is not None else {}
-    blocks = {block_size(q) for name, m in row_parallel.items() if name.endswith(("o_proj", "down_proj"))
+    row_parallel = [m for name, m in (quantized_linears(reference) if reference is not None else ())
+                    if name.endswith(("o_proj", "down_proj"))]  # the layers whose input columns TP splits
+    blocks = {block_size(q) for m in row_parallel
               for q in (m.weight_quantizer, getattr(m, "input_quantizer", None)) if q is not None}
     for block in sorted(b for b in blocks if b) or [None]:
         check_parallel(shape, tensor_parallel_size, block)
