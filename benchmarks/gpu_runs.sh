@@ -17,6 +17,9 @@
 #   e2e       step time of GRPO (unquantized) and QA-GRPO NVFP4 W4A16 on the 0.5B model, graphs; W4A16 eager
 #   megatron  HF vs Megatron-core backend log-probs on the 0.5B model, fp32 and bf16, every format, TP = the
 #             number of GPUs (benchmarks/megatron_parity.py; one GPU: TP=1, two: TP=2)
+#   megatron_grpo  QA-GRPO NVFP4 W4A16 of the 0.5B model on the Megatron backend (TP=1; the `grpo` stage's recipe)
+#   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
+#             uninterrupted (benchmarks/resume_check.py)
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -123,6 +126,16 @@ for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
     gpus=$(nvidia-smi -L | wc -l)
     torchrun --standalone --nproc_per_node "$gpus" benchmarks/megatron_parity.py --model embedded:0.5b \
       --out "$out/megatron_parity_tp$gpus.md" 2>&1 | grep -v -i "warn\|deprecated" | tail -14
+    ;;
+  megatron_grpo)
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron run.dir=runs/megatron_grpo_0p5b \
+      checkpoint.every=1000 2>&1 | grep -v -i "warn\|it/s\]" | tail -5
+    keep runs/megatron_grpo_0p5b megatron_qa_grpo_0p5b_bf16
+    ;;
+  megatron_resume)
+    python3 benchmarks/resume_check.py recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron trainer.steps=12 \
+      checkpoint.every=6 eval.every=6 --kill-at 6 --runs runs/megatron_resume --out "$out/resume_megatron_0p5b.md" \
+      2>&1 | grep -v -i "warn\|it/s\]" | tail -8
     ;;
   e2e)
     # 10 steps each after the warm start; medians over steps 3-10 (the first steps warm up allocators)

@@ -47,12 +47,12 @@ def main() -> None:
     tp = int(os.environ.get("WORLD_SIZE", 1))
     shape = gpt_shape(read_hf_config(model_dir))
     ids = torch.randint(2, shape.vocab, (args.batch, args.length), generator=torch.Generator().manual_seed(0)).to(device)
-    calibration = [ids[i:i + 4] for i in range(0, args.batch, 4)]
+    calibration = lambda: [{"input_ids": ids[i:i + 4]} for i in range(0, args.batch, 4)]  # noqa: E731
 
     def hf_logprobs(dtype: torch.dtype, fmt) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         if fmt is not None:
-            quantize_policy(model, fmt, lambda: [{"input_ids": c} for c in calibration])
+            quantize_policy(model, fmt, calibration)
         with torch.no_grad():
             return next_token_logprobs(model(input_ids=ids).logits, ids)
 

@@ -8,9 +8,11 @@ Layout of RUN_DIR/checkpoints/step_N/:
   quantizer_state.safetensors  the calibrated amax of every quantizer (absent for unquantized runs)
   quant_format.yaml            the resolved ModelOpt config the amax belongs to
   trainer_state.pt             optimizer state, RNG states, data position, step (weights_only-loadable)
+  trainer_state.rankR.pt       under torchrun, process R's own (its optimizer state is that of its shards)
   COMPLETE                     written last; a directory without it is never loaded
 A checkpoint is assembled in step_N.tmp and renamed into place, so a crash leaves either the old
-set of checkpoints or the new one, never a half-written step_N.
+set of checkpoints or the new one, never a half-written step_N. Under torchrun the main process writes
+the shared files (policy/ gathered from the shards) and renames; every process writes its trainer state.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
-from qarl.lora import load_adapter_state, read_lora_manifest, save_adapter, write_lora_manifest
-from qarl.quant import QuantFormat, load_quantizer_state, quantizer_state
-from qarl.quant.formats import format_from_yaml, format_to_yaml
+from qarl.distributed import barrier, is_main_process, rank, world_size
+from qarl.lora import load_adapter_state, read_lora_manifest
+from qarl.quant import QuantFormat
+from qarl.quant.formats import format_from_yaml
 
 if TYPE_CHECKING:
     from qarl.optim import PolicyOptimizer
@@ -38,39 +41,34 @@ if TYPE_CHECKING:
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def save_policy(out_dir: Path, policy: Policy) -> None:
-    """Write the policy as a Hugging Face directory of its master weights (a LoRA policy: its adapter
-    and a pointer to its frozen base) plus its quantizer state."""
-    if policy.lora is not None:
-        save_adapter(policy.model, policy.lora, out_dir / "adapter", base_model=policy.model_dir)
-        write_lora_manifest(out_dir, policy.lora, policy.model_dir, policy.model.dtype)
-    else:
-        policy_dir = out_dir / "policy"
-        policy.model.save_pretrained(policy_dir, state_dict=policy.master_state_dict(), safe_serialization=True)
-        policy.tokenizer.save_pretrained(policy_dir)
-    if policy.format is not None:
-        save_file(quantizer_state(policy.model), str(out_dir / "quantizer_state.safetensors"))
-        (out_dir / "quant_format.yaml").write_text(format_to_yaml(policy.format))
-
-
 def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_state: dict[str, Any],
                     keep: int = 2) -> Path:
-    """Write checkpoints/step_<step> atomically and keep the newest `keep` complete ones."""
+    """Write checkpoints/step_<step> atomically and keep the newest `keep` complete ones. Collective under
+    torchrun: every process calls it with its own trainer state."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_policy(tmp, policy)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "COMPLETE").write_text(str(step))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+    if is_main_process():
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    policy.save(tmp)
+    torch.save(trainer_state, tmp / _trainer_state_file())
+    barrier()
+    if is_main_process():
+        (tmp / "COMPLETE").write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    barrier()
     return final
+
+
+def _trainer_state_file() -> str:
+    return "trainer_state.pt" if rank() == 0 else f"trainer_state.rank{rank()}.pt"
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -95,13 +93,18 @@ def checkpoint_format(checkpoint: Path) -> QuantFormat | None:
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    state = torch.load(checkpoint / _trainer_state_file(), weights_only=True)
+    if state.get("processes", 1) != world_size():
+        raise ConfigError(f"checkpoint {checkpoint} was written by {state['processes']} process(es) and this run has "
+                          f"{world_size()}: resume with the tensor parallelism it was trained with (its policy/ loads at "
+                          "any, e.g. as a new run's policy.model_name)")
+    return state
 
 
 def trainer_state(step: int, optimizer: PolicyOptimizer, prompts_per_step: int) -> dict[str, Any]:
     """What a checkpoint keeps beyond the policy to continue exactly: optimizer, RNGs, data position."""
     return {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(), "data_position": step * prompts_per_step}
+            "python_rng": random.getstate(), "data_position": step * prompts_per_step, "processes": world_size()}
 
 
 def restore_trainer_state(checkpoint: Path, optimizer: PolicyOptimizer) -> int:
@@ -173,7 +176,7 @@ def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig, trainable:
                           "set policy.lora.mode=none to load it")
     policy = build_policy(cfg, [], model_dir=model_dir, fmt=fmt, calibrate=False, trainable=trainable)
     if fmt is not None:
-        load_quantizer_state(policy.model, load_file(str(checkpoint / "quantizer_state.safetensors")))
+        policy.load_quantizer_state(load_file(str(checkpoint / "quantizer_state.safetensors")))
     if policy.lora is not None:
         load_adapter_state(policy.model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
     return policy

@@ -8,6 +8,9 @@
   qarl diagnose MODEL [MODEL ...] [--recipe R] [--out DIR]  per-layer quantizability, before vs after training
   qarl export CHECKPOINT --target export/T.yaml --out DIR   real NVFP4/FP8 Hugging Face checkpoint
   qarl export --verify DIR                 load an export independently and compare its logits
+
+Tensor parallel (policy.backend=megatron): torchrun --nproc_per_node TP -m qarl train RECIPE \
+    policy.backend=megatron policy.tensor_parallel_size=TP
 """
 
 from __future__ import annotations

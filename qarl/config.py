@@ -106,6 +106,10 @@ class PolicyConfig:
     # Quantize each weight once per change of the weights instead of at every forward (same bits;
     # costs one quantized copy of each quantized weight, see qarl/quant/weight_cache.py).
     quant_weight_cache: bool = True
+    # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
+    # over the processes torchrun starts; see the README's Megatron section).
+    backend: str = "hf"
+    tensor_parallel_size: int = 1  # megatron: the TP size (the processes beyond it are data parallel)
     lora: LoraConfig = field(default_factory=LoraConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from qarl.checkpoint import latest_checkpoint, resolve_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
@@ -41,7 +40,7 @@ from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
 from qarl.models.checks import parameter_count, tokenizer_differences, vocab_width
-from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, plot_runs, read_metrics, summary
+from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, progress_bar, read_metrics, report_run
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
@@ -314,7 +313,7 @@ def distill(cfg: RecipeConfig) -> Path:
                 "eval/teacher_kl": teacher_kl(engine, student, teacher, eval_problems, cfg)}
 
     # 4. The loop.
-    bar = tqdm(range(start_step, t.steps), desc="QAD", initial=start_step, total=t.steps)
+    bar = progress_bar(range(start_step, t.steps), "QAD")
     progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
@@ -350,11 +349,7 @@ def distill(cfg: RecipeConfig) -> Path:
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
         metrics.write({"step": t.steps, **evaluation()})
     metrics.close()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    plot_runs({run_dir.name: rows}, run_dir / "metrics.png", DISTILL_PANELS)
-    print(summary(rows))
-    print(distill_summary(rows))
-    print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")
+    report_run(run_dir, DISTILL_PANELS, distill_summary)
     return run_dir
 
 

@@ -1,12 +1,17 @@
-"""Run metrics: one JSON object per step in RUN_DIR/metrics.jsonl, a plot, and a one-screen summary."""
+"""Run metrics: one JSON object per step in RUN_DIR/metrics.jsonl, a plot, and a one-screen summary.
+
+Under torchrun every process computes the same rows; the main process alone writes, plots and prints them
+(qarl/distributed.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qarl.distributed import is_main_process
 
 LOGGERS = ("tensorboard", "wandb")
 
@@ -34,12 +39,15 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None, loggers: list[str] = (), config: dict | None = None,
                  project: str = "qarl"):
         self.path = path
+        self.sinks = []
+        self.writes = is_main_process()
+        if not self.writes:
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(path) if resume_step is not None and r["step"] < resume_step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(path)
-        self.sinks = []
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -55,6 +63,8 @@ class MetricsLog:
             self.sinks.append((lambda row, step: run.log(row, step=step), run.finish))
 
     def write(self, row: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
@@ -177,3 +187,23 @@ def summary(rows: list[dict[str, Any]]) -> str:
             lines.append(f"skipped optimizer steps (non-finite loss or gradient): {skipped:.0f}")
         lines.append(f"step time {mean('perf/step_s'):.2f} s, rollout {mean('perf/rollout_tokens_per_s'):.0f} tokens/s")
     return "\n".join(lines)
+
+
+def progress_bar(steps: range, desc: str):
+    """The loop's progress bar over `steps` (resumed runs start part-way), on the main process only."""
+    from tqdm import tqdm
+
+    return tqdm(steps, desc=desc, initial=steps.start, total=steps.stop, disable=not is_main_process())
+
+
+def report_run(run_dir: Path, panels: list[tuple[str, str]] = PLOTTED,
+               extra: Callable[[list[dict[str, Any]]], str] | None = None) -> None:
+    """The end of a run, on the main process: metrics.png and the summary (plus `extra(rows)`) on the terminal."""
+    if not is_main_process():
+        return
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    plot_runs({run_dir.name: rows}, run_dir / "metrics.png", panels)
+    print(summary(rows))
+    if extra is not None:
+        print(extra(rows))
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")

@@ -61,7 +61,10 @@ class PolicyOptimizer:
 
     def __init__(self, policy: Policy, lr: float, weight_decay: float, max_grad_norm: float):
         self.model = policy.model
+        self.finish_gradients = policy.finish_gradients  # a backend's gradient reductions, before the step
+        self.clip_gradients = policy.clip_gradients  # a backend's gradient norm (a sharded one sums across shards)
         named = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.masters = self.params if policy.master is None else [policy.master[n] for n, _ in named]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
@@ -87,6 +90,7 @@ class PolicyOptimizer:
 
     def step(self) -> StepResult:
         """Apply the accumulated gradient, or skip it if the loss or the gradient is not finite."""
+        self.finish_gradients()
         if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads
             for p, m in zip(self.params, self.masters):
                 m.grad = None if p.grad is None else p.grad.to(m.dtype)
@@ -95,7 +99,7 @@ class PolicyOptimizer:
             for m in self.masters:
                 if m.grad is not None:
                     m.grad.mul_(1.0 / self.scaler.scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+        norm = self.clip_gradients(list(zip(self.names, self.masters)), self.max_grad_norm)
         loss_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
         grad_finite = bool(torch.isfinite(norm).item())
         applied = loss_finite and grad_finite

@@ -1,22 +1,28 @@
-"""The policy: a Hugging Face causal LM, fake-quantized by ModelOpt, and its log-probs.
+"""The policy the training loops train, and its log-probs. The Hugging Face backend lives here: a transformers
+causal LM, fake-quantized by ModelOpt; `policy.backend` picks another (qarl/backends/megatron_policy.py), which
+subclasses `Policy` where it must differ (building, gradient reductions and norm, saving), so the loops, the
+optimizer, checkpoints and refit never ask which backend they run.
 
-`build_policy` goes recipe -> model directory -> (checks) -> model -> quantizers -> calibration.
+`build_policy` goes recipe -> model directory -> (checks) -> backend: model -> quantizers -> calibration.
 Everything that can be wrong with the input is checked before the expensive steps.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
-from qarl.lora import AdapterDisabled, QuantNoise, apply_lora
-from qarl.quant import QuantFormat, quantize_policy, resolve_format
+from qarl.lora import AdapterDisabled, QuantNoise, apply_lora, save_adapter, write_lora_manifest
+from qarl.quant import QuantFormat, load_quantizer_state, quantize_policy, quantizer_state, resolve_format
+from qarl.quant.formats import format_to_yaml
 from qarl.quant.rollout_view import RolloutView
 
 EMBEDDED_PREFIX = "embedded:"
@@ -116,8 +122,9 @@ def check_precision(cfg: PolicyConfig) -> None:
 class Policy:
     """The trainable model, its tokenizer, its quantization format, and where the engine starts from.
 
-    `master` holds the master weights by parameter name when they are wider than the compute dtype
-    (fp32 masters, bf16/fp16 model); None when the model's own parameters are the masters.
+    `model` answers like a Hugging Face causal LM (`model(input_ids, attention_mask).logits`). `master` holds the
+    master weights by parameter name when they are wider than the compute dtype (fp32 masters, bf16/fp16
+    model); None when the model's own parameters are the masters.
     """
 
     model: PreTrainedModel
@@ -155,6 +162,33 @@ class Policy:
         serves `step`'s rollout; returns its metrics for that step's row."""
         return {"lora/noise_std": self.noise.apply(step)} if self.noise is not None else {}
 
+    def finish_gradients(self) -> None:
+        """After the backward passes of a step, before the optimizer reads the gradients: what a backend must
+        still do to them (the Megatron backend's tensor- and data-parallel reductions); nothing here."""
+
+    def clip_gradients(self, named: list[tuple[str, torch.Tensor]], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of these (name, tensor) pairs to a total norm of at most `max_norm`; returns the
+        norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_([t for _, t in named], max_norm)
+
+    def save(self, out_dir: Path) -> None:
+        """Write the policy as a Hugging Face directory of its master weights (a LoRA policy: its adapter
+        and a pointer to its frozen base) plus its quantizer state (the layout is in qarl/checkpoint.py)."""
+        if self.lora is not None:
+            save_adapter(self.model, self.lora, out_dir / "adapter", base_model=self.model_dir)
+            write_lora_manifest(out_dir, self.lora, self.model_dir, self.model.dtype)
+        else:
+            policy_dir = out_dir / "policy"
+            self.model.save_pretrained(policy_dir, state_dict=self.master_state_dict(), safe_serialization=True)
+            self.tokenizer.save_pretrained(policy_dir)
+        if self.format is not None:
+            save_file(quantizer_state(self.model), str(out_dir / "quantizer_state.safetensors"))
+            (out_dir / "quant_format.yaml").write_text(format_to_yaml(self.format))
+
+    def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The amax `save` wrote, into a policy built with the same format and left uncalibrated."""
+        load_quantizer_state(self.model, state)
+
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""
         state = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if "_quantizer." not in k}
@@ -175,6 +209,24 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
     return model.to(device)
 
 
+# policy.backend -> "module:function" that builds its Policy; each backend is one module, imported on use
+BACKENDS = {"hf": "qarl.policy:build_hf_policy", "megatron": "qarl.backends.megatron_policy:build_megatron_policy"}
+
+
+def check_backend(cfg: PolicyConfig) -> None:
+    """`policy.backend` and what it allows, before anything loads (the backend's own `check` does the rest)."""
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"policy.backend={cfg.backend!r}; choose one of {sorted(BACKENDS)}")
+    if cfg.tensor_parallel_size < 1:
+        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} must be at least 1")
+    if cfg.backend == "hf" and cfg.tensor_parallel_size != 1:
+        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} needs policy.backend=megatron: "
+                          "the Hugging Face backend trains in one process")
+    if cfg.backend != "hf":
+        module, _, _ = BACKENDS[cfg.backend].partition(":")
+        importlib.import_module(module).check(cfg)
+
+
 def build_policy(
     cfg: PolicyConfig,
     task_texts: list[str],
@@ -183,19 +235,27 @@ def build_policy(
     calibrate: bool = True,
     trainable: bool = False,
 ) -> Policy:
-    """Load and quantize the policy. `fmt` overrides `cfg.quant_cfg`; `calibrate=False` leaves amax
-    to be loaded from a saved quantizer state. `trainable`: keep master weights (`cfg.master_dtype`)
-    when they are wider than the compute dtype; the model is then cast to the compute dtype, so it
-    computes with exactly the tensors a compute-dtype load would give (round to nearest even)."""
+    """Load and quantize the policy with `cfg.backend`. `fmt` overrides `cfg.quant_cfg`; `calibrate=False`
+    leaves amax to be loaded from a saved quantizer state. `trainable`: keep master weights
+    (`cfg.master_dtype`) when they are wider than the compute dtype; the model is then cast to the compute
+    dtype, so it computes with exactly the tensors a compute-dtype load would give (round to nearest even)."""
     check_precision(cfg)
     if fmt == "from-config":
         fmt = resolve_format(cfg.quant_cfg)
     model_dir = model_dir or resolve_model_dir(cfg.model_name)
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
-    device = default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    module, _, function = BACKENDS[cfg.backend].partition(":")
+    return getattr(importlib.import_module(module), function)(cfg, model_dir, tokenizer, fmt, texts, trainable)
+
+
+def build_hf_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
+                    texts: list[str] | None, trainable: bool) -> Policy:
+    """The Hugging Face backend: a transformers model, quantized by ModelOpt and calibrated on `texts` (None:
+    uncalibrated)."""
+    device = default_device()
     master = None
     if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":
         model = load_model(model_dir, cfg, device, dtype=cfg.master_dtype)

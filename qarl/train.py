@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
@@ -28,10 +26,11 @@ from qarl.generation import Completion, VLLMEngine, runs_eager, sleeps_between_r
 from qarl.generation.vllm_engine import RefitTiming
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.lora import check_lora
-from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, plot_runs, read_metrics, summary
+from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, progress_bar, read_metrics,
+                          report_run)
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
-from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_precision,
-                         resolve_model_dir, score_completions)
+from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_backend,
+                         check_precision, resolve_model_dir, score_completions)
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.quant.input_quant import input_quant_plan
 from qarl.quant.quantize import check_trainable_format
@@ -80,9 +79,10 @@ def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
 
 
 def check_run_settings(cfg: RecipeConfig) -> None:
-    """What every training loop checks before anything loads: precision, trainable quant formats, metric
-    loggers, colocation, LoRA settings against the model's layers."""
+    """What every training loop checks before anything loads: precision, the backend, trainable quant formats,
+    metric loggers, colocation, LoRA settings against the model's layers."""
     check_precision(cfg.policy)
+    check_backend(cfg.policy)
     check_trainable_format(resolve_format(cfg.policy.quant_cfg), "policy.quant_cfg")
     check_trainable_format(resolve_format(cfg.policy.generation.quant_cfg), "policy.generation.quant_cfg")
     check_loggers(cfg.run.loggers)
@@ -212,9 +212,8 @@ def train(cfg: RecipeConfig) -> Path:
     torch.manual_seed(cfg.run.seed)
     policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
     reference = None
-    if t.beta > 0:  # the step-0 policy, frozen (a LoRA policy's own base)
-        reference = policy.kl_reference(
-            lambda: initial_policy(cfg, task).model if checkpoint else copy.deepcopy(policy.model))
+    if t.beta > 0:  # the step-0 policy, rebuilt (deterministic) and frozen (a LoRA policy's own base)
+        reference = policy.kl_reference(lambda: initial_policy(cfg, task).model)
     policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
@@ -232,7 +231,7 @@ def train(cfg: RecipeConfig) -> Path:
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
 
     # 4. The loop.
-    bar = tqdm(range(start_step, t.steps), desc="QA-GRPO" if policy.format else "GRPO", initial=start_step, total=t.steps)
+    bar = progress_bar(range(start_step, t.steps), "QA-GRPO" if policy.format else "GRPO")
     progress = ProgressFigures()
     for step in bar:
         step_start = time.perf_counter()
@@ -272,8 +271,5 @@ def train(cfg: RecipeConfig) -> Path:
     if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
         metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards).accuracy})
     metrics.close()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    plot_runs({run_dir.name: rows}, run_dir / "metrics.png")
-    print(summary(rows))
-    print(f"metrics: {run_dir / 'metrics.jsonl'}  plot: {run_dir / 'metrics.png'}  checkpoints: {run_dir / 'checkpoints'}")
+    report_run(run_dir)
     return run_dir

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qarl.config import WarmStartConfig
+from qarl.distributed import exclusive
 from qarl.policy import default_device
 from qarl.tasks import Problem
 
@@ -37,42 +38,43 @@ def fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, s
 def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, seed: int, cache: Path) -> str:
     """Fine-tune `model_dir` on prompt -> answer<eos> (loss on the answer) and return the new directory."""
     out = cache / "warm_start" / fingerprint(model_dir, problems, cfg, seed)
-    if (out / "COMPLETE").is_file():
-        return str(out)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    device = default_device()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / cfg.steps))
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    model.train()
-    bar = tqdm(range(cfg.steps), desc="warm start (SFT)", leave=False)
-    for _ in bar:
-        batch = rng.sample(problems, min(cfg.batch_size, len(problems)))
-        prompts = [tokenizer(p.prompt).input_ids for p in batch]
-        answers = [tokenizer(p.answer).input_ids + [eos] for p in batch]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        ids = torch.full((len(batch), width), pad)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-            mask[i, : len(p) + len(a)] = 1
-        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "COMPLETE").write_text("ok")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with exclusive(out.with_name(out.name + ".lock")):  # one process trains it; the others then read it
+        if (out / "COMPLETE").is_file():
+            return str(out)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        device = default_device()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / cfg.steps))
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        model.train()
+        bar = tqdm(range(cfg.steps), desc="warm start (SFT)", leave=False)
+        for _ in bar:
+            batch = rng.sample(problems, min(cfg.batch_size, len(problems)))
+            prompts = [tokenizer(p.prompt).input_ids for p in batch]
+            answers = [tokenizer(p.answer).input_ids + [eos] for p in batch]
+            width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+            ids = torch.full((len(batch), width), pad)
+            labels = torch.full((len(batch), width), -100)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, (p, a) in enumerate(zip(prompts, answers)):
+                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+                labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+                mask[i, : len(p) + len(a)] = 1
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "COMPLETE").write_text("ok")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
     return str(out)

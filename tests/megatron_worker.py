@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from qarl.backends.megatron import build_megatron_model
 from qarl.quant import resolve_format
@@ -78,7 +79,7 @@ def main() -> None:
     for name in args.formats.split(","):
         fmt = resolve_format(name)
         built = build_megatron_model(args.model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"),
-                                     fmt=fmt, calibration=[ids[:2], ids[2:]])
+                                     fmt=fmt, calibration=lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
         if fmt is not None and args.state_from:
             saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
             built.load_quantizer_state(load_file(str(saved)))
@@ -86,7 +87,8 @@ def main() -> None:
         for _ in range(args.train_steps):
             train_step(built, optimizer, ids)
         if args.save:
-            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt)
+            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt,
+                              AutoTokenizer.from_pretrained(args.model_dir))
         built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)
         # a real loss through the fake-quantized forward: straight-through gradients reach every weight

@@ -238,7 +238,6 @@ def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoint
     the HF backend's own checkpoint of the same model."""
     from transformers import AutoTokenizer
 
-    from qarl.checkpoint import save_policy
     from qarl.export import export_checkpoint
     from qarl.policy import Policy
 
@@ -256,7 +255,7 @@ def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoint
         quantize_policy(model, resolve_format(fmt), lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
         policy = Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_dir), format=resolve_format(fmt),
                         model_dir=tiny_dir)
-        save_policy(tmp_path / "hf_checkpoint", policy)
+        policy.save(tmp_path / "hf_checkpoint")
         export_checkpoint(tmp_path / "hf_checkpoint", scheme + "_modelopt", tmp_path / "export_hf")
         ours, theirs = files_bytes(exported["tp2"]), files_bytes(tmp_path / "export_hf")
         weights = [k for k in ours if k.endswith(".safetensors")]

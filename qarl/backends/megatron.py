@@ -15,10 +15,10 @@ on CPU only, the rotary table stays on the model's device (Megatron's moves it t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from qarl.backends.convert import FAMILIES, GPTShape, check_parallel, gpt_shape,
     read_hf_config, unshard
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def init_parallel(tensor_parallel_size: int) -> None:
@@ -68,7 +71,8 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 def _sdpa_core_attention() -> type:
-    """Megatron's core-attention slot filled by torch's SDPA: causal, grouped-query, no dropout."""
+    """Megatron's core-attention slot filled by torch's SDPA: causal, grouped-query, no dropout. A mask, when
+    `MegatronModel.gpt_inputs` passes one for padded rows, is SDPA's boolean "may attend" mask."""
     from megatron.core.transformer.module import MegatronModule
 
     class SDPACoreAttention(MegatronModule):
@@ -79,12 +83,18 @@ def _sdpa_core_attention() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-                raise ValueError("qarl's Megatron attention is causal over right-padded rows: no mask, bias or packing")
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("qarl's Megatron attention takes no attention bias and no packed sequences")
             # Megatron's [seq, batch, heads, dim] -> SDPA's [batch, heads, seq, dim] and back to [seq, batch, hidden]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                                                   scale=self.softmax_scale)
+            if attention_mask is None:
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                                       scale=self.softmax_scale)
+            else:  # padded rows, as transformers' SDPA attention runs them: key/value heads repeated, explicit mask
+                groups = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                                                       scale=self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
     return SDPACoreAttention
@@ -190,52 +200,66 @@ class _GatherVocab(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
 
 
-@dataclass(eq=False)
-class MegatronModel:
-    """A Megatron GPT model of this TP rank with its Hugging Face shape; what the rollout engine refits from
-    (`qarl.generation.vllm_engine.ShardedPolicy`)."""
+class MegatronModel(nn.Module):
+    """A Megatron GPT model of this TP rank with its Hugging Face shape. To the code that scores completions,
+    calibrates and optimizes it answers like a Hugging Face causal LM (`model(input_ids, attention_mask).logits`,
+    `.dtype`); to the rollout engine it is a `qarl.generation.vllm_engine.ShardedPolicy`."""
 
-    model: nn.Module
-    shape: GPTShape
+    def __init__(self, model: nn.Module, shape: GPTShape):
+        super().__init__()
+        self.model, self.shape = model, shape
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, vocab] logits of right-padded rows (causal attention: padding after a row's tokens
-        never reaches them), the full vocabulary on every TP rank (gathered by torch.distributed: Megatron's
-        own output gather allocates on the current GPU)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @staticmethod
+    def gpt_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """GPTModel's arguments for right-padded rows. Padding changes nothing a row's own tokens compute (the
+        attention is causal), but the padded positions' activations reach calibration's amax: with padding, the
+        attention gets the mask transformers gives SDPA (causal, padded keys masked), so they are the HF backend's."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        local = self.model(input_ids, positions, attention_mask=None)  # this rank's vocabulary rows
-        return local if tp_rank_and_size()[1] == 1 else _GatherVocab.apply(local)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.model.parameters()
-
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
-        """Answers like a Hugging Face causal LM (`.logits`), so the code that scores completions and calibrates
-        runs on this model unchanged. Rows must be right-padded: a mask with a gap or left padding is refused."""
+        mask = None
         if attention_mask is not None:
-            lengths = attention_mask.sum(-1, keepdim=True)
-            positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-            if not torch.equal(attention_mask.bool(), positions < lengths):
+            keep = attention_mask.bool()
+            if not torch.equal(keep, positions < keep.sum(-1, keepdim=True)):
                 raise ValueError("the Megatron backend's attention is causal over right-padded rows; this batch has "
                                  "left padding or gaps (tokenize with padding_side='right')")
-        return SimpleNamespace(logits=self.logits(input_ids))
+            if not keep.all():
+                causal = torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=keep.device).tril()
+                mask = causal[None, None] & keep[:, None, None, :]
+        return {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask}
 
-    def hf_tensors(self, fold: bool = True, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, seq, vocab] logits of right-padded rows, the full vocabulary on every TP rank (gathered by
+        torch.distributed: Megatron's own output gather allocates on the current GPU)."""
+        local = self.model(**self.gpt_inputs(input_ids, attention_mask))  # this rank's vocabulary rows
+        return local if tp_rank_and_size()[1] == 1 else _GatherVocab.apply(local)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.logits(input_ids, attention_mask))
+
+    def hf_tensors(self, fold: bool = True, grads: bool = False,
+                   masters: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight by Hugging Face name, the TP shards gathered one parameter at a time; `fold`:
         quantized weights come quantized-dequantized by their (TP-synced) weight quantizer, as the
-        engine and the exporter take them; `grads`: the weights' gradients instead. Collective: every
-        TP rank must iterate it."""
+        engine and the exporter take them; `grads`: the weights' gradients instead (zeros where a
+        parameter has none); `masters`: these tensors (by this module's parameter names: the policy's
+        master weights) instead of the parameters. Collective: every TP rank must iterate it."""
         _, tp = tp_rank_and_size()
         modules = dict(self.model.named_modules())
         for name, param in self.model.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             quantizer = getattr(modules[module_name], "weight_quantizer", None)
-            local = param.grad if grads else param.detach()
-            if fold and not grads and leaf == "weight" and quantizer is not None and quantizer.is_enabled:
+            if grads:
+                local = param.grad if param.grad is not None else torch.zeros_like(param)
+            else:
+                local = masters[f"model.{name}"] if masters is not None else param.detach()
+            if fold and not grads and masters is None and leaf == "weight" and quantizer is not None and quantizer.is_enabled:
                 local = quantizer(local)
             _, kind = hf_sources(name)
             if kind == "replicated" or tp == 1:
@@ -264,6 +288,27 @@ class MegatronModel:
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=group)
 
+    def clip_gradients(self, named: list[tuple[str, torch.Tensor]], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of (parameter name, tensor) pairs, the tensors this rank's parameters or their
+        masters, to a total norm of `max_norm` over the whole model; returns that norm before clipping (the same
+        on every rank). A TP-sharded parameter's squares are summed across the TP ranks; a parameter every rank
+        holds whole (norms, replicated biases) has the same gradient on each and counts once. At TP=1: torch's
+        clip_grad_norm_, as the HF backend."""
+        if tp_rank_and_size()[1] == 1:
+            return torch.nn.utils.clip_grad_norm_([t for _, t in named], max_norm)
+        sharded, whole = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for name, tensor in named:
+            if tensor.grad is not None:
+                squares = tensor.grad.detach().float().pow(2).sum()
+                if hf_sources(name.removeprefix("model."))[1] == "replicated":
+                    whole += squares
+                else:
+                    sharded += squares
+        dist.all_reduce(sharded, group=tp_group())
+        norm = (sharded + whole).sqrt()
+        torch.nn.utils.clip_grads_with_norm_([t for _, t in named], max_norm, norm)
+        return norm
+
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The folded weights by Hugging Face name, gathered from the TP shards one at a time as vLLM loads them."""
         return self.hf_tensors(fold=True)
@@ -273,13 +318,16 @@ class MegatronModel:
         return {hf_name: module.input_quantizer for name, module in self.model.named_modules()
                 if hasattr(module, "input_quantizer") for hf_name in hf_counterparts(name)}
 
-    def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None) -> None:
-        """Write the model as the HF backend writes a checkpoint's policy (`qarl/checkpoint.py`): policy/ a
-        Hugging Face directory (these weights by Hugging Face name, the source's config and tokenizer files),
-        plus quantizer_state.safetensors and quant_format.yaml. TP-independent: any TP, or the HF backend,
-        loads it, and `qarl export` exports it. Collective (the shards are gathered one tensor at a time);
-        rank 0 keeps them, so it holds the whole model once, in host or device memory as the weights are, to
-        write one safetensors file into a temporary directory renamed into place."""
+    def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None,
+                    tokenizer: PreTrainedTokenizerBase, masters: dict[str, torch.Tensor] | None = None) -> None:
+        """Write into `out_dir` what the HF backend writes for a checkpoint's policy (`qarl/checkpoint.py`): policy/
+        a Hugging Face directory (these weights, or `masters`, by Hugging Face name; the source's config and
+        generation config with the dtype this model computes in; the tokenizer), plus quantizer_state.safetensors
+        and quant_format.yaml. TP-independent: any TP, or the HF backend, loads it, and `qarl export` exports it.
+        Collective (the shards are gathered one tensor at a time); rank 0 keeps them, so it holds the whole model
+        once, in host or device memory as the weights are, and writes. Not atomic by itself: the caller writes
+        into a temporary directory, as checkpoints do."""
+        import json
         import shutil
 
         from safetensors.torch import save_file
@@ -288,25 +336,24 @@ class MegatronModel:
 
         writer = dist.get_rank() == 0
         weights = {}
-        for name, tensor in self.hf_tensors(fold=False):  # every rank gathers; only the writer keeps the tensors
+        for name, tensor in self.hf_tensors(fold=False, masters=masters):  # every rank gathers; the writer keeps
             if writer:
                 weights[name] = tensor.contiguous()
         state = self.quantizer_state() if fmt is not None else None
         if writer:
-            out, source = Path(out_dir), Path(source_dir)
-            tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "policy").mkdir(parents=True)
-            save_file(weights, str(tmp / "policy" / "model.safetensors"), metadata={"format": "pt"})
-            weight_files = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-            for side_file in source.iterdir():  # config, generation config, tokenizer: everything but weights
-                if side_file.is_file() and not side_file.name.endswith(weight_files):
-                    shutil.copy2(side_file, tmp / "policy" / side_file.name)
+            out, source = Path(out_dir) / "policy", Path(source_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+            config = json.loads((source / "config.json").read_text())
+            config.pop("torch_dtype", None)
+            config["dtype"] = str(self.dtype).removeprefix("torch.")  # the dtype it computed in, as HF's save writes
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+            if (source / "generation_config.json").is_file():
+                shutil.copy2(source / "generation_config.json", out / "generation_config.json")
+            tokenizer.save_pretrained(out)
             if fmt is not None:
-                save_file(state, str(tmp / "quantizer_state.safetensors"))
-                (tmp / "quant_format.yaml").write_text(format_to_yaml(fmt))
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
+                save_file(state, str(Path(out_dir) / "quantizer_state.safetensors"))
+                (Path(out_dir) / "quant_format.yaml").write_text(format_to_yaml(fmt))
         dist.barrier()
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -352,28 +399,27 @@ def hf_counterparts(megatron_module: str) -> list[str]:
         return []
 
 
-def _quantize(built: MegatronModel, reference: nn.Module, fmt: QuantFormat, calibration: list[torch.Tensor] | None,
-              weight_cache: bool) -> None:
+def _quantize(built: MegatronModel, reference: nn.Module, fmt: QuantFormat,
+              calibration: Callable[[], Iterable[dict[str, torch.Tensor]]] | None, weight_cache: bool) -> None:
     """ModelOpt's Megatron plugin quantizes the model with `fmt`, whose quantizers are then made exactly those
     `fmt` gives the Hugging Face model (`reference`: its patterns name Hugging Face modules), and calibrated on
-    right-padded token-id batches (None: amax to be loaded, `load_quantizer_state`); ModelOpt max-reduces
-    per-tensor amax across TP ranks, so any TP quantizes as TP=1."""
+    `calibration()`'s batches, the HF backend's (input_ids and an optional right-padded attention_mask; None:
+    amax to be loaded, `load_quantizer_state`); ModelOpt max-reduces per-tensor amax across TP ranks, so any
+    TP quantizes as TP=1."""
     from qarl.quant.quantize import match_reference_quantizers, quantize_policy
 
     batches = None
     if calibration is not None:
-        batches = lambda: [{"input_ids": ids.to(built.device), "attention_mask": None,  # noqa: E731
-                            "position_ids": torch.arange(ids.shape[1], device=built.device).expand_as(ids)}
-                           for ids in calibration]
+        batches = lambda: [built.gpt_inputs(b["input_ids"].to(built.device),  # noqa: E731
+                                            b["attention_mask"].to(built.device) if "attention_mask" in b else None)
+                           for b in calibration()]
     quantize_policy(built.model, fmt, batches, weight_cache=weight_cache,
                     align=lambda model: match_reference_quantizers(model, reference, hf_counterparts))
 
 
-def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, device: torch.device,
-                         fmt: QuantFormat | None = None, calibration: list[torch.Tensor] | None = None,
-                         weight_cache: bool = True) -> MegatronModel:
-    """Check the model family, the TP size and `fmt`'s blocks against the sharded widths (on the meta device),
-    then build and load this rank's shard and, with `fmt`, quantize it and calibrate it on `calibration`."""
+def check_megatron_model(model_dir: str, tensor_parallel_size: int, fmt: QuantFormat | None) -> nn.Module | None:
+    """The model family, the TP size and `fmt`'s blocks against the sharded widths, on the meta device (before
+    torch.distributed or any weights); returns the meta-device Hugging Face model quantized with `fmt`."""
     from qarl.quant.quantize import block_size, quantized_linears, quantized_meta_model
 
     shape = gpt_shape(read_hf_config(model_dir))
@@ -384,6 +430,17 @@ def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch
               for q in (m.weight_quantizer, getattr(m, "input_quantizer", None)) if q is not None}
     for block in sorted(b for b in blocks if b) or [None]:
         check_parallel(shape, tensor_parallel_size, block)
+    return reference
+
+
+def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, device: torch.device,
+                         fmt: QuantFormat | None = None,
+                         calibration: Callable[[], Iterable[dict[str, torch.Tensor]]] | None = None,
+                         weight_cache: bool = True) -> MegatronModel:
+    """Check the model (`check_megatron_model`), then build and load this rank's shard and, with `fmt`, quantize
+    it and calibrate it on `calibration()`'s batches (None: uncalibrated, the amax to be loaded)."""
+    reference = check_megatron_model(model_dir, tensor_parallel_size, fmt)
+    shape = gpt_shape(read_hf_config(model_dir))
     init_parallel(tensor_parallel_size)
     model = build_gpt_model(shape, dtype, device)
     load_hf_weights(model, shape, model_dir)
@@ -391,3 +448,11 @@ def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch
     if fmt is not None:
         _quantize(built, reference, fmt, calibration, weight_cache)
     return built
+
+
+def read_master_weights(built: MegatronModel, model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This rank's shard of the checkpoint again, in `dtype`, by `built`'s parameter names: the master weights of
+    a model that computes in a narrower dtype (what a Hugging Face model loaded in `dtype` would hold)."""
+    rank, tp = tp_rank_and_size()
+    return {f"model.{name}": tensor.to(device=built.device, dtype=dtype)
+            for name, tensor in megatron_shards(built.shape, tp, rank, _checkpoint_reader(model_dir))}

@@ -28,12 +28,13 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from qarl.config import ConfigError, GenerationConfig
+from qarl.distributed import world_size
 from qarl.generation import engine_quant
 from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
@@ -113,6 +114,7 @@ def runs_eager(cfg: GenerationConfig, smoothing: bool = False, qlora: bool = Fal
     return mode == "true" or blocker is not None
 
 
+@runtime_checkable
 class ShardedPolicy(Protocol):
     """A policy that is not one Hugging Face module tree (the Megatron backend's tensor-parallel shards): it
     hands the engine its folded weights and its input quantizers by Hugging Face name."""
@@ -151,6 +153,14 @@ class VLLMEngine:
         compilation or graph capture."""
         from vllm import LLM
 
+        # under torchrun every process is a rank of one engine (vLLM's external launcher: each runs its shard and
+        # samples the same tokens), as every process is a rank of the Megatron policy
+        processes = world_size()
+        if processes > 1 and self.cfg.tensor_parallel_size not in (1, processes):
+            raise ConfigError(f"policy.generation.tensor_parallel_size={self.cfg.tensor_parallel_size}, but under "
+                              f"torchrun the engine spans the {processes} processes: leave it at 1 or set {processes}")
+        self.tensor_parallel_size = processes if processes > 1 else self.cfg.tensor_parallel_size
+        launcher = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
         self.llm = LLM(
             model=self.model_dir,
             dtype=self.dtype,
@@ -158,12 +168,13 @@ class VLLMEngine:
             enforce_eager=eager,
             max_model_len=self.cfg.max_model_len,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,
             enable_sleep_mode=self.sleeps,
             load_format=engine_quant.LOAD_FORMAT,
             additional_config=engine_quant.plan_to_config(plan),
+            **launcher,
         )
         self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
@@ -218,11 +229,11 @@ class VLLMEngine:
         once per policy model and format."""
         links = self._links.get(policy_model)
         if links is None:
-            if isinstance(policy_model, nn.Module):
+            if isinstance(policy_model, ShardedPolicy):
+                quantizers = policy_model.input_quantizers()
+            else:
                 policy_modules = dict(policy_model.named_modules())
                 quantizers = {n: m.input_quantizer for n, m in policy_modules.items() if hasattr(m, "input_quantizer")}
-            else:
-                quantizers = policy_model.input_quantizers()
             links = []
             for name, layer in self.model.named_modules():
                 if not isinstance(layer, engine_quant.QuantizedInput):
@@ -289,12 +300,12 @@ class VLLMEngine:
         self.wake()
         start = time.perf_counter()
         moved = 0
-        if isinstance(policy_model, nn.Module):
-            modules = dict(policy_model.named_modules())
-            weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
-        else:  # every weight is replaced: nothing is held from an earlier policy model any more
+        if isinstance(policy_model, ShardedPolicy):  # every weight is replaced: nothing is held from earlier
             modules, weights = {}, policy_model.rollout_weights()
             self._held_from, self._held = None, {}
+        else:
+            modules = dict(policy_model.named_modules())
+            weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal moved
@@ -305,7 +316,7 @@ class VLLMEngine:
         first = next(weights, None)
         if first is not None:
             self.model.load_weights(counted(itertools.chain([first], weights)))
-        adapters = served_adapters(policy_model) if isinstance(policy_model, nn.Module) else {}
+        adapters = {} if isinstance(policy_model, ShardedPolicy) else served_adapters(policy_model)
         if adapters and not self.eager:
             raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
                               "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
@@ -330,7 +341,7 @@ class VLLMEngine:
         if scale is None:
             layer.input_pre_quant_scale = None
             return 0
-        if self.cfg.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1:
             raise ConfigError("a policy with AWQ/SmoothQuant input scales (calibration algorithm awq_* or "
                               "smoothquant) needs policy.generation.tensor_parallel_size=1: the scales are not sharded")
         if layer.input_pre_quant_scale is None or layer.input_pre_quant_scale.shape != scale.shape:

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from qarl.distributed import exclusive
+
 PAD, EOS = "<|pad|>", "<|endoftext|>"
 # Printable ASCII without the vertical tab and form feed: enough for arithmetic, GSM8K-like text and chat.
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c\r"]
@@ -89,17 +91,18 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> P
     out = Path(out_dir)
     marker = out / "qarl_embedded.json"
     identity = {"size": size, "seed": seed, "spec": asdict(SPECS[size])}
-    if marker.exists() and json.loads(marker.read_text()) == identity:
-        return out
-    tokenizer = build_tokenizer()
-    model = build_model(SPECS[size], tokenizer, seed)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "qarl_embedded.json").write_text(json.dumps(identity))
-    if out.exists():
-        import shutil
+    with exclusive(out.with_name(out.name + ".lock")):
+        if marker.exists() and json.loads(marker.read_text()) == identity:
+            return out
+        tokenizer = build_tokenizer()
+        model = build_model(SPECS[size], tokenizer, seed)
+        tmp = out.with_name(out.name + ".tmp")
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "qarl_embedded.json").write_text(json.dumps(identity))
+        if out.exists():
+            import shutil
 
-        shutil.rmtree(out)
-    tmp.rename(out)
+            shutil.rmtree(out)
+        tmp.rename(out)
     return out

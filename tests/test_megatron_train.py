@@ -1,0 +1,125 @@
+"""The Megatron backend in the training loops (`policy.backend=megatron`), end to end on the embedded default with
+real megatron-core, ModelOpt, vLLM and torch.distributed: QA-GRPO at TP=2 (two processes under torchrun, gloo,
+vLLM's external launcher) follows the HF backend's run and resumes exactly after SIGKILL; checkpoints are Hugging
+Face ones with fp32 master weights; QAD runs on it."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint, load_trainer_state, trained_dtype
+from qarl.config import ConfigError, PolicyConfig
+from qarl.metrics import read_metrics
+
+from .test_train import _deterministic, _train_cmd, kill_after_first_checkpoint
+
+MEGATRON = ["policy.backend=megatron"]
+BETA = ["trainer.beta=0.04"]  # a KL term: the step-0 reference is rebuilt on resume
+
+
+def tp2_command(run_dir: Path, *extra: str) -> list[str]:
+    """`qarl train` under torchrun, two processes: the Megatron policy and the vLLM engine at TP=2."""
+    command = _train_cmd(run_dir, *MEGATRON, *BETA, "policy.tensor_parallel_size=2", *extra)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command[1:]]
+
+
+def run(command: list[str]) -> None:
+    subprocess.run(command, check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same QA-GRPO run (fp32) on the HF backend and at TP=2 on the Megatron backend, and a mixed-precision
+    Megatron run (bf16 compute, fp32 masters)."""
+    root = tmp_path_factory.mktemp("megatron_train")
+    out = {"hf": root / "hf", "tp2": root / "tp2", "mixed": root / "mixed"}
+    run(_train_cmd(out["hf"], *BETA))
+    run(tp2_command(out["tp2"]))
+    run(_train_cmd(out["mixed"], *MEGATRON, "policy.dtype=bfloat16"))
+    return out
+
+
+def test_megatron_tp2_qa_grpo_follows_the_hf_backend(runs):
+    """fp32: the TP=2 Megatron policy and its TP=2 engine sample what the HF backend's run samples (the same
+    completions, so equal rewards and held-out accuracy at every step); losses and gradient norms (summed over
+    the shards) agree to the fp32 floor; the engine is synced with the policy as on the HF backend."""
+    hf, tp2 = read_metrics(runs["hf"] / "metrics.jsonl"), read_metrics(runs["tp2"] / "metrics.jsonl")
+    assert [r["step"] for r in tp2] == [r["step"] for r in hf] == [0, 1, 2, 3, 4]
+    for ours, theirs in zip(tp2, hf):
+        for key in ("reward/mean", "reward/std", "eval/accuracy", "completion/mean_length"):
+            assert ours.get(key) == theirs.get(key), (ours["step"], key)
+        for key in ("loss", "grad_norm", "kl/ref", "entropy"):
+            if theirs.get(key) is not None:
+                assert math.isclose(ours[key], theirs[key], rel_tol=1e-4, abs_tol=1e-7), (ours["step"], key)
+        if "mismatch/max_abs_logprob_diff" in ours:
+            assert ours["mismatch/max_abs_logprob_diff"] < 1e-4
+
+
+def test_megatron_tp2_checkpoint_is_a_hugging_face_one(runs):
+    """A TP=2 checkpoint holds one trainer state per process, and its policy (weights gathered by Hugging Face
+    name, the quantizer state) loads into the HF backend, next to the HF backend's own after the same steps."""
+    checkpoint = complete_checkpoints(runs["tp2"])[-1]
+    assert (checkpoint / "trainer_state.pt").is_file() and (checkpoint / "trainer_state.rank1.pt").is_file()
+    ours, theirs = load_policy_checkpoint(runs["tp2"], PolicyConfig()), load_policy_checkpoint(runs["hf"], PolicyConfig())
+    assert ours.format.name == theirs.format.name == "nvfp4_a16"
+    weights, reference = ours.model.state_dict(), theirs.model.state_dict()
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-5), name
+    with pytest.raises(ConfigError, match="written by 2 process"):  # resumed by one process: refused
+        load_trainer_state(checkpoint)
+
+
+def test_megatron_tp2_resume_after_sigkill_reproduces_the_uninterrupted_run(runs, tmp_path):
+    run_dir = tmp_path / "killed"
+    kill_after_first_checkpoint(tp2_command(run_dir), run_dir)
+    run(tp2_command(run_dir, "trainer.resume=true"))
+    assert _deterministic(read_metrics(run_dir / "metrics.jsonl")) == _deterministic(
+        read_metrics(runs["tp2"] / "metrics.jsonl"))
+
+
+def test_megatron_mixed_precision_checkpoint_holds_fp32_masters(runs):
+    """bf16 compute with fp32 masters: the checkpoint keeps the masters (fp32 values, not the bf16 compute copy)
+    and says the policy computed in bf16, as the HF backend's checkpoints do; the run stays synced."""
+    checkpoint = complete_checkpoints(runs["mixed"])[-1]
+    tensors = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in tensors.values())
+    assert trained_dtype(checkpoint) == "bfloat16"
+    rows = read_metrics(runs["mixed"] / "metrics.jsonl")
+    assert all(abs(r["mismatch/kl"]) < 1e-3 for r in rows if r.get("mismatch/kl") is not None)
+
+
+def test_qad_runs_on_the_megatron_backend(tmp_path):
+    """QAD (NVFP4 W4A4 student) on the Megatron backend: the teacher is measured, the engine stays synced, and the
+    student was calibrated exactly as the HF backend calibrates it (the same padded batches, padding masked as
+    transformers masks it): its input and weight amax are the HF backend's to the last bits of the fused GEMMs."""
+    from qarl.checkpoint import checkpoint_format
+    from qarl.config import RecipeConfig, load_recipe
+    from qarl.quant import quantizer_state
+    from qarl.tasks import build_task
+    from qarl.train import initial_policy
+
+    from .test_distill import COMMAND, SMALL
+
+    run(COMMAND + [f"run.dir={tmp_path}", *SMALL, *MEGATRON])
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[0].get("eval/teacher_accuracy") is not None
+    assert all(abs(r["mismatch/kl"]) < 1e-4 for r in rows if r.get("mismatch/kl") is not None)
+    cfg = load_recipe(COMMAND[-1], [f"run.dir={tmp_path}", *SMALL], RecipeConfig)
+    hf = initial_policy(cfg, build_task(cfg.task, cfg.run.seed))  # the HF backend, calibrated as QAD calibrates
+    checkpoint = complete_checkpoints(tmp_path)[-1]
+    assert checkpoint_format(checkpoint).name == hf.format.name
+    ours, theirs = load_file(str(checkpoint / "quantizer_state.safetensors")), quantizer_state(hf.model)
+    assert ours.keys() == theirs.keys() and any("input_quantizer" in k for k in ours)
+    for name, amax in theirs.items():
+        if "input_quantizer" in name:  # weight amax move with training; the input amax are calibration's
+            assert torch.allclose(ours[name], amax, rtol=1e-5, atol=0), name
