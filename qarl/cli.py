@@ -9,8 +9,8 @@
   qarl export CHECKPOINT --target export/T.yaml --out DIR   real NVFP4/FP8 Hugging Face checkpoint
   qarl export --verify DIR                 load an export independently and compare its logits
 
-Tensor parallel (policy.backend=megatron): torchrun --nproc_per_node TP -m qarl train RECIPE \
-    policy.backend=megatron policy.tensor_parallel_size=TP
+Tensor and data parallel (the Megatron backend), N processes, N / TP data-parallel ranks:
+  torchrun --nproc_per_node N -m qarl train RECIPE policy.backend=megatron policy.tensor_parallel_size=TP
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qarl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     parity = sub.add_parser("parity", help="train/rollout log-prob mismatch per quantization format")
     parity.add_argument("recipe")

@@ -211,13 +211,13 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     if not comps:
         return {}
     total_tokens = sum(len(c.token_ids) for c in comps)
-    sums = {"kl": 0.0, "kl_full": 0.0, "entropy": 0.0, "mismatch": 0.0}
-    max_diff = 0.0
+    parts: dict[str, list[float]] = {"kl": [], "kl_full": [], "entropy": [], "mismatch": [], "max_diff": []}
     student.model.train()
     optimizer.zero_grad()
     for group in optimizer.param_groups:
         group["lr"] = lr
-    for rows in _micro_batches(comps, t.micro_batch_size):
+    # this process's micro-batches (data parallel), each weighted for the whole step
+    for rows in student.local_share(_micro_batches(comps, t.micro_batch_size)):
         scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
                             cfg.policy.generation.temperature, cfg.distill.top_k)
         optimizer.backward(scores.kl.sum() / total_tokens)
@@ -225,13 +225,15 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
         engine_lp = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in rows],
                                  device=scores.mask.device)
         delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
-        max_diff = max(max_diff, delta.abs().max().item())
-        sums["mismatch"] += ((torch.exp(delta) - delta - 1) * scores.mask).sum().item()
-        sums["kl"] += scores.kl.detach().sum().item()
-        sums["kl_full"] += scores.kl_full.sum().item()
-        sums["entropy"] += scores.entropy.sum().item()
+        parts["max_diff"].append(delta.abs().max().item())
+        parts["mismatch"].append(((torch.exp(delta) - delta - 1) * scores.mask).sum().item())
+        parts["kl"].append(scores.kl.detach().sum().item())
+        parts["kl_full"].append(scores.kl_full.sum().item())
+        parts["entropy"].append(scores.entropy.sum().item())
     result = optimizer.step()
     student.model.eval()
+    sums = {k: sum(student.all_values(v)) for k, v in parts.items() if k != "max_diff"}  # of every process's
+    max_diff = max(student.all_values(parts["max_diff"]), default=0.0)
     out = {"distill/kl": sums["kl"] / total_tokens, "lr": lr, "grad_norm": result.grad_norm,
            "entropy": sums["entropy"] / total_tokens, "mismatch/kl": sums["mismatch"] / total_tokens,
            "mismatch/max_abs_logprob_diff": max_diff, **step_metrics([result])}

@@ -13,6 +13,7 @@ import importlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from qarl.quant.formats import format_to_yaml
 from qarl.quant.rollout_view import RolloutView
 
 EMBEDDED_PREFIX = "embedded:"
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -161,6 +163,15 @@ class Policy:
         """Set the policy state that is a function of the step (LoRA's noise) before the refit that
         serves `step`'s rollout; returns its metrics for that step's row."""
         return {"lora/noise_std": self.noise.apply(step)} if self.noise is not None else {}
+
+    def local_share(self, micro_batches: list[T]) -> list[T]:
+        """The micro-batches of a step this process trains on: all of them (data parallelism, where a backend has
+        it, gives each data-parallel process its share; `finish_gradients` then sums their gradients)."""
+        return micro_batches
+
+    def all_values(self, values: list[float]) -> list[float]:
+        """Per-micro-batch metric values of every process's `local_share`, concatenated: here, `values`."""
+        return values
 
     def finish_gradients(self) -> None:
         """After the backward passes of a step, before the optimizer reads the gradients: what a backend must

@@ -144,10 +144,11 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     max_len = max(len(c.token_ids) for c in comps)
     total_tokens = sum(len(comps[i].token_ids) for i in keep)
     micro = [keep[s : s + t.micro_batch_size] for s in range(0, len(keep), t.micro_batch_size)]
+    mine = policy.local_share(micro)  # this process's micro-batches (data parallel); each weighted for the whole step
     engine_lp, old_lp, ref_lp = {}, {}, {}
     args = {rows[0]: ([comps[i].prompt_ids for i in rows], [comps[i].token_ids for i in rows], pad, temperature)
-            for rows in micro}
-    for rows in micro:  # the rollout-time log-probs: the engine's, and the reference's if there is one
+            for rows in mine}
+    for rows in mine:  # the rollout-time log-probs: the engine's, and the reference's if there is one
         width = max(len(comps[i].token_ids) for i in rows)
         engine_lp[rows[0]] = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in (comps[i] for i in rows)],
                                           device=policy.device)
@@ -156,12 +157,13 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
                 ref_lp[rows[0]] = score_completions(reference, *args[rows[0]]).logprobs
             if t.num_iterations > 1:  # later passes compare against the policy as it was at rollout
                 old_lp[rows[0]] = score_completions(policy.model, *args[rows[0]])
-    stats: dict[str, list[float]] = {"loss": [], "clip": [], "kl": [], "is_weight": [], "grad_norm": []}
+    stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip", "kl", "is_weight", "grad_norm", "max_diff", "k3",
+                                                     "entropy", "tokens")}
     results = []
     policy.model.train()
     for _ in range(t.num_iterations):
         optimizer.zero_grad()
-        for rows in micro:
+        for rows in mine:
             scores = score_completions(policy.model, *args[rows[0]])
             if rows[0] not in old_lp:  # one pass: the policy has not moved since rollout, old = current
                 old_lp[rows[0]] = TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
@@ -178,19 +180,21 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         stats["grad_norm"].append(results[-1].grad_norm)
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
-    diffs, k3, entropy, tokens = [], 0.0, 0.0, 0.0
-    for rows in micro:
+    for rows in mine:
         old, eng = old_lp[rows[0]], engine_lp[rows[0]]
         delta = (old.logprobs - eng) * old.mask
-        diffs.append(delta.abs().max().item())
-        k3 += ((torch.exp(delta) - delta - 1) * old.mask).sum().item()
-        entropy += old.entropy.sum().item()
-        tokens += old.mask.sum().item()
+        stats["max_diff"].append(delta.abs().max().item())
+        stats["k3"].append(((torch.exp(delta) - delta - 1) * old.mask).sum().item())
+        stats["entropy"].append(old.entropy.sum().item())
+        stats["tokens"].append(old.mask.sum().item())
+    every = {k: policy.all_values(v) for k, v in stats.items()}  # of every process's micro-batches
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"loss": sum(stats["loss"]) / t.num_iterations, "clip_fraction": mean(stats["clip"]),
-            "kl/ref": mean(stats["kl"]), "is_weight_mean": mean(stats["is_weight"]),
-            "grad_norm": mean(stats["grad_norm"]), "entropy": entropy / tokens, "mismatch/kl": k3 / tokens,
-            "mismatch/max_abs_logprob_diff": max(diffs), **step_metrics(results)}
+    tokens = sum(every["tokens"])
+    return {"loss": sum(every["loss"]) / t.num_iterations, "clip_fraction": mean(every["clip"]),
+            "kl/ref": mean(every["kl"]), "is_weight_mean": mean(every["is_weight"]),
+            "grad_norm": mean(stats["grad_norm"]), "entropy": sum(every["entropy"]) / tokens,
+            "mismatch/kl": sum(every["k3"]) / tokens, "mismatch/max_abs_logprob_diff": max(every["max_diff"]),
+            **step_metrics(results)}
 
 
 def train(cfg: RecipeConfig) -> Path:

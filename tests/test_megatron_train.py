@@ -22,12 +22,14 @@ from qarl.metrics import read_metrics
 from .test_train import _deterministic, _train_cmd, kill_after_first_checkpoint
 
 MEGATRON = ["policy.backend=megatron"]
-BETA = ["trainer.beta=0.04"]  # a KL term: the step-0 reference is rebuilt on resume
+# a KL term (the step-0 reference is rebuilt on resume) and two micro-batches per step (one per data-parallel rank)
+BETA = ["trainer.beta=0.04", "trainer.micro_batch_size=8"]
 
 
-def tp2_command(run_dir: Path, *extra: str) -> list[str]:
-    """`qarl train` under torchrun, two processes: the Megatron policy and the vLLM engine at TP=2."""
-    command = _train_cmd(run_dir, *MEGATRON, *BETA, "policy.tensor_parallel_size=2", *extra)
+def two_processes(run_dir: Path, tp: int = 2, *extra: str) -> list[str]:
+    """`qarl train` under torchrun, two processes (the vLLM engine spans both): the Megatron policy at TP=2, or
+    at TP=1 and two data-parallel ranks."""
+    command = _train_cmd(run_dir, *MEGATRON, *BETA, f"policy.tensor_parallel_size={tp}", *extra)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command[1:]]
 
 
@@ -37,23 +39,26 @@ def run(command: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same QA-GRPO run (fp32) on the HF backend and at TP=2 on the Megatron backend, and a mixed-precision
-    Megatron run (bf16 compute, fp32 masters)."""
+    """The same QA-GRPO run (fp32) on the HF backend and, on the Megatron backend, at TP=2 and data parallel (two
+    processes at TP=1), and a mixed-precision Megatron run (bf16 compute, fp32 masters)."""
     root = tmp_path_factory.mktemp("megatron_train")
-    out = {"hf": root / "hf", "tp2": root / "tp2", "mixed": root / "mixed"}
+    out = {"hf": root / "hf", "tp2": root / "tp2", "dp2": root / "dp2", "mixed": root / "mixed"}
     run(_train_cmd(out["hf"], *BETA))
-    run(tp2_command(out["tp2"]))
+    run(two_processes(out["tp2"]))
+    run(two_processes(out["dp2"], 1))
     run(_train_cmd(out["mixed"], *MEGATRON, "policy.dtype=bfloat16"))
     return out
 
 
-def test_megatron_tp2_qa_grpo_follows_the_hf_backend(runs):
-    """fp32: the TP=2 Megatron policy and its TP=2 engine sample what the HF backend's run samples (the same
-    completions, so equal rewards and held-out accuracy at every step); losses and gradient norms (summed over
-    the shards) agree to the fp32 floor; the engine is synced with the policy as on the HF backend."""
-    hf, tp2 = read_metrics(runs["hf"] / "metrics.jsonl"), read_metrics(runs["tp2"] / "metrics.jsonl")
-    assert [r["step"] for r in tp2] == [r["step"] for r in hf] == [0, 1, 2, 3, 4]
-    for ours, theirs in zip(tp2, hf):
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_megatron_qa_grpo_in_two_processes_follows_the_hf_backend(runs, layout):
+    """fp32: the Megatron policy in two processes (TP=2, or two data-parallel ranks, each backpropagating its share
+    of the micro-batches) and its engine spanning both sample what the HF backend's run samples (the same
+    completions, so equal rewards and held-out accuracy at every step); losses, KL and gradient norms (summed
+    over the shards, or the ranks) agree to the fp32 floor; the engine is synced with the policy."""
+    hf, ours_rows = read_metrics(runs["hf"] / "metrics.jsonl"), read_metrics(runs[layout] / "metrics.jsonl")
+    assert [r["step"] for r in ours_rows] == [r["step"] for r in hf] == [0, 1, 2, 3, 4]
+    for ours, theirs in zip(ours_rows, hf):
         for key in ("reward/mean", "reward/std", "eval/accuracy", "completion/mean_length"):
             assert ours.get(key) == theirs.get(key), (ours["step"], key)
         for key in ("loss", "grad_norm", "kl/ref", "entropy"):
@@ -80,8 +85,8 @@ def test_megatron_tp2_checkpoint_is_a_hugging_face_one(runs):
 
 def test_megatron_tp2_resume_after_sigkill_reproduces_the_uninterrupted_run(runs, tmp_path):
     run_dir = tmp_path / "killed"
-    kill_after_first_checkpoint(tp2_command(run_dir), run_dir)
-    run(tp2_command(run_dir, "trainer.resume=true"))
+    kill_after_first_checkpoint(two_processes(run_dir), run_dir)
+    run(two_processes(run_dir, 2, "trainer.resume=true"))
     assert _deterministic(read_metrics(run_dir / "metrics.jsonl")) == _deterministic(
         read_metrics(runs["tp2"] / "metrics.jsonl"))
 

@@ -64,6 +64,24 @@ def tp_group() -> dist.ProcessGroup:
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def all_data_parallel_values(values: list[float]) -> list[float]:
+    """`values` of every data-parallel rank, concatenated in rank order (the same list on every rank)."""
+    from megatron.core import parallel_state
+
+    _, size = data_parallel_rank_and_size()
+    if size == 1:
+        return values
+    gathered: list[list[float] | None] = [None] * size
+    dist.all_gather_object(gathered, values, group=parallel_state.get_data_parallel_group())
+    return [v for part in gathered for v in part]
+
+
 def tp_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
@@ -285,8 +303,9 @@ class MegatronModel(nn.Module):
         if parallel_state.get_data_parallel_world_size() > 1:
             group = parallel_state.get_data_parallel_group()
             for param in self.model.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad, group=group)
+                if param.grad is None:  # a rank with no micro-batch this step still takes part in the sum
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, group=group)
 
     def clip_gradients(self, named: list[tuple[str, torch.Tensor]], max_norm: float) -> torch.Tensor:
         """Clip the gradients of (parameter name, tensor) pairs, the tensors this rank's parameters or their

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from qarl.backends.megatron import MegatronModel, build_megatron_model, check_megatron_model, read_master_weights
+from qarl.backends.megatron import (MegatronModel, all_data_parallel_values, build_megatron_model, check_megatron_model,
+                                    data_parallel_rank_and_size, read_master_weights)
 from qarl.config import ConfigError, PolicyConfig
-from qarl.policy import Policy, calibration_batches, default_device, resolve_model_dir
+from qarl.policy import Policy, T, calibration_batches, default_device, resolve_model_dir
 from qarl.quant import QuantFormat, resolve_format
 from qarl.quant.formats import same_format
 
@@ -30,6 +31,15 @@ class MegatronPolicy(Policy):
     dtype) holds this rank's shards of the master weights."""
 
     model: MegatronModel
+
+    def local_share(self, micro_batches: list[T]) -> list[T]:
+        """Every data-parallel rank's own micro-batches (interleaved); the TP ranks of one data-parallel rank share
+        them."""
+        rank, size = data_parallel_rank_and_size()
+        return micro_batches[rank::size]
+
+    def all_values(self, values: list[float]) -> list[float]:
+        return all_data_parallel_values(values)
 
     def finish_gradients(self) -> None:
         self.model.finish_gradients()
@@ -58,10 +68,10 @@ def check(cfg: PolicyConfig) -> None:
                           "policy.generation.quant_cfg to policy.quant_cfg, or use policy.backend=hf for rollouts "
                           "quantized in another format")
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != cfg.tensor_parallel_size:
-        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} but {world} process(es) run this "
-                          f"command: launch it with `torchrun --nproc_per_node {cfg.tensor_parallel_size} -m qarl ...` "
-                          "(one process per tensor-parallel rank; data parallelism is not in the training loops yet)")
+    if world % cfg.tensor_parallel_size:
+        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} does not divide the {world} "
+                          f"process(es) that run this command: launch it with `torchrun --nproc_per_node N -m qarl ...`, "
+                          f"N a multiple of {cfg.tensor_parallel_size} (the processes beyond TP are data parallel)")
     if cfg.generation.tensor_parallel_size not in (1, world):
         raise ConfigError(f"policy.generation.tensor_parallel_size={cfg.generation.tensor_parallel_size}: under torchrun "
                           f"the engine spans the {world} process(es) of the policy; leave it at 1 or set {world}")
