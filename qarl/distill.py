@@ -40,7 +40,7 @@ from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
 from qarl.models.checks import parameter_count, tokenizer_differences, vocab_width
-from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, progress_bar, read_metrics, report_run
+from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, progress_bar, report_run
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
 from qarl.quant import check_generation_matches, resolve_format
@@ -348,8 +348,7 @@ def distill(cfg: RecipeConfig) -> Path:
                             keep=cfg.checkpoint.keep)
 
     # 5. Final evaluation, plot, summary.
-    if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
-        metrics.write({"step": t.steps, **evaluation()})
+    metrics.write({"step": t.steps, **evaluation()})
     metrics.close()
     report_run(run_dir, DISTILL_PANELS, distill_summary)
     return run_dir

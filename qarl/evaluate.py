@@ -6,6 +6,7 @@ checkpoint's quantizers and amax) and for the same master weights unquantized.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
     is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
+    # evaluation runs in one process on the HF backend, whichever backend trained it (its checkpoints are HF ones)
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="hf", tensor_parallel_size=1))
     task = build_task(cfg.task, cfg.run.seed)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     problems = task.eval[: cfg.eval.num_prompts]

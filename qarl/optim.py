@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qarl.config import TrainingDiverged
+from qarl.config import ConfigError, TrainingDiverged
 from qarl.policy import Policy
 
 
@@ -63,6 +63,7 @@ class PolicyOptimizer:
         self.model = policy.model
         self.finish_gradients = policy.finish_gradients  # a backend's gradient reductions, before the step
         self.clip_gradients = policy.clip_gradients  # a backend's gradient norm (a sharded one sums across shards)
+        self.all_values = policy.all_values  # data parallel: every process's values, for one decision on all of them
         named = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -100,7 +101,8 @@ class PolicyOptimizer:
                 if m.grad is not None:
                     m.grad.mul_(1.0 / self.scaler.scale)
         norm = self.clip_gradients(list(zip(self.names, self.masters)), self.max_grad_norm)
-        loss_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
+        local_finite = True if self._loss_finite is None else bool(self._loss_finite.item())
+        loss_finite = all(self.all_values([float(local_finite)]))
         grad_finite = bool(torch.isfinite(norm).item())
         applied = loss_finite and grad_finite
         if applied:
@@ -122,6 +124,13 @@ class PolicyOptimizer:
         return {"adamw": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state["adamw"]["state"]
+        wrong = [i for i, master in enumerate(self.masters)
+                 if i in saved and "exp_avg" in saved[i] and saved[i]["exp_avg"].shape != master.shape]
+        if len(saved) > len(self.masters) or wrong:
+            raise ConfigError("the checkpoint's optimizer state belongs to parameters of other shapes (another model, "
+                              "or another tensor/data-parallel layout): resume with the settings the run was trained "
+                              "with, or start a new run from the checkpoint's policy/")
         self.optimizer.load_state_dict(state["adamw"])
         if self.scaler and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])

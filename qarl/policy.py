@@ -89,13 +89,16 @@ def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str
 
 
 def calibration_batches(
-    texts: list[str], tokenizer: PreTrainedTokenizerBase, cfg: PolicyConfig, device: torch.device
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, cfg: PolicyConfig, device: torch.device,
+    padding_side: str | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
+    """`texts` tokenized in batches of `cfg.quant_batch_size`, padded on the tokenizer's side (or `padding_side`)."""
     for start in range(0, len(texts), cfg.quant_batch_size):
         enc = tokenizer(
             texts[start : start + cfg.quant_batch_size],
             return_tensors="pt",
             padding=True,
+            padding_side=padding_side or tokenizer.padding_side,
             truncation=True,
             max_length=cfg.quant_sequence_length,
         )
@@ -224,18 +227,28 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
 BACKENDS = {"hf": "qarl.policy:build_hf_policy", "megatron": "qarl.backends.megatron_policy:build_megatron_policy"}
 
 
-def check_backend(cfg: PolicyConfig) -> None:
-    """`policy.backend` and what it allows, before anything loads (the backend's own `check` does the rest)."""
+def _backend_module(cfg: PolicyConfig) -> tuple[object, str]:
+    """(the module of `policy.backend`, the name of its builder), imported on use."""
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"policy.backend={cfg.backend!r}; choose one of {sorted(BACKENDS)}")
+    module, _, function = BACKENDS[cfg.backend].partition(":")
+    return importlib.import_module(module), function
+
+
+def check_backend(cfg: PolicyConfig) -> None:
+    """`policy.backend` and what it allows, before anything loads (the backend's own `check` does the rest)."""
+    module, _ = _backend_module(cfg)
     if cfg.tensor_parallel_size < 1:
         raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} must be at least 1")
-    if cfg.backend == "hf" and cfg.tensor_parallel_size != 1:
-        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} needs policy.backend=megatron: "
-                          "the Hugging Face backend trains in one process")
-    if cfg.backend != "hf":
-        module, _, _ = BACKENDS[cfg.backend].partition(":")
-        importlib.import_module(module).check(cfg)
+    if cfg.backend == "hf":
+        if cfg.tensor_parallel_size != 1:
+            raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} needs policy.backend=megatron: "
+                              "the Hugging Face backend trains in one process")
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise ConfigError("the Hugging Face backend trains in one process, but torchrun started "
+                              f"{os.environ['WORLD_SIZE']}: run it without torchrun, or set policy.backend=megatron")
+        return
+    module.check(cfg)
 
 
 def build_policy(
@@ -258,8 +271,8 @@ def build_policy(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    module, _, function = BACKENDS[cfg.backend].partition(":")
-    return getattr(importlib.import_module(module), function)(cfg, model_dir, tokenizer, fmt, texts, trainable)
+    module, function = _backend_module(cfg)
+    return getattr(module, function)(cfg, model_dir, tokenizer, fmt, texts, trainable)
 
 
 def build_hf_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,

@@ -26,8 +26,7 @@ from qarl.generation import Completion, VLLMEngine, runs_eager, sleeps_between_r
 from qarl.generation.vllm_engine import RefitTiming
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.lora import check_lora
-from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, progress_bar, read_metrics,
-                          report_run)
+from qarl.metrics import MetricsLog, ProgressFigures, check_loggers, device_memory_gib, progress_bar, report_run
 from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
 from qarl.policy import (Policy, TokenScores, attach_rollout_view, build_policy, cache_dir, check_backend,
                          check_precision, resolve_model_dir, score_completions)
@@ -71,11 +70,11 @@ def initial_model_key(cfg: RecipeConfig, task: Task) -> str:
     return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg))
 
 
-def initial_policy(cfg: RecipeConfig, task: Task) -> Policy:
-    """The step-0 policy: the initial model, quantized and calibrated.
-    Deterministic, so a resumed run rebuilds the same KL reference."""
+def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True) -> Policy:
+    """The step-0 policy: the initial model, quantized and calibrated (`trainable`: with master weights).
+    Deterministic, so the KL reference is this policy built again."""
     calibration = task.calibration_texts(cfg.policy.quant_calib_size)
-    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=True)
+    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=trainable)
 
 
 def check_run_settings(cfg: RecipeConfig) -> None:
@@ -187,7 +186,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         stats["k3"].append(((torch.exp(delta) - delta - 1) * old.mask).sum().item())
         stats["entropy"].append(old.entropy.sum().item())
         stats["tokens"].append(old.mask.sum().item())
-    every = {k: policy.all_values(v) for k, v in stats.items()}  # of every process's micro-batches
+    every = {k: policy.all_values(v) for k, v in stats.items() if k != "grad_norm"}  # every process's micro-batches
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     tokens = sum(every["tokens"])
     return {"loss": sum(every["loss"]) / t.num_iterations, "clip_fraction": mean(every["clip"]),
@@ -217,7 +216,7 @@ def train(cfg: RecipeConfig) -> Path:
     policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
     reference = None
     if t.beta > 0:  # the step-0 policy, rebuilt (deterministic) and frozen (a LoRA policy's own base)
-        reference = policy.kl_reference(lambda: initial_policy(cfg, task).model)
+        reference = policy.kl_reference(lambda: initial_policy(cfg, task, trainable=False).model)
     policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
@@ -272,8 +271,7 @@ def train(cfg: RecipeConfig) -> Path:
                             keep=cfg.checkpoint.keep)
 
     # 5. Final evaluation, plot, summary.
-    if not any(r.get("step") == t.steps for r in read_metrics(run_dir / "metrics.jsonl")):
-        metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards).accuracy})
+    metrics.write({"step": t.steps, "eval/accuracy": evaluate(engine, policy, eval_problems, rewards).accuracy})
     metrics.close()
     report_run(run_dir)
     return run_dir

@@ -87,7 +87,7 @@ def main() -> None:
         for _ in range(args.train_steps):
             train_step(built, optimizer, ids)
         if args.save:
-            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", args.model_dir, fmt,
+            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", fmt,
                               AutoTokenizer.from_pretrained(args.model_dir))
         built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)

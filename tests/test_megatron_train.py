@@ -84,11 +84,41 @@ def test_megatron_tp2_checkpoint_is_a_hugging_face_one(runs):
 
 
 def test_megatron_tp2_resume_after_sigkill_reproduces_the_uninterrupted_run(runs, tmp_path):
+    """Killed after its step-2 checkpoint and resumed at TP=2: the uninterrupted run's metrics, every value. It keeps
+    one checkpoint of every step, so the resumed policy's own source directory is gone before its last save."""
     run_dir = tmp_path / "killed"
-    kill_after_first_checkpoint(two_processes(run_dir), run_dir)
-    run(two_processes(run_dir, 2, "trainer.resume=true"))
+    every_step = ["checkpoint.every=1", "checkpoint.keep=1"]
+    kill_after_first_checkpoint(two_processes(run_dir, 2, *every_step), run_dir)
+    run(two_processes(run_dir, 2, *every_step, "trainer.resume=true"))
     assert _deterministic(read_metrics(run_dir / "metrics.jsonl")) == _deterministic(
         read_metrics(runs["tp2"] / "metrics.jsonl"))
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["step_4"]
+
+
+def test_a_resume_in_another_parallel_layout_is_refused(runs, task, tiny_dir):
+    """Optimizer state of TP shards does not fit other parameters: refused by name, not loaded into the wrong ones
+    (here: the TP=2 run's rank-0 state into the HF backend's optimizer; TP=2 into TP=1 x DP=2 alike)."""
+    from qarl.optim import PolicyOptimizer
+
+    from .conftest import tiny_policy
+
+    state = torch.load(complete_checkpoints(runs["tp2"])[-1] / "trainer_state.pt", weights_only=True)
+    policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", trainable=True)
+    with pytest.raises(ConfigError, match="other shapes"):
+        PolicyOptimizer(policy, 1e-4, 0.0, 1.0).load_state_dict(state["optimizer"])
+
+
+def test_what_the_loops_cannot_run_under_torchrun_is_refused(monkeypatch):
+    """Before anything loads: the HF backend in several processes, an engine TP other than the processes'."""
+    from qarl.config import GenerationConfig
+    from qarl.policy import check_backend
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="torchrun started 2"):
+        check_backend(PolicyConfig())
+    generation = GenerationConfig(quant_cfg=PolicyConfig().quant_cfg, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="generation.tensor_parallel_size=4"):
+        check_backend(PolicyConfig(backend="megatron", tensor_parallel_size=2, generation=generation))
 
 
 def test_megatron_mixed_precision_checkpoint_holds_fp32_masters(runs):

@@ -14,6 +14,7 @@ on CPU only, the rotary table stays on the model's device (Megatron's moves it t
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -223,9 +224,12 @@ class MegatronModel(nn.Module):
     calibrates and optimizes it answers like a Hugging Face causal LM (`model(input_ids, attention_mask).logits`,
     `.dtype`); to the rollout engine it is a `qarl.generation.vllm_engine.ShardedPolicy`."""
 
-    def __init__(self, model: nn.Module, shape: GPTShape):
+    def __init__(self, model: nn.Module, shape: GPTShape, hf_config: dict, generation_config: dict | None):
+        """`hf_config`, `generation_config`: the source's config.json and generation_config.json, read when the
+        model is built (a checkpoint's source directory may be gone by the time a later checkpoint is written)."""
         super().__init__()
         self.model, self.shape = model, shape
+        self.hf_config, self.generation_config = hf_config, generation_config
 
     @property
     def device(self) -> torch.device:
@@ -337,18 +341,15 @@ class MegatronModel(nn.Module):
         return {hf_name: module.input_quantizer for name, module in self.model.named_modules()
                 if hasattr(module, "input_quantizer") for hf_name in hf_counterparts(name)}
 
-    def save_policy(self, out_dir: str | Path, source_dir: str | Path, fmt: QuantFormat | None,
-                    tokenizer: PreTrainedTokenizerBase, masters: dict[str, torch.Tensor] | None = None) -> None:
+    def save_policy(self, out_dir: str | Path, fmt: QuantFormat | None, tokenizer: PreTrainedTokenizerBase,
+                    masters: dict[str, torch.Tensor] | None = None) -> None:
         """Write into `out_dir` what the HF backend writes for a checkpoint's policy (`qarl/checkpoint.py`): policy/
-        a Hugging Face directory (these weights, or `masters`, by Hugging Face name; the source's config and
-        generation config with the dtype this model computes in; the tokenizer), plus quantizer_state.safetensors
+        a Hugging Face directory (these weights, or `masters`, by Hugging Face name; the source's config, with the
+        dtype this model computes in, and generation config; the tokenizer), plus quantizer_state.safetensors
         and quant_format.yaml. TP-independent: any TP, or the HF backend, loads it, and `qarl export` exports it.
         Collective (the shards are gathered one tensor at a time); rank 0 keeps them, so it holds the whole model
         once, in host or device memory as the weights are, and writes. Not atomic by itself: the caller writes
         into a temporary directory, as checkpoints do."""
-        import json
-        import shutil
-
         from safetensors.torch import save_file
 
         from qarl.quant.formats import format_to_yaml
@@ -360,15 +361,14 @@ class MegatronModel(nn.Module):
                 weights[name] = tensor.contiguous()
         state = self.quantizer_state() if fmt is not None else None
         if writer:
-            out, source = Path(out_dir) / "policy", Path(source_dir)
+            out = Path(out_dir) / "policy"
             out.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-            config = json.loads((source / "config.json").read_text())
-            config.pop("torch_dtype", None)
+            config = {k: v for k, v in self.hf_config.items() if k != "torch_dtype"}
             config["dtype"] = str(self.dtype).removeprefix("torch.")  # the dtype it computed in, as HF's save writes
             (out / "config.json").write_text(json.dumps(config, indent=2))
-            if (source / "generation_config.json").is_file():
-                shutil.copy2(source / "generation_config.json", out / "generation_config.json")
+            if self.generation_config is not None:
+                (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
             tokenizer.save_pretrained(out)
             if fmt is not None:
                 save_file(state, str(Path(out_dir) / "quantizer_state.safetensors"))
@@ -459,11 +459,13 @@ def build_megatron_model(model_dir: str, tensor_parallel_size: int, dtype: torch
     """Check the model (`check_megatron_model`), then build and load this rank's shard and, with `fmt`, quantize
     it and calibrate it on `calibration()`'s batches (None: uncalibrated, the amax to be loaded)."""
     reference = check_megatron_model(model_dir, tensor_parallel_size, fmt)
-    shape = gpt_shape(read_hf_config(model_dir))
+    hf_config = read_hf_config(model_dir)
+    shape = gpt_shape(hf_config)
     init_parallel(tensor_parallel_size)
     model = build_gpt_model(shape, dtype, device)
     load_hf_weights(model, shape, model_dir)
-    built = MegatronModel(model=model, shape=shape)
+    generation = Path(model_dir) / "generation_config.json"
+    built = MegatronModel(model, shape, hf_config, json.loads(generation.read_text()) if generation.is_file() else None)
     if fmt is not None:
         _quantize(built, reference, fmt, calibration, weight_cache)
     return built

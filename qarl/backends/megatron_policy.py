@@ -50,18 +50,24 @@ class MegatronPolicy(Policy):
         return self.model.clip_gradients(named, max_norm)
 
     def save(self, out_dir: Path) -> None:
-        self.model.save_policy(out_dir, self.model_dir, self.format, self.tokenizer, masters=self.master)
+        self.model.save_policy(out_dir, self.format, self.tokenizer, masters=self.master)
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_quantizer_state(state)
 
 
-def check(cfg: PolicyConfig) -> None:
-    """What the Megatron backend cannot run, refused before anything loads: adapters, rollouts in another format,
-    a process count torchrun did not give, a model family, TP size or block size the converter refuses."""
+def refuse_adapters(cfg: PolicyConfig) -> None:
     if cfg.lora.mode != "none":
         raise ConfigError(f"policy.lora.mode={cfg.lora.mode}: the Megatron backend trains whole models; LoRA adapters "
                           "train on the Hugging Face backend (policy.backend=hf)")
+
+
+def check(cfg: PolicyConfig) -> None:
+    """What the Megatron backend cannot run, refused before anything loads: adapters, rollouts in another format,
+    a process count torchrun did not give, a model family, TP size or block size the converter refuses. Under
+    torchrun on GPUs, each process then takes its own GPU (LOCAL_RANK), before the warm start or anything else
+    touches one."""
+    refuse_adapters(cfg)
     fmt = resolve_format(cfg.quant_cfg)
     if not same_format(fmt, resolve_format(cfg.generation.quant_cfg)):
         raise ConfigError("the Megatron backend refits the engine in the policy's own format: set "
@@ -76,6 +82,8 @@ def check(cfg: PolicyConfig) -> None:
         raise ConfigError(f"policy.generation.tensor_parallel_size={cfg.generation.tensor_parallel_size}: under torchrun "
                           f"the engine spans the {world} process(es) of the policy; leave it at 1 or set {world}")
     check_megatron_model(resolve_model_dir(cfg.model_name), cfg.tensor_parallel_size, fmt)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def build_megatron_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
@@ -83,9 +91,12 @@ def build_megatron_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrain
     """This rank's Megatron model of `model_dir` in the compute dtype, quantized with `fmt` and calibrated on the
     batches the HF backend calibrates on (None: uncalibrated); `trainable`: with master weights read from the
     checkpoint in `cfg.master_dtype` when that is wider, as the HF backend keeps them."""
+    refuse_adapters(cfg)
     device = default_device()
-    tokenizer.padding_side = "right"  # Megatron's attention is causal over right-padded rows
-    calibration = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
+    # right-padded, as Megatron's causal attention takes rows (the HF backend's batches for right-padding tokenizers)
+    calibration = None
+    if texts is not None:
+        calibration = lambda: calibration_batches(texts, tokenizer, cfg, device, padding_side="right")  # noqa: E731
     built = build_megatron_model(model_dir, cfg.tensor_parallel_size, getattr(torch, cfg.dtype), device, fmt=fmt,
                                  calibration=calibration, weight_cache=cfg.quant_weight_cache)
     master = None

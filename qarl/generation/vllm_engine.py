@@ -155,10 +155,7 @@ class VLLMEngine:
 
         # under torchrun every process is a rank of one engine (vLLM's external launcher: each runs its shard and
         # samples the same tokens), as every process is a rank of the Megatron policy
-        processes = world_size()
-        if processes > 1 and self.cfg.tensor_parallel_size not in (1, processes):
-            raise ConfigError(f"policy.generation.tensor_parallel_size={self.cfg.tensor_parallel_size}, but under "
-                              f"torchrun the engine spans the {processes} processes: leave it at 1 or set {processes}")
+        processes = world_size()  # policy.generation.tensor_parallel_size is checked against it (megatron_policy.py)
         self.tensor_parallel_size = processes if processes > 1 else self.cfg.tensor_parallel_size
         launcher = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
         self.llm = LLM(
