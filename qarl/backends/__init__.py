@@ -1,2 +1,3 @@
-"""Training backends behind one policy interface: the Hugging Face model (qarl/policy.py) and
-megatron-core (megatron.py, with the HF <-> Megatron converter in convert.py)."""
+"""Training backends behind one policy interface (`policy.backend`): the Hugging Face model (qarl/policy.py) and
+megatron-core (megatron_policy.py: the Policy; megatron.py: the tensor-parallel model; convert.py: the
+HF <-> Megatron converter)."""
