@@ -20,6 +20,7 @@
 #   megatron_grpo  QA-GRPO NVFP4 W4A16 of the 0.5B model on the Megatron backend (TP=1; the `grpo` stage's recipe)
 #   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
 #             uninterrupted (benchmarks/resume_check.py)
+#   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -136,6 +137,11 @@ for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
     python3 benchmarks/resume_check.py recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron trainer.steps=12 \
       checkpoint.every=6 eval.every=6 --kill-at 6 --runs runs/megatron_resume --out "$out/resume_megatron_0p5b.md" \
       2>&1 | grep -v -i "warn\|it/s\]" | tail -8
+    ;;
+  megatron_qad)
+    qarl distill recipes/qa_distillation_0p5b_gpu.yaml policy.backend=megatron warm_start.steps=80 \
+      run.dir=runs/megatron_qad_0p5b 2>&1 | grep -v -i "warn\|it/s\]" | tail -8
+    keep runs/megatron_qad_0p5b megatron_qad_0p5b
     ;;
   e2e)
     # 10 steps each after the warm start; medians over steps 3-10 (the first steps warm up allocators)
