@@ -21,6 +21,8 @@
 #   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
 #             uninterrupted (benchmarks/resume_check.py)
 #   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
+#   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
+#             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -157,6 +159,11 @@ rows = [json.loads(l) for l in open('runs/e2e_$1_eager_$2/metrics.jsonl') if 'pe
 print('$1 enforce_eager=$2', {k: round(st.median(r[k] for r in rows), 3) for k in
       ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/refit_s', 'perf/rollout_tokens_per_s')})"
     done
+    ;;
+  step_time)
+    python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_engine_quant.py 2>&1 | tail -3
+    python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_held.md" 2>&1 | grep -v -i warn | tail -8
+    python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_held_nocache.md" 2>&1 | grep -v -i warn | tail -8
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

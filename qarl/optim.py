@@ -6,9 +6,11 @@ model's parameters are the bf16/fp16 tensors its forward, its fake quantizers an
 all use, so the policy computes with exactly the weights vLLM receives, and every layer (norms,
 embeddings, the head) runs in the compute dtype on both sides. The optimizer updates the fp32 masters
 (AdamW state in fp32) and copies them, rounded, into the model after each step; updates far below a
-bf16 ulp accumulate in the master instead of being rounded away. The copy is an in-place `copy_`, so
-the fake-quant weight cache sees the change by itself. When master and compute dtype are equal the
-model's parameters are the masters and this is plain AdamW with gradient clipping.
+bf16 ulp accumulate in the master instead of being rounded away. A quantized layer's compute weight is
+then fake-quantized in place (`qarl.quant.weight_cache.copy_masters`): the model holds exactly what its
+forward and the engine use, quantized once per step. When master and compute dtype are equal the
+model's parameters are the masters (the weight cache quantizes them once per step) and this is plain
+AdamW with gradient clipping.
 
 fp16 compute gets dynamic loss scaling (the loss is multiplied by a scale before backward so small
 gradients survive fp16; an overflow halves the scale and skips the step; 2000 clean steps double it).
@@ -24,6 +26,7 @@ import torch
 
 from qarl.config import ConfigError, TrainingDiverged
 from qarl.policy import Policy
+from qarl.quant.weight_cache import copy_masters, weight_holders
 
 
 @dataclass
@@ -74,6 +77,12 @@ class PolicyOptimizer:
         # gradients pass through fp16 activations on their way back
         self.scaler = LossScaler() if self.params and policy.model.dtype == torch.float16 else None
         self._loss_finite: torch.Tensor | None = None
+        self._holders = weight_holders(policy.model) if self.masters is not self.params else {}
+        self._copy_masters()
+
+    def _copy_masters(self) -> None:
+        if self.masters is not self.params:
+            copy_masters(zip(self.params, self.masters), self._holders)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -107,10 +116,7 @@ class PolicyOptimizer:
         applied = loss_finite and grad_finite
         if applied:
             self.optimizer.step()
-            if self.masters is not self.params:
-                with torch.no_grad():
-                    for p, m in zip(self.params, self.masters):
-                        p.copy_(m)  # tracked write: the fake-quant weight cache sees it
+            self._copy_masters()
         # an fp16 gradient that overflows only because of the loss scale is not a non-finite gradient
         overflow = self.scaler is not None and loss_finite and not grad_finite
         nonfinite = not applied and not (overflow and self.scaler.scale > self.scaler.min_scale)

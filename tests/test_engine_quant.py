@@ -43,7 +43,7 @@ def _check_op_equals_modelopt(policy, device: str) -> int:
 
 @pytest.mark.parametrize("fmt", ACTIVATION_FORMATS)
 def test_engine_op_is_modelopts_input_quantizer_bit_for_bit(task, tiny_dir, fmt):
-    policy = tiny_policy(task, tiny_dir, fmt)
+    policy = tiny_policy(task, tiny_dir, fmt, quant_weight_cache=False)  # ModelOpt's own forward
     assert _check_op_equals_modelopt(policy, "cpu") == 14 * 3 * 4
 
 
@@ -53,7 +53,7 @@ def test_engine_op_applies_awq_smoothing_as_modelopt(task, tiny_dir):
     from qarl.quant.formats import with_calibration
 
     awq = with_calibration(resolve_format("nvfp4_w4a4"), "awq_lite")
-    policy = build_policy(PolicyConfig(quant_calib_size=16), task.calibration_texts(16), model_dir=tiny_dir, fmt=awq)
+    policy = build_policy(PolicyConfig(quant_calib_size=16, quant_weight_cache=False), task.calibration_texts(16), model_dir=tiny_dir, fmt=awq)
     assert all(spec.smoothing for spec in input_quant_plan(tiny_dir, awq).values())
     assert policy.model.model.layers[0].self_attn.q_proj.input_quantizer.pre_quant_scale is not None
     assert _check_op_equals_modelopt(policy, "cpu") == 14 * 3 * 4
@@ -62,7 +62,7 @@ def test_engine_op_applies_awq_smoothing_as_modelopt(task, tiny_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ACTIVATION_FORMATS)
 def test_engine_op_is_modelopts_input_quantizer_on_the_gpu(task, tiny_dir, fmt):
-    policy = tiny_policy(task, tiny_dir, fmt)
+    policy = tiny_policy(task, tiny_dir, fmt, quant_weight_cache=False)  # ModelOpt's own forward
     assert _check_op_equals_modelopt(policy, "cuda") == 14 * 3 * 4
 
 

@@ -12,7 +12,7 @@ import torch
 from qarl.optim import PolicyOptimizer
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
-from qarl.quant.lean_forward import lean_forward
+from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward
 from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
 from .conftest import FORMATS, answer_loss, tiny_policy
@@ -32,12 +32,18 @@ def _layer(policy):
     return policy.model.model.layers[0].self_attn.q_proj
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, tiny_dir, fmt):
-    cached, plain = _policy(task, tiny_dir, fmt), _policy(task, tiny_dir, fmt, cache=False)
+def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, tiny_dir, fmt, dtype):
+    """fp32: the model's parameters are the masters and the cache quantizes them; bf16 with fp32 masters:
+    each compute weight holds its own quantized value after every step (`hold`). Both are ModelOpt's bits."""
+    cached, plain = _policy(task, tiny_dir, fmt, dtype=dtype), _policy(task, tiny_dir, fmt, cache=False, dtype=dtype)
     assert isinstance(_layer(cached).weight_quantizer, WeightCacheMixin)
     assert not isinstance(_layer(plain).weight_quantizer, WeightCacheMixin)
     assert type(_layer(cached)).forward is lean_forward and type(_layer(plain)).forward is not lean_forward
+    assert isinstance(_layer(cached).input_quantizer, FastInputMixin)
+    assert isinstance(cached.model.model.layers[0].self_attn, LeanAttention)
+    assert not isinstance(_layer(plain).input_quantizer, FastInputMixin)
     optimizers = [PolicyOptimizer(p, 1e-3, 0.0, 1.0) for p in (cached, plain)]
     for step in range(3):  # a forward after each optimizer step sees the new weights
         losses = [answer_loss(p, task) for p in (cached, plain)]
@@ -51,6 +57,9 @@ def test_cached_policy_equals_uncached_in_outputs_gradients_and_updates(task, ti
             assert opt.step().applied
     for (name, a), (_, b) in zip(folded_weights(cached.model), folded_weights(plain.model)):
         assert torch.equal(a, b), name
+    held = [m.weight_quantizer._qarl_held is not None for _, m in quantized_linears(cached.model)
+            if m.weight_quantizer.is_enabled]
+    assert all(held) if dtype == "bfloat16" else not any(held)
 
 
 def test_one_quantization_per_change_of_the_weights(task, tiny_dir):
@@ -144,8 +153,11 @@ def test_bf16_compute_with_fp32_master_weights(task, tiny_dir):
         optimizer.backward(answer_loss(policy, task))
         assert optimizer.step().applied
     assert not torch.equal(master, start)
-    assert torch.equal(layer.weight, master.to(torch.bfloat16))
-    assert torch.equal(layer.weight_quantizer(layer.weight), _uncached(layer.weight_quantizer, layer.weight))
+    # the compute weight holds the quantization of the master's rounding, which the forward reads as it is
+    assert torch.equal(layer.weight, _uncached(layer.weight_quantizer, master.to(torch.bfloat16)))
+    assert layer.weight_quantizer(layer.weight) is layer.weight and cache_bytes(policy.model) == 0
+    norm = policy.model.model.layers[0].input_layernorm.weight  # not quantized: the master's rounding
+    assert torch.equal(norm, policy.master["model.layers.0.input_layernorm.weight"].to(torch.bfloat16))
     saved = policy.master_state_dict()
     assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
     assert saved["lm_head.weight"].data_ptr() == saved["model.embed_tokens.weight"].data_ptr()  # tied: one master
@@ -164,3 +176,38 @@ def test_a_format_change_invalidates(task, tiny_dir):
     assert torch.equal(fp8, _uncached(layer.weight_quantizer, layer.weight))
     mtq.set_quantizer_by_cfg(policy.model, [{"quantizer_name": "*weight_quantizer", "enable": False}])
     assert torch.equal(layer.weight_quantizer(layer.weight), layer.weight)
+
+
+def test_a_held_weight_never_goes_stale(task, tiny_dir):
+    """A bf16 weight that holds its quantized value (fp32 masters) gives it up whenever what it holds would
+    be wrong: a new amax or a disabled quantizer writes the master back and the forward falls back to the
+    cache; a state load ends the hold and keeps what was loaded; the next optimizer step holds again."""
+    policy = _policy(task, tiny_dir, "fp8_w8a8", dtype="bfloat16")
+    layer = _layer(policy)
+    quantizer, master = layer.weight_quantizer, policy.master["model.layers.0.self_attn.q_proj.weight"]
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    optimizer.backward(answer_loss(policy, task))
+    optimizer.step()
+    assert quantizer._qarl_held is not None
+    assert torch.equal(quantizer(layer.weight.detach()), layer.weight)  # an alias of it is not quantized twice
+
+    def served() -> torch.Tensor:
+        with torch.no_grad():
+            return dict(folded_weights(policy.model))["model.layers.0.self_attn.q_proj.weight"]
+
+    quantizer.amax = quantizer.amax * 0.5  # ModelOpt's setter
+    assert torch.equal(served(), _uncached(quantizer, master.to(torch.bfloat16)))
+    assert quantizer._qarl_held is None and torch.equal(layer.weight, master.to(torch.bfloat16))
+    optimizer.backward(answer_loss(policy, task))
+    optimizer.step()
+    assert quantizer._qarl_held is not None and torch.equal(served(), _uncached(quantizer, master.to(torch.bfloat16)))
+    quantizer.disable()
+    assert torch.equal(served(), master.to(torch.bfloat16))  # unquantized, not the held quantization
+    quantizer.enable()
+    optimizer.backward(answer_loss(policy, task))
+    optimizer.step()
+    loaded = torch.randn_like(layer.weight)
+    policy.model.load_state_dict({"model.layers.0.self_attn.q_proj.weight": loaded}, strict=False)
+    assert torch.equal(served(), _uncached(quantizer, loaded))
+    assert quantizer._qarl_held is None and torch.equal(layer.weight, loaded)
+

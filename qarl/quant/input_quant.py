@@ -67,16 +67,28 @@ def install_kernels() -> None:
     gpu_kernels.install()
 
 
-def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
-    """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
+def plain_spec(quantizer: nn.Module) -> InputQuant | None:
+    """The `InputQuant` whose op computes what ModelOpt's `TensorQuantizer.forward` computes for this
+    quantizer once calibrated (a static per-tensor amax), or None when it is anything else (another
+    format, per-channel or dynamic amax, a bias, a rotation, a backend, real quantization). Serves the
+    engine's inputs, the policy's inputs (`FastInputMixin`) and its weights (`WeightCacheMixin`) alike."""
     sizes = dict(quantizer.block_sizes or {})
     plain = (quantizer.fake_quant and quantizer.bias_calibrator is None and quantizer.backend is None
-             and not quantizer.rotate_is_enabled and not getattr(quantizer, "_use_constant_amax", False))
+             and not quantizer.rotate_is_enabled and not getattr(quantizer, "_use_constant_amax", False)
+             and not quantizer._dynamic and not quantizer.is_mx_format)
     if plain and quantizer.num_bits == (2, 1) and sizes.get("type") == "dynamic" and sizes.get("scale_bits") == (4, 3) \
             and set(sizes) <= {-1, "type", "scale_bits"} and sizes.get(-1):
-        return InputQuant(NVFP4, block_size=int(sizes[-1]), smoothing=smoothing)
+        return InputQuant(NVFP4, block_size=int(sizes[-1]))
     if plain and quantizer.num_bits == (4, 3) and not sizes and quantizer.axis is None:
-        return InputQuant(FP8, smoothing=smoothing)
+        return InputQuant(FP8)
+    return None
+
+
+def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
+    """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
+    spec = plain_spec(quantizer)
+    if spec is not None:
+        return InputQuant(spec.kind, block_size=spec.block_size, smoothing=smoothing)
     raise ConfigError(
         f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
         f"FP8 E4M3 (per-tensor amax); the input quantizer of {layer} is neither ({quantizer}). Serve this "

@@ -10,6 +10,19 @@ cached). `lean_forward` makes the same calls in the same order, and nothing else
 
 skipping only quantizers that are disabled (for which ModelOpt returns the tensor unchanged), so the
 result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py checks both).
+
+The input quantizers of the activation formats (NVFP4 W4A4, FP8 W8A8) run at every forward, and
+ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach one torch op. A
+`FastInputMixin` quantizer calls that op directly (`qarl.quant.input_quant.fake_quant_input`, the op the
+rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py), with
+ModelOpt's straight-through gradient; any other state (calibrating, disabled, smoothing, another format)
+goes to ModelOpt's own forward. It is on every input quantizer of the model, Megatron's layers included.
+
+ModelOpt also wraps every Hugging Face attention module for KV-cache / attention quantization, and its
+forward patches transformers' attention-function table, inspects the module's source module and calls
+four quantizers at every call, even when all four are disabled (every shipped format). `LeanAttention`
+calls the model's own attention forward whenever they are all disabled: the same computation, since
+ModelOpt's path then ends in the same attention function with the same tensors.
 Installed by giving each plain linear layer a subclass of its own class (so deep copies and state
 dicts are unchanged); a layer with a patched forward (accelerate hooks, `_forward_pre_dm`) or a
 non-`TensorQuantizer` quantizer keeps ModelOpt's forward.
@@ -21,23 +34,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qarl.quant.mixins import with_mixin
+from qarl.quant.input_quant import InputQuant, fake_quant_input, plain_spec
+from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
+from qarl.quant.weight_cache import StraightThrough
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """ModelOpt's quantized linear math with `weight` in place of the layer's own parameter (LoRA's
-    merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`."""
-    input_quantizer = getattr(layer, "input_quantizer", None)
-    if input_quantizer is not None and (input_quantizer.is_enabled or input_quantizer.pre_quant_scale is not None):
+    merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`. The
+    quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its
+    dynamic-module __getattr__, ~10 us each on a GPU host."""
+    quantizers = layer._modules
+    input_quantizer = quantizers.get("input_quantizer")
+    if input_quantizer is not None and (_enabled(input_quantizer) or pre_quant_scale(input_quantizer) is not None):
         input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
-    weight_quantizer = getattr(layer, "weight_quantizer", None)
-    if weight_quantizer is not None and weight_quantizer.is_enabled:
+    weight_quantizer = quantizers.get("weight_quantizer")
+    if weight_quantizer is not None and _enabled(weight_quantizer):
         weight = weight_quantizer(weight)
     output = F.linear(input, weight, layer._parameters.get("bias"))
-    output_quantizer = getattr(layer, "output_quantizer", None)
-    if output_quantizer is not None and output_quantizer.is_enabled:
+    output_quantizer = quantizers.get("output_quantizer")
+    if output_quantizer is not None and _enabled(output_quantizer):
         output = output_quantizer(output)
     return output
+
+
+def _enabled(quantizer: nn.Module) -> bool:
+    """`quantizer.is_enabled`, read from the instance where a TensorQuantizer keeps it (a container of
+    quantizers answers through its property)."""
+    disabled = quantizer.__dict__.get("_disabled")
+    return quantizer.is_enabled if disabled is None else not disabled
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -70,3 +95,71 @@ class LeanForward:
 
 def _lean_class(cls: type) -> type:
     return with_mixin(LeanForward, cls, "Lean", globals())
+
+
+class FastInputMixin(TracksQuantizerChanges):
+    """Mixed into an input quantizer's class (see `enable_fast_inputs`): ModelOpt's forward as its one op."""
+
+    _qarl_spec: tuple[int, InputQuant | None] = (-1, None)
+
+    def _qarl_fast_spec(self) -> InputQuant | None:
+        generation, spec = self._qarl_spec
+        if generation != self._qarl_generation:
+            amax = getattr(self, "_amax", None)
+            spec = plain_spec(self) if amax is not None and amax.numel() == 1 else None
+            self._qarl_spec = (self._qarl_generation, spec)
+        return spec
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        spec = self._qarl_fast_spec()
+        if (spec is None or self._disabled or not self._if_quant or self._if_calib or type(inputs) is not torch.Tensor
+                or pre_quant_scale(self) is not None or torch.compiler.is_compiling()):
+            return super().forward(inputs)
+        amax = self._amax.to(inputs.device)
+        if torch.is_grad_enabled() and inputs.requires_grad:
+            quantized = fake_quant_input(inputs.detach(), amax, spec)
+            return StraightThrough.apply(inputs, quantized, None if self._pass_through_bwd else amax)
+        return fake_quant_input(inputs, amax, spec)
+
+
+def enable_fast_inputs(model: nn.Module) -> int:
+    """Give every (single) input quantizer of `model` the fast path; returns how many."""
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+
+    count = 0
+    for module in model.modules():
+        quantizer = getattr(module, "input_quantizer", None)
+        if isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer):
+            quantizer.__class__ = with_mixin(FastInputMixin, type(quantizer), "Fast", globals())
+            count += 1
+    return count
+
+
+_ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "p_bmm_quantizer")
+
+
+class LeanAttention:
+    """Mixed into ModelOpt's quantized attention class (see `enable_lean_attention`)."""
+
+    _qarl_attention_cls: type
+
+    def forward(self, *args, **kwargs):
+        quantizers = self._modules
+        if any(_enabled(quantizers[name]) for name in _ATTENTION_QUANTIZERS if name in quantizers):
+            return super().forward(*args, **kwargs)
+        return self._qarl_attention_cls.forward(self, *args, **kwargs)
+
+
+def enable_lean_attention(model: nn.Module) -> int:
+    """Give every ModelOpt-wrapped Hugging Face attention module the lean forward; returns how many."""
+    from modelopt.torch.quantization.plugins.huggingface import _QuantAttention
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, _QuantAttention) and type(module).forward in (_QuantAttention.forward, LeanAttention.forward):
+            original = module.get_original_cls_by_level(level=0)
+            module.__class__ = with_mixin(LeanAttention, type(module), "Lean", globals())
+            module.__dict__["_qarl_attention_cls"] = original
+            count += 1
+    return count
+

@@ -15,7 +15,8 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.quant.formats import QuantFormat
-from qarl.quant.lean_forward import enable_lean_forward
+from qarl.quant.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
+from qarl.quant.mixins import pre_quant_scale
 from qarl.quant.weight_cache import cache_kept, enable_weight_cache, invalidate
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
@@ -177,7 +178,8 @@ def quantize_policy(
     `calibration_batches` is called only after the cheap checks pass. Pass None when the amax will be
     loaded from a saved quantizer state instead. `weight_cache`: quantize each weight once per change
     of the weights instead of at every forward (qarl/quant/weight_cache.py), and call the quantizers
-    of each linear layer without ModelOpt's per-call module machinery (lean_forward.py); same bits.
+    of each linear and attention layer, and each input quantizer's op, without ModelOpt's per-call
+    module machinery (lean_forward.py); same bits.
     Off, the model runs ModelOpt's own path unchanged. `align`: a backend's step between inserting and
     calibrating that makes its quantizers the Hugging Face model's (`match_reference_quantizers`).
     """
@@ -194,6 +196,8 @@ def quantize_policy(
     if weight_cache:
         enable_weight_cache(model)
         enable_lean_forward(model)
+        enable_lean_attention(model)
+        enable_fast_inputs(model)
     if calibration_batches is not None:
         calibrate(model, fmt, list(calibration_batches()))
     return model
@@ -269,12 +273,12 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
     names (a refit that skips weights it already holds); each weight is folded when it is yielded.
     """
     owners, skipped = {}, set()
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        skipped.update(prefix + p for p in getattr(module, "adapter_param_names", ()))
-        quantizer = getattr(module, "weight_quantizer", None)
+    for name, module in model.named_modules():  # class-level and _modules lookups: ModelOpt's layers answer
+        prefix = f"{name}." if name else ""      # instance attributes through a slow dynamic __getattr__
+        skipped.update(prefix + p for p in getattr(type(module), "adapter_param_names", ()))
+        quantizer = module._modules.get("weight_quantizer")
         quantized = isinstance(quantizer, _quantizer_modules()) and quantizer.is_enabled
-        if hasattr(module, "served_weight") or quantized:
+        if hasattr(type(module), "served_weight") or quantized:
             owners[f"{prefix}weight"] = (module, quantizer if quantized else None)
     for name, param in model.named_parameters():
         if name in skipped or (only is not None and name not in only):
@@ -283,8 +287,8 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
             yield name, param.detach()
             continue
         module, quantizer = owners[name]
-        weight = module.served_weight() if hasattr(module, "served_weight") else module.weight
-        weight = quantizer(weight) if quantizer is not None else weight.detach()
+        weight = module.served_weight() if hasattr(type(module), "served_weight") else module._parameters["weight"]
+        weight = (quantizer(weight) if quantizer is not None else weight).detach()
         scale = _weight_only_smoothing(module)
         yield name, weight * scale.to(weight.dtype) if scale is not None else weight
 
@@ -293,10 +297,10 @@ def _weight_only_smoothing(module: nn.Module) -> torch.Tensor | None:
     """The AWQ scale s of a layer whose input is not quantized (W4A16 AWQ): y = (x * s) Q(W)^T, which the
     engine computes as x (Q(W) * s)^T, the scale folded into the served weight (as deployment folds it
     into the layer before). A quantized input keeps its scale: the engine applies it (refit syncs it)."""
-    quantizer = getattr(module, "input_quantizer", None)
+    quantizer = module._modules.get("input_quantizer")
     if quantizer is None or quantizer.is_enabled:
         return None
-    return quantizer.pre_quant_scale
+    return pre_quant_scale(quantizer)
 
 
 GLOBAL_AMAX = ".global_amax"  # quantizer-state key suffix of a static-block quantizer's global amax

@@ -24,23 +24,36 @@ such a write. In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes
 Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
 the shipped formats the op that forward ends in, with the same arguments), so a cached forward equals an
 uncached one bit for bit. Gradients reach the weight through
-`_StraightThrough`, whose backward is ModelOpt's straight-through estimator: the identity with
+`StraightThrough`, whose backward is ModelOpt's straight-through estimator: the identity with
 `pass_through_bwd` (every shipped format), else the gradient zeroed where |w| > amax.
 
-Memory: one quantized copy of each quantized weight in the weight's dtype (`cache_bytes`);
-`policy.quant_weight_cache=false` turns it off.
+Mixed precision (bf16/fp16 compute, fp32 masters in the optimizer) goes one step further: the compute
+weights are a derived copy anyway, rewritten from the masters after every step, so `copy_masters`
+writes each quantized layer's weight as its quantized value (`WeightCacheMixin.hold`). The parameter
+then IS the cache: the forward, every no-grad pass and the refit fold read it as a plain parameter, with
+no straight-through node (the gradient w.r.t. a parameter holding Q(w) is the straight-through gradient
+wherever it passes through, which every shipped format does), no second copy in memory, and the weights
+are quantized at the step instead of at the first forward after it. Checkpoints and exports read the
+masters. Anything that changes what the quantizer computes gives the parameter its unquantized value
+back at once (the quantizer then caches as above until the next step); any other write ends the hold.
+
+Memory: one quantized copy of each quantized weight in the weight's dtype (`cache_bytes`), none for the
+held weights of mixed precision; `policy.quant_weight_cache=false` turns all of it off.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from qarl.quant.mixins import with_mixin
+from qarl.quant.input_quant import fake_quant_input, plain_spec
+from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 
 
 _optimizer_steps = 0
@@ -54,8 +67,9 @@ def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-class _StraightThrough(torch.autograd.Function):
-    """Forward: the cached quantized weight. Backward: ModelOpt's STE for the weight."""
+class StraightThrough(torch.autograd.Function):
+    """Forward: `quantized`, computed without autograd (a cached weight, a layer input's op). Backward:
+    ModelOpt's straight-through estimator to the unquantized tensor."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, quantized: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
@@ -71,29 +85,85 @@ class _StraightThrough(torch.autograd.Function):
         return torch.where(weight.abs() <= amax, grad, grad.new_zeros(1)), None, None
 
 
-class WeightCacheMixin:
-    """Mixed into a weight quantizer's own class (see `enable_weight_cache`): caches its output."""
+@dataclass(frozen=True)
+class _Held:
+    """A compute-dtype parameter that holds its own fake-quantized value (`WeightCacheMixin.hold`), and
+    what it was quantized from and with; any change of `key` makes it stale."""
+
+    weight: nn.Parameter
+    master: torch.Tensor
+    key: tuple
+
+
+class WeightCacheMixin(TracksQuantizerChanges):
+    """Mixed into a weight quantizer's own class (see `enable_weight_cache`): caches its output, or
+    lets the parameter hold it (`hold`)."""
 
     _qarl_key: tuple | None = None
     _qarl_value: torch.Tensor | None = None
-    _qarl_generation: int = 0
+    _qarl_held: _Held | None = None
+    _qarl_config: tuple[int, bool] = (-1, False)
 
     def _qarl_cacheable(self, inputs: torch.Tensor) -> bool:
         """Only plain fake quantization of a parameter is a pure function of (weight, amax): no
         calibration pass, no smoothing scale, rotation or bias, no tracing. A computed weight (LoRA's
-        merged W + s B A) is a new tensor at every forward, so it is quantized afresh each time."""
-        return (type(inputs) is nn.Parameter and self.is_enabled and self._if_quant
-                and not self._if_calib and self._fake_quant and self.pre_quant_scale is None
-                and not self.rotate_is_enabled and getattr(self, "_bias", None) is None
-                and not torch.compiler.is_compiling())
+        merged W + s B A) is a new tensor at every forward, so it is quantized afresh each time. Read
+        at every forward, so what only the config changes is checked once per generation."""
+        return (type(inputs) is nn.Parameter and not self._disabled and self._if_quant and not self._if_calib
+                and pre_quant_scale(self) is None and self._qarl_configured() and not torch.compiler.is_compiling())
+
+    def _qarl_configured(self) -> bool:
+        generation, plain = self._qarl_config
+        if generation != self._qarl_generation:
+            plain = self._fake_quant and not self.rotate_is_enabled and self.__dict__.get("_bias") is None
+            self._qarl_config = (self._qarl_generation, plain)
+        return plain
+
+    def _qarl_amax_key(self) -> tuple | None:
+        amax = getattr(self, "_amax", None)
+        return None if amax is None else (amax.data_ptr(), amax._version)
 
     def _qarl_cache_key(self, inputs: torch.Tensor) -> tuple:
-        amax = getattr(self, "_amax", None)
         steps = _optimizer_steps if inputs.requires_grad else None  # a frozen weight is in no optimizer
         return (steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
-                self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
+                self._qarl_generation, self._qarl_amax_key())
+
+    def _qarl_held_key(self, weight: torch.Tensor) -> tuple:
+        return (weight._version, self._qarl_generation, self._qarl_amax_key())
+
+    def hold(self, weight: nn.Parameter, master: torch.Tensor) -> bool:
+        """Quantize `weight` (just written from `master`, the optimizer's wider copy) in place: from now on
+        the parameter itself is what the forward, every no-grad pass and the refit fold read, with no cached
+        copy and no straight-through node (the gradient of a parameter that holds Q(w) is the gradient
+        w.r.t. Q(w), which is the straight-through gradient when it passes through: every shipped format).
+        Returns False, changing nothing, where that does not hold (clipping STE, no amax yet, a format other
+        than the shipped ones).
+        Anything that later changes what this quantizer computes (amax, format, a disable) makes the next
+        forward write the master back unquantized and fall back to the cache; another write into the
+        parameter (a state load) just ends the hold."""
+        amax = getattr(self, "_amax", None)
+        if not (self._qarl_cacheable(weight) and self._pass_through_bwd and amax is not None
+                and amax.numel() == 1 and plain_spec(self) is not None):
+            return False
+        with torch.no_grad():
+            weight.copy_(self._qarl_quantize(weight.detach()))
+        self._qarl_key, self._qarl_value = None, None
+        self._qarl_held = _Held(weight, master, self._qarl_held_key(weight))
+        return True
+
+    def _qarl_release(self) -> None:
+        """End a hold; the parameter gets its unquantized value back unless something else wrote it since."""
+        held, self._qarl_held = self._qarl_held, None
+        if held is not None and held.weight._version == held.key[0]:
+            with torch.no_grad():
+                held.weight.copy_(held.master)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        held = self._qarl_held
+        if held is not None and (inputs is held.weight or _aliases(inputs, held.weight)):
+            if held.key == self._qarl_held_key(held.weight) and self._qarl_cacheable(held.weight):
+                return inputs  # already quantized: quantizing it again would round twice
+            self._qarl_release()
         if not self._qarl_cacheable(inputs):
             return super().forward(inputs)
         key = self._qarl_cache_key(inputs)
@@ -104,51 +174,33 @@ class WeightCacheMixin:
             self._qarl_key = key
         if torch.is_grad_enabled() and inputs.requires_grad:
             amax = None if self._pass_through_bwd else self._get_amax(inputs)
-            return _StraightThrough.apply(inputs, self._qarl_value, amax)
+            return StraightThrough.apply(inputs, self._qarl_value, amax)
         return self._qarl_value
 
     def _qarl_quantize(self, weight: torch.Tensor) -> torch.Tensor:
         """ModelOpt's output for this weight. For the shipped formats (NVFP4 dynamic blocks, FP8 per
-        tensor, static amax) that is the torch op its forward ends in, called here directly with the same
-        arguments, which skips ~150 us of per-call Python (the refit fold after every optimizer step pays
-        it once per weight); anything else goes through the quantizer's own forward."""
-        from modelopt.torch.quantization import tensor_quant
-
+        tensor, static amax) that is the torch op its forward ends in (`plain_spec`), called here directly
+        with the same arguments, which skips ~150 us of per-call Python (the re-quantization after every
+        optimizer step pays it once per weight); anything else goes through the quantizer's own forward."""
         amax = getattr(self, "_amax", None)
-        blocks = self.block_sizes or {}
-        static = (amax is not None and not self._dynamic and not self._use_constant_amax and not self.is_mx_format
-                  and self.bias_calibrator is None)
-        if static and blocks.get("type") == "dynamic" and self._num_bits == (2, 1) and blocks.get("scale_bits") == (4, 3) \
-                and [k for k in blocks if isinstance(k, int)] == [-1]:
-            return tensor_quant.dynamic_block_quantize_op(weight.contiguous(), blocks[-1], amax.to(weight.device), 4, 2, 8, 4)
-        if static and not blocks and self._num_bits == (4, 3) and self._axis is None and amax.numel() == 1:
-            return tensor_quant.quantize_op(weight.contiguous(), amax.to(weight.device), num_bits=8, exponent_bits=4,
-                                            unsigned=False, narrow_range=False)
-        return super().forward(weight)
+        spec = plain_spec(self) if amax is not None and amax.numel() == 1 else None
+        if spec is None:
+            return super().forward(weight)
+        return fake_quant_input(weight, amax.to(weight.device), spec)
 
     def qarl_invalidate(self) -> None:
+        self._qarl_release()
         self._qarl_key, self._qarl_value = None, None
 
-    # Every way ModelOpt changes what this quantizer computes goes through one of these.
-    def _amax_setter_helper(self, value: torch.Tensor) -> None:
-        super()._amax_setter_helper(value)
-        self._qarl_generation += 1
+    def _qarl_changed(self) -> None:
+        """ModelOpt changed what this quantizer computes: a held weight is given back at once, since
+        readers that skip a disabled quantizer (the refit fold) read the parameter itself."""
+        self._qarl_release()
 
-    def reset_amax(self) -> None:
-        super().reset_amax()
-        self._qarl_generation += 1
 
-    def set_from_attribute_config(self, attribute_cfg) -> None:
-        super().set_from_attribute_config(attribute_cfg)
-        self._qarl_generation += 1
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._qarl_generation += 1
-
-    def sync_amax_across_distributed_group(self, parallel_group) -> None:
-        super().sync_amax_across_distributed_group(parallel_group)  # an in-place all-reduce: no version bump
-        self._qarl_generation += 1
+def _aliases(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`tensor` is `weight` under another tensor object (`.detach()`, `.data`): the same memory and shape."""
+    return tensor.data_ptr() == weight.data_ptr() and tensor.shape == weight.shape and tensor.dtype == weight.dtype
 
 
 def _cached_class(cls: type) -> type:
@@ -199,3 +251,26 @@ def cache_bytes(model: nn.Module) -> int:
     """Memory the cached quantized weights hold now."""
     return sum(q._qarl_value.numel() * q._qarl_value.element_size() for q in _weight_quantizers(model)
                if isinstance(q, WeightCacheMixin) and q._qarl_value is not None)
+
+
+def weight_holders(model: nn.Module) -> dict[int, WeightCacheMixin]:
+    """id(parameter) -> the cached weight quantizer of the one layer that uses it, for `copy_masters`. A
+    parameter another module also uses (a tied embedding) is left out: it keeps its unquantized value."""
+    users = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    return {id(m.weight): m.weight_quantizer for m in model.modules()
+            if isinstance(getattr(m, "weight_quantizer", None), WeightCacheMixin)
+            and isinstance(m._parameters.get("weight"), nn.Parameter) and users[id(m.weight)] == 1}
+
+
+def copy_masters(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]], holders: dict[int, WeightCacheMixin]) -> None:
+    """Mixed precision, after an optimizer step (and once before the first): each master rounded into its
+    compute-dtype parameter, and a quantized layer's weight then quantized in place (`hold`), so each
+    weight is quantized once per step, at the step, and every forward reads it as a plain parameter."""
+    with torch.no_grad():
+        for param, master in pairs:
+            holder = holders.get(id(param))
+            if holder is not None:
+                holder._qarl_held = None  # the write below replaces what it held
+            param.copy_(master)
+            if holder is not None:
+                holder.hold(param, master)
