@@ -162,7 +162,7 @@ print('$1 enforce_eager=$2', {k: round(st.median(r[k] for r in rows), 3) for k i
     ;;
   step_time)
     python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_engine_quant.py 2>&1 | tail -3
-    python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_held.md" 2>&1 | grep -v -i warn | tail -8
+    python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_shared_inputs.md" 2>&1 | grep -v -i warn | tail -8
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_held_nocache.md" 2>&1 | grep -v -i warn | tail -8
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -211,3 +211,25 @@ def test_a_held_weight_never_goes_stale(task, tiny_dir):
     assert torch.equal(served(), _uncached(quantizer, loaded))
     assert quantizer._qarl_held is None and torch.equal(layer.weight, loaded)
 
+
+def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeypatch):
+    """q/k/v (and gate/up) read one input with one amax: it is quantized once per forward, with ModelOpt's
+    bits; siblings whose amax differ quantize apart again."""
+    import qarl.quant.lean_forward as lean
+
+    policy, plain = _policy(task, tiny_dir, "nvfp4_w4a4"), _policy(task, tiny_dir, "nvfp4_w4a4", cache=False)
+    calls = []
+    op = lean.fake_quant_input
+    monkeypatch.setattr(lean, "fake_quant_input", lambda *args: calls.append(args[0].shape) or op(*args))
+    with torch.no_grad():
+        assert torch.equal(answer_loss(policy, task), answer_loss(plain, task))
+    layers = len(policy.model.model.layers)
+    assert len(calls) == 4 * layers  # q/k/v, o_proj, gate/up, down_proj
+    for p in (policy, plain):
+        quantizer = p.model.model.layers[0].self_attn.k_proj.input_quantizer
+        quantizer.amax = quantizer.amax * 2
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(answer_loss(policy, task), answer_loss(plain, task))
+    assert len(calls) == 4 * layers + 2  # layer 0's k_proj and v_proj each alone now
+

@@ -22,7 +22,8 @@ ModelOpt also wraps every Hugging Face attention module for KV-cache / attention
 forward patches transformers' attention-function table, inspects the module's source module and calls
 four quantizers at every call, even when all four are disabled (every shipped format). `LeanAttention`
 calls the model's own attention forward whenever they are all disabled: the same computation, since
-ModelOpt's path then ends in the same attention function with the same tensors.
+ModelOpt's path then ends in the same attention function with the same tensors. It also finds its
+submodules without ModelOpt's dynamic-module __getattr__.
 Installed by giving each plain linear layer a subclass of its own class (so deep copies and state
 dicts are unchanged); a layer with a patched forward (accelerate hooks, `_forward_pre_dm`) or a
 non-`TensorQuantizer` quantizer keeps ModelOpt's forward.
@@ -30,13 +31,15 @@ non-`TensorQuantizer` quantizer keeps ModelOpt's forward.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qarl.quant.input_quant import InputQuant, fake_quant_input, plain_spec
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
-from qarl.quant.weight_cache import StraightThrough
+from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -49,7 +52,7 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
     if input_quantizer is not None and (_enabled(input_quantizer) or pre_quant_scale(input_quantizer) is not None):
         input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
     weight_quantizer = quantizers.get("weight_quantizer")
-    if weight_quantizer is not None and _enabled(weight_quantizer):
+    if weight_quantizer is not None and _enabled(weight_quantizer) and not _held(weight_quantizer, weight):
         weight = weight_quantizer(weight)
     output = F.linear(input, weight, layer._parameters.get("bias"))
     output_quantizer = quantizers.get("output_quantizer")
@@ -63,6 +66,13 @@ def _enabled(quantizer: nn.Module) -> bool:
     quantizers answers through its property)."""
     disabled = quantizer.__dict__.get("_disabled")
     return quantizer.is_enabled if disabled is None else not disabled
+
+
+def _held(quantizer: nn.Module, weight: torch.Tensor) -> bool:
+    """`weight` already holds its quantized value (`WeightCacheMixin.hold`), so the call would return it as
+    it is: skipped, unless a hook waits on it."""
+    return (isinstance(quantizer, WeightCacheMixin) and quantizer.holds(weight)
+            and not quantizer._forward_hooks and not quantizer._forward_pre_hooks)
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -97,10 +107,52 @@ def _lean_class(cls: type) -> type:
     return with_mixin(LeanForward, cls, "Lean", globals())
 
 
+class SharedInput:
+    """The quantized input of fused siblings: q/k/v (and gate/up) read one tensor and, once calibrated,
+    hold one amax (`share_fused_amax`), so the first of them to run computes what the others would, and
+    they take it. The output is reused only while the tensor is the same object at the same version, for
+    the same grad mode, and every sibling's amax is verified equal (compared by value once after each
+    change of any of them, read through versions and generations in between)."""
+
+    def __init__(self, members: list[FastInputMixin]):
+        self.members = members
+        self._verified: tuple | None = None
+        self._forget()
+
+    def _forget(self) -> None:
+        self.source: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.left = 0
+
+    def _amax_equal(self) -> bool:
+        key = tuple((m._qarl_generation, m._amax.data_ptr(), m._amax._version) for m in self.members)
+        if self._verified is None or self._verified[0] != key:
+            first = self.members[0]
+            same = all(m._qarl_fast_spec() == first._qarl_fast_spec() and torch.equal(m._amax, first._amax)
+                       for m in self.members[1:])
+            self._verified = (key, same)
+        return self._verified[1]
+
+    def take(self, inputs: torch.Tensor, grad: bool) -> torch.Tensor | None:
+        if self.left == 0 or self.source is not inputs or self.version != inputs._version or self.grad != grad \
+                or not self._amax_equal():
+            return None
+        output = self.output
+        self.left -= 1
+        if self.left == 0:
+            self._forget()  # every sibling has it: hold no activation past this forward
+        return output
+
+    def give(self, inputs: torch.Tensor, grad: bool, output: torch.Tensor) -> None:
+        self.source, self.version, self.grad, self.output = inputs, inputs._version, grad, output
+        self.left = len(self.members) - 1
+
+
 class FastInputMixin(TracksQuantizerChanges):
     """Mixed into an input quantizer's class (see `enable_fast_inputs`): ModelOpt's forward as its one op."""
 
     _qarl_spec: tuple[int, InputQuant | None] = (-1, None)
+    _qarl_shared: SharedInput | None = None
 
     def _qarl_fast_spec(self) -> InputQuant | None:
         generation, spec = self._qarl_spec
@@ -115,15 +167,24 @@ class FastInputMixin(TracksQuantizerChanges):
         if (spec is None or self._disabled or not self._if_quant or self._if_calib or type(inputs) is not torch.Tensor
                 or pre_quant_scale(self) is not None or torch.compiler.is_compiling()):
             return super().forward(inputs)
+        grad = torch.is_grad_enabled() and inputs.requires_grad
+        shared = self._qarl_shared
+        if shared is not None and (output := shared.take(inputs, grad)) is not None:
+            return output
         amax = self._amax.to(inputs.device)
-        if torch.is_grad_enabled() and inputs.requires_grad:
+        if grad:
             quantized = fake_quant_input(inputs.detach(), amax, spec)
-            return StraightThrough.apply(inputs, quantized, None if self._pass_through_bwd else amax)
-        return fake_quant_input(inputs, amax, spec)
+            output = StraightThrough.apply(inputs, quantized, None if self._pass_through_bwd else amax)
+        else:
+            output = fake_quant_input(inputs, amax, spec)
+        if shared is not None:
+            shared.give(inputs, grad, output)
+        return output
 
 
-def enable_fast_inputs(model: nn.Module) -> int:
-    """Give every (single) input quantizer of `model` the fast path; returns how many."""
+def enable_fast_inputs(model: nn.Module, fused_groups: Iterable[list[nn.Module]] = ()) -> int:
+    """Give every (single) input quantizer of `model` the fast path, and the input quantizers of each
+    group of fused sibling layers (`fused_groups`: q/k/v, gate/up) one `SharedInput`; returns how many."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
 
     count = 0
@@ -132,6 +193,12 @@ def enable_fast_inputs(model: nn.Module) -> int:
         if isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer):
             quantizer.__class__ = with_mixin(FastInputMixin, type(quantizer), "Fast", globals())
             count += 1
+    for members in fused_groups:
+        quantizers = [getattr(m, "input_quantizer", None) for m in members]
+        if all(isinstance(q, FastInputMixin) for q in quantizers):
+            shared = SharedInput(quantizers)
+            for quantizer in quantizers:
+                quantizer._qarl_shared = shared
     return count
 
 
@@ -149,6 +216,13 @@ class LeanAttention:
             return super().forward(*args, **kwargs)
         return self._qarl_attention_cls.forward(self, *args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """A submodule (`self.q_proj` in the attention's forward) straight from `_modules`: ModelOpt's
+        dynamic-module lookup builds a set of its hyperparameter names at every access, ~5 us each, and
+        has no dynamic attribute of these names (checked where this is installed)."""
+        module = self.__dict__.get("_modules", {}).get(name)
+        return module if module is not None else super().__getattr__(name)
+
 
 def enable_lean_attention(model: nn.Module) -> int:
     """Give every ModelOpt-wrapped Hugging Face attention module the lean forward; returns how many."""
@@ -157,6 +231,9 @@ def enable_lean_attention(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, _QuantAttention) and type(module).forward in (_QuantAttention.forward, LeanAttention.forward):
+            manager = module._get_dm_attribute_manager()
+            if set(module._modules) & (manager.hp_keys() | manager.da_keys() | manager.attr_keys()):
+                continue  # a submodule name ModelOpt also manages: leave its lookup alone
             original = module.get_original_cls_by_level(level=0)
             module.__class__ = with_mixin(LeanAttention, type(module), "Lean", globals())
             module.__dict__["_qarl_attention_cls"] = original

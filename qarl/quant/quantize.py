@@ -197,7 +197,7 @@ def quantize_policy(
         enable_weight_cache(model)
         enable_lean_forward(model)
         enable_lean_attention(model)
-        enable_fast_inputs(model)
+        enable_fast_inputs(model, list(_fused_groups(model)))
     if calibration_batches is not None:
         calibrate(model, fmt, list(calibration_batches()))
     return model

@@ -87,12 +87,14 @@ class StraightThrough(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Held:
-    """A compute-dtype parameter that holds its own fake-quantized value (`WeightCacheMixin.hold`), and
-    what it was quantized from and with; any change of `key` makes it stale."""
+    """A compute-dtype parameter that holds its own fake-quantized value (`WeightCacheMixin.hold`): the
+    master it was written from, and the versions of it and of the amax it was quantized with."""
 
     weight: nn.Parameter
     master: torch.Tensor
-    key: tuple
+    version: int
+    amax: torch.Tensor
+    amax_version: int
 
 
 class WeightCacheMixin(TracksQuantizerChanges):
@@ -128,8 +130,17 @@ class WeightCacheMixin(TracksQuantizerChanges):
         return (steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
                 self._qarl_generation, self._qarl_amax_key())
 
-    def _qarl_held_key(self, weight: torch.Tensor) -> tuple:
-        return (weight._version, self._qarl_generation, self._qarl_amax_key())
+    def holds(self, weight: torch.Tensor) -> bool:
+        """`weight` is the parameter this quantizer holds, unchanged since, and the quantizer still computes
+        what it computed then. ModelOpt's ways of changing the quantizer end a hold at once
+        (`_qarl_changed`); this checks, cheaply enough for every forward, what can change without them:
+        writes into the weight or the amax buffer, a new amax buffer, the calibration and quant switches,
+        a smoothing scale."""
+        held = self._qarl_held
+        return (held is not None and weight is held.weight and weight._version == held.version
+                and held.amax._version == held.amax_version and self._buffers.get("_amax") is held.amax
+                and not self._disabled and self._if_quant and not self._if_calib
+                and "_pre_quant_scale" not in self._buffers)
 
     def hold(self, weight: nn.Parameter, master: torch.Tensor) -> bool:
         """Quantize `weight` (just written from `master`, the optimizer's wider copy) in place: from now on
@@ -148,20 +159,20 @@ class WeightCacheMixin(TracksQuantizerChanges):
         with torch.no_grad():
             weight.copy_(self._qarl_quantize(weight.detach()))
         self._qarl_key, self._qarl_value = None, None
-        self._qarl_held = _Held(weight, master, self._qarl_held_key(weight))
+        self._qarl_held = _Held(weight, master, weight._version, amax, amax._version)
         return True
 
     def _qarl_release(self) -> None:
         """End a hold; the parameter gets its unquantized value back unless something else wrote it since."""
         held, self._qarl_held = self._qarl_held, None
-        if held is not None and held.weight._version == held.key[0]:
+        if held is not None and held.weight._version == held.version:
             with torch.no_grad():
                 held.weight.copy_(held.master)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         held = self._qarl_held
         if held is not None and (inputs is held.weight or _aliases(inputs, held.weight)):
-            if held.key == self._qarl_held_key(held.weight) and self._qarl_cacheable(held.weight):
+            if self.holds(held.weight):
                 return inputs  # already quantized: quantizing it again would round twice
             self._qarl_release()
         if not self._qarl_cacheable(inputs):
