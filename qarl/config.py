@@ -103,8 +103,10 @@ class PolicyConfig:
     quant_calib_size: int = 64
     quant_batch_size: int = 16
     quant_sequence_length: int = 64
-    # Quantize each weight once per change of the weights instead of at every forward (same bits;
-    # costs one quantized copy of each quantized weight, see qarl/quant/weight_cache.py).
+    # Quantize each weight once per change of the weights instead of at every forward, and skip ModelOpt's
+    # per-call machinery (same bits; with master weights each compute weight holds its quantized value, else
+    # one quantized copy of each quantized weight is cached; see qarl/quant/weight_cache.py). false: ModelOpt's
+    # own path, unchanged.
     quant_weight_cache: bool = True
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).

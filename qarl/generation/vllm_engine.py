@@ -375,6 +375,7 @@ class VLLMEngine:
                     temperature=0.0 if greedy else (temperature if temperature is not None else self.cfg.temperature),
                     top_p=1.0 if greedy else self.cfg.top_p,
                     logprobs=0,
+                    flat_logprobs=True,  # a few flat lists per sample instead of a dict and a Logprob per token
                     seed=seed + i,
                     detokenize=False,  # the loops use token ids; text would cost host time per token
                     ignore_eos=ignore_eos,
@@ -385,8 +386,18 @@ class VLLMEngine:
         completions = []
         for request, out in zip(requests, outputs):
             sample = out.outputs[0]
-            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+            logprobs = _sampled_logprobs(sample.logprobs, sample.token_ids)
             completions.append(
                 Completion(request["prompt_token_ids"], list(sample.token_ids), logprobs, sample.finish_reason)
             )
         return completions
+
+
+def _sampled_logprobs(flat, token_ids) -> list[float]:
+    """Each sampled token's log-prob from vLLM's FlatLogprobs of a `logprobs=0` request: one entry per
+    position, the sampled token's (checked: another layout would be a silent misalignment)."""
+    if list(flat.token_ids) != list(token_ids) or len(flat.start_indices) != len(token_ids):
+        raise RuntimeError("vLLM returned log-probs of other tokens than it sampled (expected exactly the "
+                           "sampled token's at each position with logprobs=0); this vLLM version is not supported")
+    return list(flat.logprobs)
+
