@@ -148,7 +148,7 @@ class Policy:
     def rollout_model(self) -> torch.nn.Module:
         """The model the rollout engine is refitted from: the policy itself, or (rollouts quantized in
         another format) the policy's current weights quantized and calibrated in the engine's format."""
-        return self.rollout.sync(self.model) if self.rollout is not None else self.model
+        return self.rollout.sync(self.master_state_dict()) if self.rollout is not None else self.model
 
     def kl_reference(self, fresh_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         """The frozen model the KL term compares with: a LoRA policy's own base (adapters off, no copy);

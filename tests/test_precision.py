@@ -112,6 +112,29 @@ def test_a_diverging_run_stops_with_an_error_naming_the_setting(tmp_path):
     load_policy_checkpoint(run_dir, PolicyConfig())  # what was written stays loadable
 
 
+def test_rollouts_in_another_format_start_from_the_masters(task, tiny_dir):
+    """A bf16 NVFP4 policy (fp32 masters: its compute weights hold their NVFP4 values after a step) with FP8
+    rollouts: the rollout view takes the masters' rounding, never the policy's quantized weights."""
+    from qarl.optim import PolicyOptimizer
+    from qarl.policy import attach_rollout_view
+
+    cfg = PolicyConfig(quant_cfg="nvfp4_a16", quant_calib_size=16, dtype="bfloat16",
+                       generation=GenerationConfig(quant_cfg="fp8_w8a8", allow_quant_mismatch=True))
+    texts = task.calibration_texts(16)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, texts, model_dir=tiny_dir, trainable=True)
+    attach_rollout_view(policy, cfg, texts)
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    optimizer.backward(answer_loss(policy, task))
+    assert optimizer.step().applied
+    name = "model.layers.0.self_attn.q_proj.weight"
+    held = dict(policy.model.named_parameters())[name]
+    rounded = policy.master[name].to(torch.bfloat16)
+    assert not torch.equal(held, rounded)  # the policy's weight holds its NVFP4 value
+    view = dict(policy.rollout_model().named_parameters())[name]
+    assert torch.equal(view, rounded)
+
+
 def test_quantized_rollouts_of_a_full_precision_policy(task, tiny_dir, tmp_path):
     """policy.quant_cfg=none with FP8 rollouts: the engine is refitted from a RolloutView, the policy's
     current weights quantized and freshly calibrated in FP8 at every refit; end to end it trains and

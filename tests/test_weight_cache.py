@@ -190,6 +190,8 @@ def test_a_held_weight_never_goes_stale(task, tiny_dir):
     optimizer.step()
     assert quantizer._qarl_held is not None
     assert torch.equal(quantizer(layer.weight.detach()), layer.weight)  # an alias of it is not quantized twice
+    with pytest.raises(RuntimeError, match="master weights"):  # a copy would take Q(w) for the weight
+        copy.deepcopy(policy.model)
 
     def served() -> torch.Tensor:
         with torch.no_grad():
@@ -232,4 +234,20 @@ def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeyp
     with torch.no_grad():
         assert torch.equal(answer_loss(policy, task), answer_loss(plain, task))
     assert len(calls) == 4 * layers + 2  # layer 0's k_proj and v_proj each alone now
+
+
+def test_shared_input_needs_every_sibling_calibrated_alike(task, tiny_dir):
+    """A sibling without an amax, or with another straight-through rule, shares nothing: each computes its own."""
+    policy, plain = _policy(task, tiny_dir, "fp8_w8a8"), _policy(task, tiny_dir, "fp8_w8a8", cache=False)
+    for p in (policy, plain):
+        attention = p.model.model.layers[0].self_attn
+        attention.k_proj.input_quantizer.disable()
+        del attention.k_proj.input_quantizer._amax  # never calibrated
+        attention.v_proj.input_quantizer._pass_through_bwd = False
+    losses = [answer_loss(p, task) for p in (policy, plain)]
+    assert torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    grads = [p.model.model.layers[0].input_layernorm.weight.grad for p in (policy, plain)]
+    assert torch.equal(grads[0], grads[1])
 

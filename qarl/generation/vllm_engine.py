@@ -400,4 +400,3 @@ def _sampled_logprobs(flat, token_ids) -> list[float]:
         raise RuntimeError("vLLM returned log-probs of other tokens than it sampled (expected exactly the "
                            "sampled token's at each position with logprobs=0); this vLLM version is not supported")
     return list(flat.logprobs)
-

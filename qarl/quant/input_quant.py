@@ -84,6 +84,12 @@ def plain_spec(quantizer: nn.Module) -> InputQuant | None:
     return None
 
 
+def calibrated_spec(quantizer: nn.Module) -> InputQuant | None:
+    """`plain_spec` of a quantizer that holds its per-tensor amax (calibrated or loaded), else None."""
+    amax = quantizer._buffers.get("_amax")
+    return plain_spec(quantizer) if amax is not None and amax.numel() == 1 else None
+
+
 def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
     spec = plain_spec(quantizer)

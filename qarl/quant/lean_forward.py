@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qarl.quant.input_quant import InputQuant, fake_quant_input, plain_spec
+from qarl.quant.input_quant import InputQuant, calibrated_spec, fake_quant_input
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin
 
@@ -125,11 +125,15 @@ class SharedInput:
         self.left = 0
 
     def _amax_equal(self) -> bool:
-        key = tuple((m._qarl_generation, m._amax.data_ptr(), m._amax._version) for m in self.members)
+        """Every sibling holds an amax of the same value and quantizes the same way, gradient included."""
+        amaxes = [m._buffers.get("_amax") for m in self.members]
+        if any(a is None for a in amaxes):
+            return False  # a sibling never calibrated (or disabled before calibration): nothing to share
+        key = tuple((m._qarl_generation, a.data_ptr(), a._version) for m, a in zip(self.members, amaxes))
         if self._verified is None or self._verified[0] != key:
             first = self.members[0]
-            same = all(m._qarl_fast_spec() == first._qarl_fast_spec() and torch.equal(m._amax, first._amax)
-                       for m in self.members[1:])
+            same = all(m._qarl_fast_spec() == first._qarl_fast_spec() and m._pass_through_bwd == first._pass_through_bwd
+                       and torch.equal(a, amaxes[0]) for m, a in zip(self.members[1:], amaxes[1:]))
             self._verified = (key, same)
         return self._verified[1]
 
@@ -157,8 +161,7 @@ class FastInputMixin(TracksQuantizerChanges):
     def _qarl_fast_spec(self) -> InputQuant | None:
         generation, spec = self._qarl_spec
         if generation != self._qarl_generation:
-            amax = getattr(self, "_amax", None)
-            spec = plain_spec(self) if amax is not None and amax.numel() == 1 else None
+            spec = calibrated_spec(self)
             self._qarl_spec = (self._qarl_generation, spec)
         return spec
 

@@ -13,6 +13,8 @@ engine then loads it like any quantized policy. What this costs against synced Q
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -27,9 +29,10 @@ class RolloutView:
         self.model, self.fmt, self.batches = model, fmt, batches
 
     @torch.no_grad()
-    def sync(self, policy_model: nn.Module) -> nn.Module:
-        targets = dict(self.model.named_parameters())
-        for name, param in policy_model.named_parameters():
-            targets[name].copy_(param)
+    def sync(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+        """`weights`: the policy's unquantized weights by parameter name (its masters, rounded here: a
+        mixed-precision policy's compute weights hold their own quantized values)."""
+        for name, target in self.model.named_parameters():
+            target.copy_(weights[name])
         calibrate(self.model, self.fmt, self.batches)
         return self.model

@@ -14,11 +14,11 @@ itself, without any caller remembering to tell it:
 * any other write into the weight bumps the tensor's version counter (in-place ops: `copy_`,
   `load_state_dict`, `mul_`), and a replaced weight (`module.to(...)`) is another storage;
 * amax changes go through ModelOpt's setter, which writes through `.data` (invisible to version
-  counters) and is overridden here to bump a generation, as are the max-reduce across tensor-parallel
-  ranks (an in-place all-reduce, also invisible) and state-dict loads; any other in-place write of the
-  amax buffer bumps its version.
+  counters) and bumps a generation (`qarl.quant.mixins.TracksQuantizerChanges` overrides it), as do the
+  max-reduce across tensor-parallel ranks (an in-place all-reduce, also invisible), state-dict loads,
+  config changes and `disable()`; any other in-place write of the amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
-such a write. In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes weights that way, and
+such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes weights that way, and
 `calibrate` invalidates after it.
 
 Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from qarl.quant.input_quant import fake_quant_input, plain_spec
+from qarl.quant.input_quant import calibrated_spec, fake_quant_input
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 
 
@@ -95,6 +95,7 @@ class _Held:
     version: int
     amax: torch.Tensor
     amax_version: int
+    generation: int
 
 
 class WeightCacheMixin(TracksQuantizerChanges):
@@ -138,7 +139,8 @@ class WeightCacheMixin(TracksQuantizerChanges):
         a smoothing scale."""
         held = self._qarl_held
         return (held is not None and weight is held.weight and weight._version == held.version
-                and held.amax._version == held.amax_version and self._buffers.get("_amax") is held.amax
+                and held.generation == self._qarl_generation and held.amax._version == held.amax_version
+                and self._buffers.get("_amax") is held.amax
                 and not self._disabled and self._if_quant and not self._if_calib
                 and "_pre_quant_scale" not in self._buffers)
 
@@ -149,17 +151,16 @@ class WeightCacheMixin(TracksQuantizerChanges):
         w.r.t. Q(w), which is the straight-through gradient when it passes through: every shipped format).
         Returns False, changing nothing, where that does not hold (clipping STE, no amax yet, a format other
         than the shipped ones).
-        Anything that later changes what this quantizer computes (amax, format, a disable) makes the next
-        forward write the master back unquantized and fall back to the cache; another write into the
-        parameter (a state load) just ends the hold."""
-        amax = getattr(self, "_amax", None)
-        if not (self._qarl_cacheable(weight) and self._pass_through_bwd and amax is not None
-                and amax.numel() == 1 and plain_spec(self) is not None):
+        Anything that later changes what this quantizer computes (amax, format, a disable) writes the
+        master back unquantized at once, and the quantizer caches again until the next step; another write
+        into the parameter (a state load) just ends the hold."""
+        if not (self._qarl_cacheable(weight) and self._pass_through_bwd and calibrated_spec(self) is not None):
             return False
+        amax = self._amax
         with torch.no_grad():
             weight.copy_(self._qarl_quantize(weight.detach()))
         self._qarl_key, self._qarl_value = None, None
-        self._qarl_held = _Held(weight, master, weight._version, amax, amax._version)
+        self._qarl_held = _Held(weight, master, weight._version, amax, amax._version, self._qarl_generation)
         return True
 
     def _qarl_release(self) -> None:
@@ -193,15 +194,23 @@ class WeightCacheMixin(TracksQuantizerChanges):
         tensor, static amax) that is the torch op its forward ends in (`plain_spec`), called here directly
         with the same arguments, which skips ~150 us of per-call Python (the re-quantization after every
         optimizer step pays it once per weight); anything else goes through the quantizer's own forward."""
-        amax = getattr(self, "_amax", None)
-        spec = plain_spec(self) if amax is not None and amax.numel() == 1 else None
+        spec = calibrated_spec(self)
         if spec is None:
             return super().forward(weight)
-        return fake_quant_input(weight, amax.to(weight.device), spec)
+        return fake_quant_input(weight, self._amax.to(weight.device), spec)
 
     def qarl_invalidate(self) -> None:
-        self._qarl_release()
-        self._qarl_key, self._qarl_value = None, None
+        """The weight was written behind its version counter (`.data`): what it holds now is the weight."""
+        self._qarl_held, self._qarl_key, self._qarl_value = None, None, None
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) of a quantizer whose weight holds its quantized value would take that
+        value for the weight: refused. Copy the model built from the masters instead."""
+        if self._qarl_held is not None:
+            raise RuntimeError("this model's compute weights hold their fake-quantized values (mixed precision "
+                               "after an optimizer step), so a copy of it would quantize them twice; build the "
+                               "copy from the master weights (Policy.master_state_dict(), or a saved checkpoint)")
+        return {**super().__getstate__(), "_qarl_key": None, "_qarl_value": None}
 
     def _qarl_changed(self) -> None:
         """ModelOpt changed what this quantizer computes: a held weight is given back at once, since
@@ -268,9 +277,9 @@ def weight_holders(model: nn.Module) -> dict[int, WeightCacheMixin]:
     """id(parameter) -> the cached weight quantizer of the one layer that uses it, for `copy_masters`. A
     parameter another module also uses (a tied embedding) is left out: it keeps its unquantized value."""
     users = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
-    return {id(m.weight): m.weight_quantizer for m in model.modules()
-            if isinstance(getattr(m, "weight_quantizer", None), WeightCacheMixin)
-            and isinstance(m._parameters.get("weight"), nn.Parameter) and users[id(m.weight)] == 1}
+    return {id(m._parameters["weight"]): m._modules["weight_quantizer"] for m in model.modules()
+            if isinstance(m._modules.get("weight_quantizer"), WeightCacheMixin)
+            and isinstance(m._parameters.get("weight"), nn.Parameter) and users[id(m._parameters["weight"])] == 1}
 
 
 def copy_masters(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]], holders: dict[int, WeightCacheMixin]) -> None:
