@@ -39,7 +39,7 @@ from torch import nn
 
 from qarl.quant.input_quant import InputQuant, calibrated_spec, fake_quant_input
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
-from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin
+from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -188,14 +188,10 @@ class FastInputMixin(TracksQuantizerChanges):
 def enable_fast_inputs(model: nn.Module, fused_groups: Iterable[list[nn.Module]] = ()) -> int:
     """Give every (single) input quantizer of `model` the fast path, and the input quantizers of each
     group of fused sibling layers (`fused_groups`: q/k/v, gate/up) one `SharedInput`; returns how many."""
-    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
-
     count = 0
-    for module in model.modules():
-        quantizer = getattr(module, "input_quantizer", None)
-        if isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer):
-            quantizer.__class__ = with_mixin(FastInputMixin, type(quantizer), "Fast", globals())
-            count += 1
+    for quantizer in single_quantizers(model, "input_quantizer"):
+        quantizer.__class__ = with_mixin(FastInputMixin, type(quantizer), "Fast", globals())
+        count += 1
     for members in fused_groups:
         quantizers = [getattr(m, "input_quantizer", None) for m in members]
         if all(isinstance(q, FastInputMixin) for q in quantizers):

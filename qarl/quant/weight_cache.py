@@ -18,8 +18,8 @@ itself, without any caller remembering to tell it:
   max-reduce across tensor-parallel ranks (an in-place all-reduce, also invisible), state-dict loads,
   config changes and `disable()`; any other in-place write of the amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
-such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing (ModelOpt, inside `calibrate`) writes weights that way, and
-`calibrate` invalidates after it.
+such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing
+(ModelOpt, inside `calibrate`) writes weights that way, and `calibrate` invalidates after it.
 
 Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
 the shipped formats the op that forward ends in, with the same arguments), so a cached forward equals an
@@ -122,14 +122,11 @@ class WeightCacheMixin(TracksQuantizerChanges):
             self._qarl_config = (self._qarl_generation, plain)
         return plain
 
-    def _qarl_amax_key(self) -> tuple | None:
-        amax = getattr(self, "_amax", None)
-        return None if amax is None else (amax.data_ptr(), amax._version)
-
     def _qarl_cache_key(self, inputs: torch.Tensor) -> tuple:
+        amax = getattr(self, "_amax", None)
         steps = _optimizer_steps if inputs.requires_grad else None  # a frozen weight is in no optimizer
         return (steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
-                self._qarl_generation, self._qarl_amax_key())
+                self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
 
     def holds(self, weight: torch.Tensor) -> bool:
         """`weight` is the parameter this quantizer holds, unchanged since, and the quantizer still computes
@@ -228,11 +225,12 @@ def _cached_class(cls: type) -> type:
     return with_mixin(WeightCacheMixin, cls, "Cached", globals())
 
 
-def _weight_quantizers(model: nn.Module):
+def single_quantizers(model: nn.Module, role: str = "weight_quantizer") -> Iterator[nn.Module]:
+    """Every layer's `role` quantizer that is one TensorQuantizer (not a sequence of them)."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
 
     for module in model.modules():
-        quantizer = getattr(module, "weight_quantizer", None)
+        quantizer = getattr(module, role, None)
         if isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer):
             yield quantizer
 
@@ -241,7 +239,7 @@ def enable_weight_cache(model: nn.Module) -> int:
     """Give every (single) weight quantizer of `model` the cache; returns how many. State dict names
     and contents are unchanged: only the class of each quantizer gains the mixin."""
     count = 0
-    for quantizer in _weight_quantizers(model):
+    for quantizer in single_quantizers(model):
         quantizer.__class__ = _cached_class(type(quantizer))
         quantizer.qarl_invalidate()
         count += 1
@@ -253,7 +251,7 @@ def cache_kept(model: nn.Module) -> Iterator[None]:
     """Keep the cache on quantizers whose class ModelOpt swaps inside the block (its MSE / 4-over-6
     calibration and `StaticBlockScaleQuantizer.from_tensor_quantizer` turn a weight quantizer into a
     static-block quantizer, dropping the mixin); their cached values are dropped either way."""
-    cached = [q for q in _weight_quantizers(model) if isinstance(q, WeightCacheMixin)]
+    cached = [q for q in single_quantizers(model) if isinstance(q, WeightCacheMixin)]
     yield
     for quantizer in cached:
         quantizer.__class__ = _cached_class(type(quantizer))
@@ -262,14 +260,14 @@ def cache_kept(model: nn.Module) -> Iterator[None]:
 
 def invalidate(model: nn.Module) -> None:
     """Drop every cached weight (needed only after writes that bypass version counters, e.g. `.data`)."""
-    for quantizer in _weight_quantizers(model):
+    for quantizer in single_quantizers(model):
         if isinstance(quantizer, WeightCacheMixin):
             quantizer.qarl_invalidate()
 
 
 def cache_bytes(model: nn.Module) -> int:
     """Memory the cached quantized weights hold now."""
-    return sum(q._qarl_value.numel() * q._qarl_value.element_size() for q in _weight_quantizers(model)
+    return sum(q._qarl_value.numel() * q._qarl_value.element_size() for q in single_quantizers(model)
                if isinstance(q, WeightCacheMixin) and q._qarl_value is not None)
 
 
