@@ -1,6 +1,8 @@
 """Compare training runs: one plot with every run's curves, and a table of held-out accuracy.
 
     python benchmarks/compare_runs.py runs/qa_grpo_tiny runs/grpo_tiny_bf16 --out benchmarks/results/qa_grpo_vs_bf16.png
+
+A run is a run directory (its metrics.jsonl) or a metrics file; `--panels` picks the metrics plotted.
 """
 
 from __future__ import annotations
@@ -8,16 +10,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qarl.metrics import plot_runs, read_metrics
+from qarl.metrics import PLOTTED, plot_runs, read_metrics
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl) or metrics files")
     parser.add_argument("--out", default="comparison.png")
+    parser.add_argument("--panels", nargs="+", default=[key for key, _ in PLOTTED], help="metric keys to plot")
     args = parser.parse_args()
-    runs = {Path(r).name: read_metrics(Path(r) / "metrics.jsonl") for r in args.runs}
-    plot_runs(runs, Path(args.out))
+    runs = {}
+    for run in map(Path, args.runs):
+        runs[run.name.removesuffix(".metrics.jsonl")] = read_metrics(run if run.is_file() else run / "metrics.jsonl")
+    titles = dict(PLOTTED)
+    plot_runs(runs, Path(args.out), [(key, titles.get(key, key)) for key in args.panels])
     steps = sorted({r["step"] for rows in runs.values() for r in rows if r.get("eval/accuracy") is not None})
     print("| step | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))

@@ -21,6 +21,11 @@
 #   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
 #             uninterrupted (benchmarks/resume_check.py)
 #   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
+#   exact     the exact forward: its kernels' row invariance, then `qarl parity` with policy.exact_forward=true on
+#             the 0.5B model, bf16 and fp16, eager and with CUDA graphs
+#   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
+#   exact_cost  the policy's forward + backward with the exact forward on against off (benchmarks/exact_step_time.py)
+#   exact_tests  the GPU tests of the exact forward (tests/test_gpu_exact.py)
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
@@ -35,6 +40,22 @@ keep() { # keep a run's metrics and plot
   cp "$run/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   cp "$run/metrics.png" "$out/$name.png" 2>/dev/null
 }
+show_parity() { # one line per format of a `qarl parity --json` file
+  python3 -c "
+import json, sys
+for name, r in json.load(open(sys.argv[1])).items():
+    s, u, f = r['synced'], r['unsynced'], r['unquantized']
+    print(name, 'synced', s['mean_abs'], s['max_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'],
+          'floor', f['mean_abs'], f['max_abs'], f['flipped_tokens'])" "$1"
+}
+show_steps() { # medians over a run's steps 3 and later (the first steps warm up allocators)
+  python3 -c "
+import json, statistics as st, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl') if 'perf/step_s' in l][2:]
+print(sys.argv[2], {k: round(st.median(r[k] for r in rows), 4) for k in
+      ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/refit_s', 'perf/rollout_tokens_per_s', 'mismatch/kl')
+      if all(k in r for r in rows)})" "$1" "$2"
+}
 case "$stage" in
   kernels)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
@@ -48,11 +69,7 @@ case "$stage" in
   parity)
     for dtype in bfloat16 float16 float32; do
       qarl parity recipes/parity_0p5b_gpu.yaml "policy.dtype=$dtype" --json > "$out/parity_$dtype.json" 2> "$out/parity_$dtype.log"
-      echo "== $dtype"; tail -3 "$out/parity_$dtype.log"; python3 -c "
-import json, sys
-for name, r in json.load(open('$out/parity_$dtype.json')).items():
-    s, u, f = r['synced'], r['unsynced'], r['unquantized']
-    print(name, 'synced', s['mean_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'], 'floor', f['mean_abs'], f['flipped_tokens'])"
+      echo "== $dtype"; tail -3 "$out/parity_$dtype.log"; show_parity "$out/parity_$dtype.json"
     done
     ;;
   grpo)
@@ -118,12 +135,26 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     for eager in false true; do
       qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "policy.generation.enforce_eager=$eager" --json \
         > "$out/parity_graphs_eager_$eager.json" 2> "$out/parity_graphs_eager_$eager.log"
-      echo "== enforce_eager=$eager"; tail -2 "$out/parity_graphs_eager_$eager.log"; python3 -c "
-import json
-for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
-    s, u, f = r['synced'], r['unsynced'], r['unquantized']
-    print(name, 'synced', s['mean_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'], 'floor', f['mean_abs'])"
+      echo "== enforce_eager=$eager"; tail -2 "$out/parity_graphs_eager_$eager.log"
+      show_parity "$out/parity_graphs_eager_$eager.json"
     done
+    ;;
+  exact)
+    python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_exact.py -k kernels 2>&1 | grep -E "^E |assert|passed|failed" | head -30
+    for dtype in bfloat16 float16; do
+      for eager in true false; do
+        name="parity_exact_${dtype}_eager_$eager"
+        qarl parity recipes/parity_0p5b_gpu.yaml policy.exact_forward=true "policy.dtype=$dtype" \
+          "policy.generation.enforce_eager=$eager" --json > "$out/$name.json" 2> "$out/$name.log"
+        echo "== exact forward, $dtype, enforce_eager=$eager"; tail -3 "$out/$name.log"; show_parity "$out/$name.json"
+      done
+    done
+    ;;
+  exact_cost)
+    python3 benchmarks/exact_step_time.py 2>&1 | grep -v -i warn | tail -3
+    ;;
+  exact_tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exact.py 2>&1 | tail -30
     ;;
   megatron)
     gpus=$(nvidia-smi -L | wc -l)
@@ -153,12 +184,18 @@ for name, r in json.load(open('$out/parity_graphs_eager_$eager.json')).items():
         "run.dir=runs/e2e_$1_eager_$2" trainer.steps=10 eval.every=100 checkpoint.every=100 \
         "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
       keep "runs/e2e_$1_eager_$2" "e2e_$1_eager_$2"
-      python3 -c "
-import json, statistics as st
-rows = [json.loads(l) for l in open('runs/e2e_$1_eager_$2/metrics.jsonl') if 'perf/step_s' in l][2:]
-print('$1 enforce_eager=$2', {k: round(st.median(r[k] for r in rows), 3) for k in
-      ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/refit_s', 'perf/rollout_tokens_per_s')})"
+      show_steps "runs/e2e_$1_eager_$2" "$1 enforce_eager=$2"
     done
+    ;;
+  exact_grpo)
+    # one QA-GRPO run of the 0.5B model (STEPS, default 100, after the warm start), format $3 (a quant_configs/ name),
+    # policy.exact_forward=$4: bash benchmarks/gpu_runs.sh exact_grpo OUT nvfp4_w4a4 true
+    name="qa_grpo_0p5b_$3_exact_$4"
+    qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=quant_configs/$3.yaml" "policy.exact_forward=$4" \
+      "run.dir=runs/$name" checkpoint.every=1000 "warm_start.steps=${WARM_START_STEPS:-80}" "trainer.steps=${STEPS:-100}" 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tail -3
+    keep "runs/$name" "$name"
+    show_steps "runs/$name" "$3 exact_forward=$4"
     ;;
   step_time)
     python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_engine_quant.py 2>&1 | tail -3

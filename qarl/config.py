@@ -108,12 +108,37 @@ class PolicyConfig:
     # one quantized copy of each quantized weight is cached; see qarl/quant/weight_cache.py). false: ModelOpt's
     # own path, unchanged.
     quant_weight_cache: bool = True
+    # Run the policy's forward with the rollout engine's own kernels, in its order and layout (GPU: Hopper,
+    # bf16/fp16, Llama/Qwen2): the engine's log-prob of every sampled token then equals the policy's bit for
+    # bit, in every format. The engine runs vLLM's batch-invariant mode. See qarl/backends/exact_forward.py.
+    exact_forward: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
     backend: str = "hf"
     tensor_parallel_size: int = 1  # megatron: the TP size (the processes beyond it are data parallel)
     lora: LoraConfig = field(default_factory=LoraConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self) -> None:
+        """Settings the exact forward cannot serve, refused as the recipe loads (what the machine and the
+        model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
+        if not self.exact_forward:
+            return
+        conflicts = [
+            f"policy.dtype={self.dtype} (FlashAttention computes in bfloat16 or float16)"
+            if self.dtype not in ("bfloat16", "float16") else "",
+            f"policy.backend={self.backend} (the Megatron backend's attention, norms and sharded matmuls are not the "
+            "engine's kernels; use policy.backend=hf)" if self.backend != "hf" else "",
+            f"policy.lora.mode={self.lora.mode} (the engine adds adapters by forward hooks the exact forward does not "
+            "mirror)" if self.lora.mode != "none" else "",
+            "policy.generation.allow_quant_mismatch (the engine would quantize differently on purpose)"
+            if self.generation.allow_quant_mismatch else "",
+            "policy.generation.tensor_parallel_size > 1 (sharded matmuls sum in another order)"
+            if self.generation.tensor_parallel_size != 1 else "",
+        ]
+        conflicts = [c for c in conflicts if c]
+        if conflicts:
+            raise ConfigError("policy.exact_forward=true cannot run with " + "; ".join(conflicts))
 
 
 @dataclass

@@ -295,7 +295,8 @@ def distill(cfg: RecipeConfig) -> Path:
     rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
     teacher_first = start_step == 0 and cfg.distill.eval_teacher_accuracy
     engine = VLLMEngine(student.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
-                        quant_format=None if teacher_first else rollout_format, qlora=cfg.policy.lora.mode == "qlora")
+                        quant_format=None if teacher_first else rollout_format, qlora=cfg.policy.lora.mode == "qlora",
+                        exact=cfg.policy.exact_forward)
     eval_problems = task.eval[: cfg.eval.num_prompts]
     first_row: dict[str, float] = {}
     if teacher_first:

@@ -87,7 +87,8 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
         rows += [(f"{fmt.name}+{mode}", fmt, lora_policy(cfg, calib, model_dir, fmt, mode), plain) for fmt in formats]
 
     qlora = "qlora" in modes or cfg.policy.lora.mode == "qlora"
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora=qlora)
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora=qlora,
+                        exact=cfg.policy.exact_forward)
     results: dict[str, dict[str, dict]] = {}
     floor, held = None, None
     for name, _, quantized, plain in rows:  # the engine unquantized: the floor, and the unsynced mismatch

@@ -267,6 +267,12 @@ def build_policy(
     if fmt == "from-config":
         fmt = resolve_format(cfg.quant_cfg)
     model_dir = model_dir or resolve_model_dir(cfg.model_name)
+    if cfg.exact_forward:
+        from transformers import AutoConfig
+
+        from qarl.backends.exact_forward import check_exact_forward
+
+        check_exact_forward(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code))
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
@@ -294,6 +300,10 @@ def build_hf_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedToke
     if cfg.lora.mode != "none":  # a frozen base: no master copy; the adapters are the masters
         apply_lora(model, cfg.lora, dtype=getattr(torch, cfg.master_dtype))
         lora = cfg.lora
+    if cfg.exact_forward:
+        from qarl.backends.exact_forward import enable_exact_forward
+
+        enable_exact_forward(model)
     return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master, lora=lora)
 
 
@@ -352,11 +362,15 @@ def score_completions(
 ) -> TokenScores:
     """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
 
-    Computed in fp32 from logits / temperature, the same distribution the engine samples from;
-    carries grad when grad is enabled.
+    Computed in fp32 from logits / temperature, the same distribution the engine samples from; a model
+    with the exact forward picks each token's log-prob with the engine's own kernel
+    (`qarl_token_logprobs`, qarl/backends/exact_forward.py). Carries grad when grad is enabled.
     """
     logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token_logprobs = log_probs.gather(-1, targets[..., None]).squeeze(-1) * mask
+    engine_scoring = getattr(model, "qarl_token_logprobs", None)
+    picked = (engine_scoring(logits, targets, temperature) if engine_scoring is not None
+              else log_probs.gather(-1, targets[..., None]).squeeze(-1))
+    token_logprobs = picked * mask
     entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
     return TokenScores(logprobs=token_logprobs, entropy=entropy, mask=mask)

@@ -226,7 +226,8 @@ def train(cfg: RecipeConfig) -> Path:
 
     # 3. The rollout engine, synced to the policy (weights + amax).
     engine = VLLMEngine(policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
-                        quant_format=resolve_format(cfg.policy.generation.quant_cfg), qlora=cfg.policy.lora.mode == "qlora")
+                        quant_format=resolve_format(cfg.policy.generation.quant_cfg), qlora=cfg.policy.lora.mode == "qlora",
+                        exact=cfg.policy.exact_forward)
     step_state = policy.prepare_step(start_step)
     engine.refit(policy.rollout_model())
     eval_problems = task.eval[: cfg.eval.num_prompts]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
+from qarl.generation import exact
 from qarl.quant.input_quant import InputQuant, fake_quant_input, install_kernels
 from qarl.quant.mixins import with_mixin
 
@@ -112,8 +113,10 @@ def register_loader() -> None:
 
         def load_model(self, vllm_config, *args, **kwargs):
             model = super().load_model(vllm_config, *args, **kwargs)
-            plan = (vllm_config.additional_config or {}).get(PLAN_KEY, {})
-            install(model, {name: InputQuant(**spec) for name, spec in plan.items()})
+            extra = vllm_config.additional_config or {}
+            install(model, {name: InputQuant(**spec) for name, spec in extra.get(PLAN_KEY, {}).items()})
+            if extra.get(exact.EXACT_KEY):
+                exact.install(model)
             return model
 
     _registered = True

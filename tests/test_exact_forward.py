@@ -1,0 +1,88 @@
+"""The exact forward off the GPU: what cannot run is refused before anything expensive, and the torch
+references whose gradients the exact forward's backward pass uses compute the math of vLLM's kernels
+(its rotary embedding, causal attention per sequence), through `EngineOp`'s plumbing. Bit equality with
+the engine is a GPU matter: tests/test_gpu_exact.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qarl.backends.exact_forward import EngineOp, _reference_attention, _reference_norm, _reference_rotary
+from qarl.config import ConfigError, PolicyConfig, load_recipe
+
+
+@pytest.mark.parametrize("override, named", [
+    ("policy.dtype=float32", "policy.dtype=float32"),
+    ("policy.backend=megatron", "policy.backend=megatron"),
+    ("policy.lora.mode=qlora", "policy.lora.mode=qlora"),
+    ("policy.generation.allow_quant_mismatch=true", "allow_quant_mismatch"),
+])
+def test_the_recipe_refuses_what_the_exact_forward_cannot_serve(override, named):
+    overrides = ["policy.exact_forward=true", "policy.dtype=bfloat16", override]
+    with pytest.raises(ConfigError, match="exact_forward") as refused:
+        load_recipe("recipes/qa_grpo_tiny.yaml", overrides)
+    assert named in str(refused.value)
+    assert load_recipe("recipes/qa_grpo_tiny.yaml", overrides[:2]).policy.exact_forward
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_a_cpu_machine_is_refused_before_the_model_loads(task, tiny_dir):
+    from qarl.policy import build_policy
+
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        build_policy(PolicyConfig(exact_forward=True, dtype="bfloat16", quant_cfg="none"), [], model_dir=tiny_dir)
+
+
+def test_the_rotary_reference_is_vllms_rotary_embedding():
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    from qarl.generation.exact import rope_cache
+
+    cache = rope_cache(64, 512, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32, torch.device("cpu"))
+    positions = torch.cat([torch.arange(30), torch.arange(7)])
+    q, k = torch.randn(37, 4 * 64), torch.randn(37, 2 * 64)
+    want = RotaryEmbedding.forward_static(positions, q.clone(), k.clone(), 64, 64, cache, True)
+    for got, expected in zip(_reference_rotary(positions, cache, q, k), want):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_attention_reference_is_causal_attention_within_each_sequence():
+    lengths, scale = [5, 12, 1], 0.125
+    q, k, v = torch.randn(18, 4, 16), torch.randn(18, 2, 16), torch.randn(18, 2, 16)
+    rows, start = [], 0
+    for n in lengths:  # softmax(q k^T) v, keys 0..t for query t, each query head reading its KV head
+        qs, ks, vs = q[start : start + n], k[start : start + n].repeat_interleave(2, 1), v[start : start + n].repeat_interleave(2, 1)
+        scores = torch.einsum("thd,shd->hts", qs, ks) * scale
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        rows.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
+        start += n
+    torch.testing.assert_close(_reference_attention(q, k, v, lengths, scale), torch.cat(rows), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_op_backward_is_the_gradient_of_its_reference():
+    """With the reference as its kernel too, EngineOp must give exactly autograd's gradients: every output's
+    gradient reaches the right input, and an input that needs none gets none."""
+
+    def reference(x, residual, weight):
+        total = x + residual
+        return _reference_norm(total, weight, 1e-6), total
+
+    def kernel(*inputs):
+        with torch.no_grad():
+            return tuple(t.clone() for t in reference(*inputs))
+
+    x, residual, weight = torch.randn(6, 32, requires_grad=True), torch.randn(6, 32, requires_grad=True), torch.randn(32)
+    normed, total = EngineOp.apply(kernel, reference, x, residual, weight)
+    (normed.square().sum() + (total * 3).sum()).backward()
+    got = (x.grad.clone(), residual.grad.clone())
+    x.grad = residual.grad = None
+    normed, total = reference(x, residual, weight)
+    (normed.square().sum() + (total * 3).sum()).backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], residual.grad)
+    assert weight.grad is None
+
+    y = torch.randn(4, 8, requires_grad=True)  # one output only, its gradient not needed by the other path
+    EngineOp.apply(lambda t: F.silu(t).detach(), F.silu, y).sum().backward()
+    torch.testing.assert_close(y.grad, torch.sigmoid(y) * (1 + y * (1 - torch.sigmoid(y))))

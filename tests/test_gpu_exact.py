@@ -1,0 +1,137 @@
+"""The exact forward (`policy.exact_forward`) on a Hopper GPU: the engine's log-prob of every sampled token
+equals the policy's bit for bit, in every format and compute dtype, eager and with CUDA graphs; the
+kernels it rests on give each row the same bits whatever else is in the batch; its gradients are the
+default path's within the compute dtype's rounding. Skipped without such a GPU (CPU refusals:
+tests/test_exact_forward.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.config import GenerationConfig, PolicyConfig
+
+hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper, reason="needs a Hopper GPU (FlashAttention 3)")]
+
+FORMATS = ["none", "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]
+MODEL = "embedded:20m"  # head size 64 (FlashAttention 3); the tiny model's is 32
+
+
+def exact_policy(task, quant_cfg: str, dtype: str = "bfloat16", exact: bool = True):
+    from qarl.policy import build_policy, resolve_model_dir
+
+    cfg = PolicyConfig(model_name=MODEL, quant_cfg=quant_cfg, dtype=dtype, exact_forward=exact, quant_calib_size=32)
+    torch.manual_seed(0)
+    return build_policy(cfg, task.calibration_texts(32), model_dir=resolve_model_dir(MODEL), trainable=True)
+
+
+def test_the_kernels_give_a_row_the_same_bits_in_any_batch(task):
+    """Decode (one query against the paged cache) equals the prefill row; a matmul row and a norm row do
+    not depend on the other rows."""
+    from qarl.generation import exact
+
+    exact_policy(task, "none")  # the process in batch-invariant mode
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 5, 64]
+    q = torch.randn(sum(lengths), 8, 64, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    full = exact.attention(q, k, v, exact.PagedLayout.build(lengths, lengths, q.device), 0.125)
+    start = 0
+    for n in lengths:
+        for t in (0, n // 2, n - 1):  # a decode step's query: token t against keys 0..t
+            one = exact.attention(q[start + t : start + t + 1], k[start : start + t + 1], v[start : start + t + 1],
+                                  exact.PagedLayout.build([1], [t + 1], q.device), 0.125)
+            assert torch.equal(one, full[start + t : start + t + 1]), (n, t)
+        start += n
+    x = torch.randn(300, 896, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1152, 896, device="cuda", generator=g).bfloat16()
+    b = torch.randn(1152, device="cuda", generator=g).bfloat16()
+    assert torch.equal(exact.linear(x, w, b)[7:9], exact.linear(x[7:9], w, b))
+    weight = torch.randn(896, device="cuda", generator=g).bfloat16()
+    assert torch.equal(exact.rms_norm(x, weight, 1e-6)[:3], exact.rms_norm(x[:3], weight, 1e-6))
+
+
+@pytest.mark.parametrize("eager", ["true", "false"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_engine_and_policy_log_probs_are_equal_in_every_format(task, dtype, eager):
+    from qarl.generation import VLLMEngine
+    from qarl.parity import measure
+    from qarl.quant import resolve_format
+
+    policies = [exact_policy(task, f, dtype) for f in FORMATS]
+    settings = GenerationConfig(max_new_tokens=32, gpu_memory_utilization=0.2, sleep_between_rollouts="off",
+                                enforce_eager=eager)
+    engine = VLLMEngine(policies[0].model_dir, settings, dtype, 0, exact=True)
+    prompts = [policies[0].tokenizer(p.prompt).input_ids for p in task.eval[:16]]
+    found = {}
+    for quant_cfg, policy in zip(FORMATS, policies):
+        engine.set_quant_format(resolve_format(quant_cfg))
+        engine.refit(policy.model)
+        found[quant_cfg] = measure(engine, policy, prompts, max_new_tokens=32, seed=0)
+    engine.close()
+    assert all(m.tokens > 100 for m in found.values())
+    assert {f: (m.max_abs, m.flipped_tokens) for f, m in found.items()} == {f: (0.0, 0) for f in FORMATS}
+
+
+def test_every_kernel_computes_what_its_gradient_reference_computes(task):
+    """The backward pass of each engine kernel is the gradient of a torch reference (`EngineOp`): the two
+    must compute the same function (within bf16 rounding), or the gradients would belong to another one."""
+    from functools import partial
+
+    from qarl.backends import exact_forward as ef
+    from qarl.generation import exact
+
+    policy = exact_policy(task, "none")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf16 = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()  # noqa: E731
+    lengths = [21, 40]
+    n = sum(lengths)
+    positions = torch.cat([torch.arange(k, device="cuda") for k in lengths])
+    q, k, v, x, w = bf16(n, 8, 64), bf16(n, 2, 64), bf16(n, 2, 64), bf16(n, 512), bf16(512)
+    cache = policy.model._qarl_rope_cache
+    logits, tokens = bf16(n, 128), torch.randint(0, 128, (n,), device="cuda", generator=g)
+    cases = {
+        "rms_norm": (partial(exact.rms_norm, eps=1e-6), partial(ef._reference_norm, eps=1e-6), (x, w)),
+        "silu_and_mul": (exact.silu_and_mul, ef._reference_silu_and_mul, (x,)),
+        "rotary": (partial(exact.rotary, positions, head_size=64, cos_sin_cache=cache),
+                   partial(ef._reference_rotary, positions, cache), (q.reshape(n, -1), k.reshape(n, -1))),
+        "attention": (partial(exact.attention, layout=exact.PagedLayout.build(lengths, lengths, q.device), scale=0.125),
+                      partial(ef._reference_attention, lengths=lengths, scale=0.125), (q, k, v)),
+        "token_logprobs": (partial(exact.token_logprobs, tokens=tokens, temperature=0.7),
+                           lambda z: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tokens[:, None])[:, 0], (logits,)),
+    }
+    for name, (kernel, reference, inputs) in cases.items():
+        got, want = kernel(*inputs), reference(*inputs)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
+    linear_x = x.requires_grad_()
+    linear_w = bf16(256, 512).requires_grad_()
+    ef.EngineLinear.apply(linear_x, linear_w, None).float().square().sum().backward()
+    kernel_grads = (linear_x.grad.clone(), linear_w.grad.clone())
+    linear_x.grad = linear_w.grad = None
+    torch.nn.functional.linear(linear_x, linear_w).float().square().sum().backward()
+    for a, b in zip(kernel_grads, (linear_x.grad, linear_w.grad)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("quant_cfg", FORMATS[:2])
+def test_exact_gradients_match_the_default_path(task, quant_cfg):
+    """The same weights, the same loss: gradients within bf16 rounding of the default (transformers) path.
+    (Weight-only formats: with quantized activations the two paths' forwards differ by whole quantization
+    steps where their last bits differ, which is the mismatch the exact forward removes.)"""
+    from qarl.policy import score_completions
+
+    grads = []
+    for exact in (True, False):
+        policy = exact_policy(task, quant_cfg, exact=exact)
+        tok = policy.tokenizer
+        prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
+        answers = [tok(p.answer).input_ids for p in task.train[:8]]
+        (-score_completions(policy.model, prompts, answers, tok.pad_token_id).logprobs.sum()).backward()
+        grads.append({n: p.grad.float() for n, p in policy.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        exact_grad, default_grad = grads[0][name], grads[1][name]
+        error = (exact_grad - default_grad).norm() / default_grad.norm()
+        assert error < 0.05, (name, error.item())
