@@ -135,6 +135,10 @@ class PolicyConfig:
             if self.generation.allow_quant_mismatch else "",
             "policy.generation.tensor_parallel_size > 1 (sharded matmuls sum in another order)"
             if self.generation.tensor_parallel_size != 1 else "",
+            f"policy.generation.top_p={self.generation.top_p} (the engine's log-probs would be of the top-p-masked "
+            "logits)" if self.generation.top_p < 1 else "",
+            "policy.quant_weight_cache=false (the exact forward quantizes fused layers' shared input once, through "
+            "qarl's fast input quantizers)" if not self.quant_weight_cache else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:

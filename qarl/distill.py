@@ -144,8 +144,9 @@ def load_teacher(cfg: RecipeConfig, task: Task) -> Policy:
     """The teacher as an unquantized, frozen Policy (so `evaluate` and the engine take it like the student)."""
     name = cfg.teacher.model_name
     model_dir = initial_model_dir(cfg, task) if name == WARM_START_TEACHER else teacher_source(cfg)
+    # a whole model, never adapted; no exact forward (its log-probs are targets, never compared with the engine's)
     settings = dataclasses.replace(cfg.policy, dtype=cfg.teacher.dtype, trust_remote_code=cfg.teacher.trust_remote_code,
-                                   lora=LoraConfig())  # the teacher is a whole model, never adapted
+                                   lora=LoraConfig(), exact_forward=False)
     teacher = build_policy(settings, [], model_dir=model_dir, fmt=None)
     teacher.model.eval().requires_grad_(False)
     return teacher

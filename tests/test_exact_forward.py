@@ -5,6 +5,8 @@ the engine is a GPU matter: tests/test_gpu_exact.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,8 @@ from qarl.config import ConfigError, PolicyConfig, load_recipe
     ("policy.backend=megatron", "policy.backend=megatron"),
     ("policy.lora.mode=qlora", "policy.lora.mode=qlora"),
     ("policy.generation.allow_quant_mismatch=true", "allow_quant_mismatch"),
+    ("policy.generation.top_p=0.9", "top_p=0.9"),
+    ("policy.quant_weight_cache=false", "quant_weight_cache=false"),
 ])
 def test_the_recipe_refuses_what_the_exact_forward_cannot_serve(override, named):
     overrides = ["policy.exact_forward=true", "policy.dtype=bfloat16", override]
@@ -40,7 +44,8 @@ def test_the_rotary_reference_is_vllms_rotary_embedding():
 
     from qarl.generation.exact import rope_cache
 
-    cache = rope_cache(64, 512, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32, torch.device("cpu"))
+    config = SimpleNamespace(head_dim=64, max_position_embeddings=512, rope_parameters={"rope_theta": 10000.0})
+    cache = rope_cache(config, torch.float32, torch.device("cpu"))
     positions = torch.cat([torch.arange(30), torch.arange(7)])
     q, k = torch.randn(37, 4 * 64), torch.randn(37, 2 * 64)
     want = RotaryEmbedding.forward_static(positions, q.clone(), k.clone(), 64, 64, cache, True)

@@ -1,8 +1,8 @@
 """The exact forward (`policy.exact_forward`) on a Hopper GPU: the engine's log-prob of every sampled token
 equals the policy's bit for bit, in every format and compute dtype, eager and with CUDA graphs; the
-kernels it rests on give each row the same bits whatever else is in the batch; its gradients are the
-default path's within the compute dtype's rounding. Skipped without such a GPU (CPU refusals:
-tests/test_exact_forward.py)."""
+kernels it rests on give each row the same bits whatever else is in the batch; each kernel computes what
+its gradient reference computes, and whole-model gradients are within 5 % of the default path's (weight-only
+formats). Skipped without such a GPU (CPU refusals and references: tests/test_exact_forward.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_every_kernel_computes_what_its_gradient_reference_computes(task):
 
 @pytest.mark.parametrize("quant_cfg", FORMATS[:2])
 def test_exact_gradients_match_the_default_path(task, quant_cfg):
-    """The same weights, the same loss: gradients within bf16 rounding of the default (transformers) path.
+    """The same weights, the same loss: gradients within 5 % (relative norm) of the default (transformers) path.
     (Weight-only formats: with quantized activations the two paths' forwards differ by whole quantization
     steps where their last bits differ, which is the mismatch the exact forward removes.)"""
     from qarl.policy import score_completions

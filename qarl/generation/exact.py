@@ -42,21 +42,29 @@ def enable_batch_invariance() -> None:
     """Put this process in vLLM's batch-invariant mode (aten's log_softmax, softmax, mean and bmm become its
     Triton kernels; cuBLAS settings without split-K, which cuBLAS reads once: call it early), with vLLM's v2
     model runner, whose sampler returns the log-probs `token_logprobs` computes. Before the engine starts
-    (vLLM reads both variables then); idempotent."""
+    (vLLM reads both variables then); idempotent, and checked: an engine started earlier in this process
+    has frozen vLLM's view of the environment, which is thawed first."""
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
     init_batch_invariance()
+    if not (envs.VLLM_BATCH_INVARIANT and envs.VLLM_USE_V2_MODEL_RUNNER):
+        raise RuntimeError("policy.exact_forward: vLLM did not take VLLM_BATCH_INVARIANT=1 / VLLM_USE_V2_MODEL_RUNNER=1")
 
 
-KERNELS = {  # what the exact forward imports from vLLM (present in vllm 0.26)
+KERNELS = {  # what the exact forward calls in vLLM (present in vllm 0.26)
+    "vllm.envs": ("disable_envs_cache",),
     "vllm.model_executor.layers.batch_invariant": ("init_batch_invariance", "linear_batch_invariant",
                                                    "rms_norm_batch_invariant"),
     "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
     "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
     "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
-    "vllm.model_executor.layers.rotary_embedding": ("get_rope", "RotaryEmbedding"),
+    "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding",),
+    "vllm._custom_ops": ("rotary_embedding",),
 }
 
 
@@ -70,13 +78,16 @@ def missing_kernels() -> list[str]:
             missing.append(module)
             continue
         missing += [f"{module}.{name}" for name in names if not hasattr(found, name)]
+    if "vllm._custom_ops" not in missing:
+        importlib.import_module("vllm._custom_ops")  # registers torch.ops._C
+        missing += [f"torch.ops._C.{op}" for op in ("rotary_embedding", "silu_and_mul") if not hasattr(torch.ops._C, op)]
     return missing
 
 
 def engine_options(eager: bool) -> dict:
     """vLLM settings of an exact engine: FlashAttention, KV blocks of BLOCK_SIZE, no torch.compile, and
     (unless eager) CUDA graphs of whole decode steps."""
-    options = {"attention_config": {"backend": "FLASH_ATTN"}, "block_size": BLOCK_SIZE}
+    options = {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 3}, "block_size": BLOCK_SIZE}
     if not eager:
         options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return options
@@ -183,15 +194,30 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return compute_token_logprobs(logits, tokens[:, None])[:, 0]
 
 
-def rope_cache(head_size: int, max_position: int, rope_parameters: dict | None, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """The cos/sin table the engine's rotary embedding holds: vLLM's own, made on the same device."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+def head_size(config) -> int:
+    """A Hugging Face config's attention head size."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    with torch.device(device), set_current_vllm_config(VllmConfig()):  # get_rope reads vLLM's (default) settings
-        return get_rope(head_size, max_position=max_position, rope_parameters=rope_parameters,
-                        dtype=dtype).cos_sin_cache.clone()
+
+def rope_theta(config) -> float | None:
+    """A Hugging Face config's rotary base, or None when its rotary embedding is not the plain one (scaled,
+    partial): the exact forward runs vLLM's plain `RotaryEmbedding` only."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return None
+    return rope.get("rope_theta", getattr(config, "rope_theta", None))
+
+
+def rope_cache(config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The cos/sin table of the model's rotary embedding as vLLM builds it (its own class, made on `device`
+    as the engine makes it on the GPU); the engine checks its own against it as it starts."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    size = head_size(config)
+    with torch.device(device), set_current_vllm_config(VllmConfig()):  # a CustomOp reads vLLM's (default) settings
+        rope = RotaryEmbedding(size, size, config.max_position_embeddings, rope_theta(config), True, dtype)
+    return rope.cos_sin_cache
 
 
 # -- the engine side ------------------------------------------------------------------------------------
@@ -217,8 +243,11 @@ def _engine_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     return rms_norm(x, weight, eps) if residual is None else add_rms_norm(x, residual, weight, eps)
 
 
-def engine_rope_cache(model: nn.Module) -> torch.Tensor:
-    """The cos/sin table of the engine's first rotary embedding."""
+def check_engine(model: nn.Module, config, dtype: torch.dtype) -> None:
+    """The engine's rotary table is the one the policy computes (`rope_cache`)."""
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-    return next(m for m in model.modules() if isinstance(m, RotaryEmbedding)).cos_sin_cache
+    engine_cache = next(m for m in model.modules() if type(m) is RotaryEmbedding).cos_sin_cache
+    if not torch.equal(engine_cache, rope_cache(config, dtype, engine_cache.device)):
+        raise RuntimeError("policy.exact_forward: the engine's rotary cos/sin table differs from the one the policy "
+                           "computes; this vLLM builds it another way")

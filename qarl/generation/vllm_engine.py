@@ -185,10 +185,13 @@ class VLLMEngine:
         )
         self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
         self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        if self.exact:
+            from transformers import AutoConfig
+
+            exact_kernels.check_engine(self.model, AutoConfig.from_pretrained(self.model_dir), getattr(torch, self.dtype))
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
-        self._exact_checked: weakref.WeakSet = weakref.WeakSet()  # policy models whose exact forward matches
         self.adapters = EngineAdapters(self.model)
 
     def close(self) -> None:
@@ -306,8 +309,6 @@ class VLLMEngine:
         from qarl.lora import served_adapters
 
         self.wake()
-        if self.exact:
-            self._check_exact(policy_model)
         start = time.perf_counter()
         moved = 0
         if isinstance(policy_model, ShardedPolicy):  # every weight is replaced: nothing is held from earlier
@@ -339,19 +340,6 @@ class VLLMEngine:
             if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
                 moved += self._sync_smoothing(layer, policy_quantizer)
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
-
-    def _check_exact(self, policy_model: nn.Module | ShardedPolicy) -> None:
-        """An exact engine serves a policy with the exact forward whose rotary table is the engine's
-        (checked once per policy model)."""
-        if policy_model in self._exact_checked:
-            return
-        cache = getattr(policy_model, "_qarl_rope_cache", None)
-        if cache is None:
-            raise ConfigError("the engine runs the exact forward's kernels but the policy does not: build the policy "
-                              "with policy.exact_forward=true")
-        if not torch.equal(cache, exact_kernels.engine_rope_cache(self.model)):
-            raise RuntimeError("policy.exact_forward: the policy's rotary cos/sin table differs from the engine's")
-        self._exact_checked.add(policy_model)
 
     def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
         """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale
