@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qarl.config import GenerationConfig, PolicyConfig
+from qarl.config import GenerationConfig
+
+from .conftest import answer_loss, tiny_policy
 
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper, reason="needs a Hopper GPU (FlashAttention 3)")]
@@ -19,11 +21,10 @@ MODEL = "embedded:20m"  # head size 64 (FlashAttention 3); the tiny model's is 3
 
 
 def exact_policy(task, quant_cfg: str, dtype: str = "bfloat16", exact: bool = True):
-    from qarl.policy import build_policy, resolve_model_dir
+    from qarl.policy import resolve_model_dir
 
-    cfg = PolicyConfig(model_name=MODEL, quant_cfg=quant_cfg, dtype=dtype, exact_forward=exact, quant_calib_size=32)
-    torch.manual_seed(0)
-    return build_policy(cfg, task.calibration_texts(32), model_dir=resolve_model_dir(MODEL), trainable=True)
+    return tiny_policy(task, resolve_model_dir(MODEL), quant_cfg, trainable=True, model_name=MODEL, dtype=dtype,
+                       exact_forward=exact)
 
 
 def test_the_kernels_give_a_row_the_same_bits_in_any_batch(task):
@@ -120,15 +121,10 @@ def test_exact_gradients_match_the_default_path(task, quant_cfg):
     """The same weights, the same loss: gradients within 5 % (relative norm) of the default (transformers) path.
     (Weight-only formats: with quantized activations the two paths' forwards differ by whole quantization
     steps where their last bits differ, which is the mismatch the exact forward removes.)"""
-    from qarl.policy import score_completions
-
     grads = []
     for exact in (True, False):
         policy = exact_policy(task, quant_cfg, exact=exact)
-        tok = policy.tokenizer
-        prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
-        answers = [tok(p.answer).input_ids for p in task.train[:8]]
-        (-score_completions(policy.model, prompts, answers, tok.pad_token_id).logprobs.sum()).backward()
+        answer_loss(policy, task).backward()
         grads.append({n: p.grad.float() for n, p in policy.model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
