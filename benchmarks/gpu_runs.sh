@@ -53,7 +53,8 @@ show_steps() { # medians over a run's steps 3 and later (the first steps warm up
 import json, statistics as st, sys
 rows = [json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl') if 'perf/step_s' in l][2:]
 print(sys.argv[2], {k: round(st.median(r[k] for r in rows), 4) for k in
-      ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/refit_s', 'perf/rollout_tokens_per_s', 'mismatch/kl')
+      ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/sleep_wake_s', 'perf/refit_s', 'perf/rollout_tokens_per_s',
+       'mismatch/kl')
       if all(k in r for r in rows)})" "$1" "$2"
 }
 case "$stage" in
@@ -151,7 +152,10 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     ;;
   exact_cost)
-    python3 benchmarks/exact_step_time.py 2>&1 | grep -v -i warn | tail -3
+    python3 benchmarks/exact_step_time.py --profile "$out" 2>&1 | grep -v -i warn | tail -3
+    # a micro-batch of the QA-GRPO recipe's shape: 128 completions of ~20 + 6 tokens (host-bound)
+    python3 benchmarks/exact_step_time.py --completions 128 --prompt-tokens 20 --completion-tokens 6 \
+      --profile "$out/short" 2>&1 | grep -v -i warn | tail -3
     ;;
   exact_tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exact.py 2>&1 | tail -30
@@ -190,10 +194,12 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
   exact_grpo)
     # one QA-GRPO run of the 0.5B model (STEPS, default 100, after the warm start), format $3 (a quant_configs/ name),
     # policy.exact_forward=$4: bash benchmarks/gpu_runs.sh exact_grpo OUT nvfp4_w4a4 true
-    name="qa_grpo_0p5b_$3_exact_$4"
+    # SEED (default 0) seeds the run (prompt order, sampling); the problems and the warm start stay seed 0's, so every seed
+    # starts from one model on one task
+    name="qa_grpo_0p5b_$3_exact_$4${SEED:+_seed$SEED}"
     qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=quant_configs/$3.yaml" "policy.exact_forward=$4" \
-      "run.dir=runs/$name" checkpoint.every=1000 "warm_start.steps=${WARM_START_STEPS:-80}" "trainer.steps=${STEPS:-100}" 2>&1 \
-      | grep -v -i "warn\|it/s\]" | tail -3
+      "run.dir=runs/$name" checkpoint.every=1000 "warm_start.steps=${WARM_START_STEPS:-80}" "trainer.steps=${STEPS:-100}" \
+      "run.seed=${SEED:-0}" warm_start.seed=0 task.seed=0 2>&1 | grep -v -i "warn\|it/s\]" | tail -3
     keep "runs/$name" "$name"
     show_steps "runs/$name" "$3 exact_forward=$4"
     ;;

@@ -341,7 +341,8 @@ def distill(cfg: RecipeConfig) -> Path:
         done = time.perf_counter()
 
         row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts, **memory,
-                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done)})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done,
+                                                 engine.sleep_wake_s)})
         metrics.write(row)
         bar.set_postfix_str(f"kl={update.get('distill/kl', float('nan')):.4f}, {progress.update(row)}")
         guard(update.get("train/nonfinite", 0) > 0, step)

@@ -119,13 +119,14 @@ def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_gen
 
 
 def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
-                               refit: RefitTiming, done: float) -> dict[str, float]:
-    """The per-step completion statistics and timings, shared by every training loop."""
+                               refit: RefitTiming, done: float, sleep_wake_s: float) -> dict[str, float]:
+    """The per-step completion statistics and timings, shared by every training loop. `perf/train_s` runs
+    from the engine's sleep to its wake-up; `perf/sleep_wake_s` is the part of it those two took."""
     generated = sum(len(c.token_ids) for c in batch.completions)
     return {"completion/mean_length": generated / len(batch.completions),
             "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
             "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
-            "perf/train_s": refit_start - train_start, "perf/refit_s": refit.total_s,
+            "perf/train_s": refit_start - train_start, "perf/sleep_wake_s": sleep_wake_s, "perf/refit_s": refit.total_s,
             "perf/refit_bytes": float(refit.bytes), "perf/step_s": done - step_start}
 
 
@@ -263,7 +264,8 @@ def train(cfg: RecipeConfig) -> Path:
 
         row.update({"reward/mean": reward_tensor.mean().item(), "reward/std": reward_tensor.std().item(),
                     "reward/frac_zero_std": frac_zero_std, **reward_parts, **update, **memory,
-                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done)})
+                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done,
+                                                 engine.sleep_wake_s)})
         metrics.write(row)
         bar.set_postfix_str(progress.update(row))
         guard(update.get("train/nonfinite", 0) > 0, step)

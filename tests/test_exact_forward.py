@@ -1,17 +1,21 @@
-"""The exact forward off the GPU: what cannot run is refused before anything expensive, and the torch
+"""The exact forward off the GPU: what cannot run is refused before anything expensive; the torch
 references whose gradients the exact forward's backward pass uses compute the math of vLLM's kernels
-(its rotary embedding, causal attention per sequence), through `EngineOp`'s plumbing. Bit equality with
-the engine is a GPU matter: tests/test_gpu_exact.py."""
+(its rotary embedding, causal attention per sequence); the gradients written out equal autograd's
+gradients of those references; `EngineOp`'s plumbing. Bit equality with the engine is a GPU matter:
+tests/test_gpu_exact.py."""
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qarl.backends.exact_forward import EngineOp, _reference_attention, _reference_norm, _reference_rotary
+from qarl.backends.exact_forward import (EngineOp, _add_norm_gradient, _norm_gradient, _reference_attention,
+                                         _reference_norm, _reference_rotary, _reference_silu_and_mul,
+                                         _silu_and_mul_gradient, autograd_of)
 from qarl.config import ConfigError, PolicyConfig, load_recipe
 
 
@@ -63,7 +67,10 @@ def test_the_attention_reference_is_causal_attention_within_each_sequence():
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         rows.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
         start += n
-    torch.testing.assert_close(_reference_attention(q, k, v, lengths, scale), torch.cat(rows), rtol=1e-5, atol=1e-5)
+    width = 13  # wider than the longest sequence, as a padded batch may be
+    index = (torch.arange(width) < torch.tensor(lengths)[:, None]).flatten().nonzero().squeeze(1)
+    torch.testing.assert_close(_reference_attention(q, k, v, index, (len(lengths), width), scale), torch.cat(rows),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_engine_op_backward_is_the_gradient_of_its_reference():
@@ -79,7 +86,7 @@ def test_engine_op_backward_is_the_gradient_of_its_reference():
             return tuple(t.clone() for t in reference(*inputs))
 
     x, residual, weight = torch.randn(6, 32, requires_grad=True), torch.randn(6, 32, requires_grad=True), torch.randn(32)
-    normed, total = EngineOp.apply(kernel, reference, x, residual, weight)
+    normed, total = EngineOp.apply(kernel, autograd_of(reference), x, residual, weight)
     (normed.square().sum() + (total * 3).sum()).backward()
     got = (x.grad.clone(), residual.grad.clone())
     x.grad = residual.grad = None
@@ -89,5 +96,62 @@ def test_engine_op_backward_is_the_gradient_of_its_reference():
     assert weight.grad is None
 
     y = torch.randn(4, 8, requires_grad=True)  # one output only, its gradient not needed by the other path
-    EngineOp.apply(lambda t: F.silu(t).detach(), F.silu, y).sum().backward()
+    EngineOp.apply(lambda t: F.silu(t).detach(), autograd_of(F.silu), y).sum().backward()
     torch.testing.assert_close(y.grad, torch.sigmoid(y) * (1 + y * (1 - torch.sigmoid(y))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_written_gradients_are_autograds_gradients_of_the_references(dtype):
+    """RMSNorm (with and without the residual), SiLU x mul and the rotary embedding (the inverse rotation)
+    have their backward written out; each must equal autograd's gradient of its reference."""
+    from qarl.generation.exact import rope_cache
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype)  # noqa: E731
+    x, residual, weight = rand(2, 9, 64), rand(2, 9, 64), rand(64)
+    config = SimpleNamespace(head_dim=32, max_position_embeddings=64, rope_parameters={"rope_theta": 10000.0})
+    cache = rope_cache(config, dtype, torch.device("cpu"))
+    cos, sin = cache.chunk(2, dim=-1)
+    positions = torch.cat([torch.arange(11), torch.arange(7)])
+    q, k = rand(18, 4 * 32), rand(18, 2 * 32)
+    cases = [  # reference, written gradient, inputs, output gradients
+        (partial(_reference_norm, eps=1e-6), partial(_norm_gradient, eps=1e-6), (x, weight), (rand(2, 9, 64),)),
+        (lambda x, r, w: (_reference_norm(x + r, w, 1e-6), x + r), partial(_add_norm_gradient, eps=1e-6),
+         (x, residual, weight), (rand(2, 9, 64), rand(2, 9, 64))),
+        (_reference_silu_and_mul, _silu_and_mul_gradient, (rand(5, 96),), (rand(5, 48),)),
+        (partial(_reference_rotary, positions, cache),
+         lambda grads, q, k: _reference_rotary(positions, torch.cat((cos, -sin), -1), *grads), (q, k),
+         (rand(18, 128), rand(18, 64))),
+    ]
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for reference, gradient, inputs, grads in cases:
+        want = autograd_of(reference)(grads, *inputs)
+        got = gradient(grads, *inputs)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a.float(), b.float(), **tolerance)
+
+
+def test_fused_weights_are_kept_until_a_part_changes():
+    """EngineLinear.fused: the concatenation of parameters is computed once and reused while each is the same
+    tensor at the same version; an in-place write (optimizer step, checkpoint load) or another tensor makes
+    it anew; non-parameters (quantized copies of this forward) are concatenated every time."""
+    from torch import nn
+
+    from qarl.backends.exact_forward import EngineLinear
+
+    owner = nn.Module()
+    parts = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(2, 4))]
+    first = EngineLinear.fused(owner, "w", parts)
+    assert torch.equal(first, torch.cat(parts)) and first.grad_fn is None
+    assert EngineLinear.fused(owner, "w", parts) is first
+    with torch.no_grad():
+        parts[1].add_(1.0)  # an optimizer step
+    second = EngineLinear.fused(owner, "w", parts)
+    assert second is not first and torch.equal(second, torch.cat(parts))
+    parts[0] = nn.Parameter(parts[0].detach().clone())  # another tensor with the same values
+    assert EngineLinear.fused(owner, "w", parts) is not second
+    copies = [p * 1.0 for p in parts]
+    assert EngineLinear.fused(owner, "w", copies) is not EngineLinear.fused(owner, "w", copies)
+    assert EngineLinear.fused(owner, "w", parts[:1]).data_ptr() == parts[0].data_ptr()  # one layer: no copy

@@ -89,6 +89,7 @@ def test_every_kernel_computes_what_its_gradient_reference_computes(task):
     lengths = [21, 40]
     n = sum(lengths)
     positions = torch.cat([torch.arange(k, device="cuda") for k in lengths])
+    index = (torch.arange(40, device="cuda") < torch.tensor(lengths, device="cuda")[:, None]).flatten().nonzero()[:, 0]
     q, k, v, x, w = bf16(n, 8, 64), bf16(n, 2, 64), bf16(n, 2, 64), bf16(n, 512), bf16(512)
     cache = policy.model._qarl_rope_cache
     logits, tokens = bf16(n, 128), torch.randint(0, 128, (n,), device="cuda", generator=g)
@@ -98,7 +99,10 @@ def test_every_kernel_computes_what_its_gradient_reference_computes(task):
         "rotary": (partial(exact.rotary, positions, head_size=64, cos_sin_cache=cache),
                    partial(ef._reference_rotary, positions, cache), (q.reshape(n, -1), k.reshape(n, -1))),
         "attention": (partial(exact.attention, layout=exact.PagedLayout.build(lengths, lengths, q.device), scale=0.125),
-                      partial(ef._reference_attention, lengths=lengths, scale=0.125), (q, k, v)),
+                      partial(ef._reference_attention, index=index, grid=(2, 40), scale=0.125), (q, k, v)),
+        "rotary back": (partial(exact.rotary, positions, head_size=64, cos_sin_cache=policy.model._qarl_rope_inverse),
+                        partial(ef._reference_rotary, positions, policy.model._qarl_rope_inverse),
+                        (q.reshape(n, -1), k.reshape(n, -1))),
         "token_logprobs": (partial(exact.token_logprobs, tokens=tokens, temperature=0.7),
                            lambda z: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tokens[:, None])[:, 0], (logits,)),
     }
@@ -106,14 +110,19 @@ def test_every_kernel_computes_what_its_gradient_reference_computes(task):
         got, want = kernel(*inputs), reference(*inputs)
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
+    # the linear layer fused over three (q/k/v-like) layers: each layer's weight and bias get their share
     linear_x = x.requires_grad_()
-    linear_w = bf16(256, 512).requires_grad_()
-    ef.EngineLinear.apply(linear_x, linear_w, None).float().square().sum().backward()
-    kernel_grads = (linear_x.grad.clone(), linear_w.grad.clone())
-    linear_x.grad = linear_w.grad = None
-    torch.nn.functional.linear(linear_x, linear_w).float().square().sum().backward()
-    for a, b in zip(kernel_grads, (linear_x.grad, linear_w.grad)):
-        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    weights = [bf16(rows, 512).requires_grad_() for rows in (256, 64, 64)]
+    biases = [bf16(rows).requires_grad_() for rows in (256, 64, 64)]
+    leaves = [linear_x, *weights, *biases]
+    out = ef.EngineLinear.apply(linear_x, torch.cat(weights).detach(), torch.cat(biases).detach(), *weights, *biases)
+    out.float().square().sum().backward()
+    kernel_grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    torch.cat([torch.nn.functional.linear(linear_x, w, b) for w, b in zip(weights, biases)], -1).float().square().sum().backward()
+    for a, t in zip(kernel_grads, leaves):
+        assert ((a.float() - t.grad.float()).norm() / t.grad.float().norm()) < 1e-2
 
 
 @pytest.mark.parametrize("quant_cfg", FORMATS[:2])

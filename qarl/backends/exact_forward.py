@@ -12,9 +12,13 @@ How, layer by layer, as vLLM's Qwen2/Llama decoder computes it: the tokens of al
 [tokens, hidden] matrix (no padding); q/k/v and gate/up each one matmul over their concatenated
 (quantized) weights with the input quantized once, as vLLM's fused layers do; the residual stream added
 elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
-gradient: the linear layers' is written out (two matmuls and a sum); the others' is the gradient of a
-torch reference of the same math, recomputed in the backward pass (`EngineOp`); whole-model gradients are
-within 5 % (relative norm) of the default path's for unquantized and W4A16 models (tests/test_gpu_exact.py).
+gradient, the gradient of a torch reference of the same math (`_reference_*`; tests/test_gpu_exact.py
+checks that each kernel computes its reference): written out for the linear layers (two matmuls and a
+sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's own kernel),
+each checked against autograd of its reference (tests/test_exact_forward.py); for attention and the
+sampler's log-softmax, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
+backward synchronizes with the host nowhere, so the host queues it ahead of the GPU. Whole-model gradients
+are within 5 % (relative norm) of the default path's for unquantized and W4A16 models (tests/test_gpu_exact.py).
 
 Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adapters, rollouts in another
 format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (as the recipe loads); a
@@ -82,7 +86,10 @@ def enable_exact_forward(model: nn.Module) -> None:
         if quantizer is not None and pre_quant_scale(quantizer) is not None:
             raise ConfigError(f"policy.exact_forward: {name} has an AWQ/SmoothQuant input scale, which the exact "
                               "engine does not apply")
-    model.__dict__["_qarl_rope_cache"] = kernels.rope_cache(model.config, model.dtype, next(model.parameters()).device)
+    cache = kernels.rope_cache(model.config, model.dtype, next(model.parameters()).device)
+    cos, sin = cache.chunk(2, dim=-1)
+    model.__dict__["_qarl_rope_cache"] = cache
+    model.__dict__["_qarl_rope_inverse"] = torch.cat((cos, -sin), dim=-1)  # rotation by -angle: rotary's gradient
     model.__class__ = with_mixin(ExactCausalLM, type(model), "", globals())  # its name: what save_pretrained records
 
 
@@ -91,6 +98,7 @@ class ExactCausalLM:
     the engine's kernels (right-padded rows; logits of padding positions are 0)."""
 
     _qarl_rope_cache: torch.Tensor
+    _qarl_rope_inverse: torch.Tensor
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused):
         from transformers.modeling_outputs import CausalLMOutput
@@ -108,7 +116,8 @@ class ExactCausalLM:
         def reference(x: torch.Tensor) -> torch.Tensor:
             return torch.log_softmax(x.float() / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
-        picked = EngineOp.apply(partial(kernels.token_logprobs, tokens=tokens, temperature=temperature), reference, flat)
+        picked = EngineOp.apply(partial(kernels.token_logprobs, tokens=tokens, temperature=temperature),
+                                autograd_of(reference), flat)
         return picked.reshape(targets.shape)
 
 
@@ -122,13 +131,17 @@ def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     if not torch.equal(valid, columns < lengths[:, None]) or min(sizes) == 0:
         raise ValueError("the exact forward takes right-padded, non-empty rows (each row's attention mask: ones, "
                          "then zeros)")
-    positions = columns.expand(rows, width)[valid]
+    index = valid.flatten().nonzero().squeeze(1)  # each packed token's place in the [rows * width] grid
+    positions = columns.repeat(rows)[index]
     layout = kernels.PagedLayout.build(sizes, sizes, input_ids.device)
     config, inner = model.config, model._modules["model"]
     heads, kv_heads, head_size = config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config)
     scale = head_size ** -0.5
+    rotary = partial(kernels.rotary, positions, head_size=head_size)
+    rotary_gradient = lambda grads, q, k: rotary(*grads, cos_sin_cache=model._qarl_rope_inverse)  # noqa: E731
+    attention_gradient = autograd_of(partial(_reference_attention, index=index, grid=(rows, width), scale=scale))
 
-    hidden = F.embedding(input_ids[valid], inner._modules["embed_tokens"].weight)
+    hidden = F.embedding(input_ids.flatten()[index], inner._modules["embed_tokens"].weight)
     residual = None
     for layer in inner._modules["layers"]:
         parts = layer._modules
@@ -139,37 +152,29 @@ def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         attn = parts["self_attn"]._modules
         qkv = fused_linear([attn["q_proj"], attn["k_proj"], attn["v_proj"]], x)
         q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
-        q, k = EngineOp.apply(partial(kernels.rotary, positions, head_size=head_size, cos_sin_cache=model._qarl_rope_cache),
-                              partial(_reference_rotary, positions, model._qarl_rope_cache), q, k)
-        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale),
-                             partial(_reference_attention, lengths=sizes, scale=scale),
+        q, k = EngineOp.apply(partial(rotary, cos_sin_cache=model._qarl_rope_cache), rotary_gradient, q, k)
+        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale), attention_gradient,
                              q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),
                              v.reshape(-1, kv_heads, head_size))
         hidden = fused_linear([attn["o_proj"]], out.reshape(-1, heads * head_size))
         x, residual = add_norm(hidden, residual, parts["post_attention_layernorm"])
         mlp = layer._modules["mlp"]._modules
         gate_up = fused_linear([mlp["gate_proj"], mlp["up_proj"]], x)
-        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _reference_silu_and_mul, gate_up))
+        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _silu_and_mul_gradient, gate_up))
     x, _ = add_norm(hidden, residual, inner._modules["norm"])
     logits = fused_linear([model._modules["lm_head"]], x)
-    padded = logits.new_zeros(rows, width, logits.shape[-1])
-    padded[valid] = logits
-    return padded
+    return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     eps = module.variance_epsilon
-    return EngineOp.apply(partial(kernels.rms_norm, eps=eps), partial(_reference_norm, eps=eps), x, module.weight)
+    return EngineOp.apply(partial(kernels.rms_norm, eps=eps), partial(_norm_gradient, eps=eps), x, module.weight)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     eps = module.variance_epsilon
-
-    def reference(x, residual, weight):
-        total = x + residual
-        return _reference_norm(total, weight, eps), total
-
-    return EngineOp.apply(partial(kernels.add_rms_norm, eps=eps), reference, x, residual, module.weight)
+    return EngineOp.apply(partial(kernels.add_rms_norm, eps=eps), partial(_add_norm_gradient, eps=eps), x, residual,
+                          module.weight)
 
 
 def fused_linear(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -184,57 +189,113 @@ def fused_linear(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     biases = [layer._parameters.get("bias") for layer in layers]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise RuntimeError("policy.exact_forward: fused layers with and without biases")
-    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    bias = None if biases[0] is None else biases[0] if len(biases) == 1 else torch.cat(biases)
-    return EngineLinear.apply(inputs[0], weight, bias)
+    biases = [] if biases[0] is None else biases
+    fused_bias = EngineLinear.fused(layers[0], "_qarl_fused_bias", biases) if biases else None
+    return EngineLinear.apply(inputs[0], EngineLinear.fused(layers[0], "_qarl_fused_weight", weights), fused_bias,
+                              *weights, *biases)
 
 
 class EngineLinear(torch.autograd.Function):
-    """y = x W^T + b with the engine's batch-invariant matmul; the gradient as F.linear's."""
+    """y = x W^T + b with the engine's batch-invariant matmul, W and b the fused layers' weights and biases one
+    under the other (`fused`, without autograd history); the gradient as F.linear's, each layer's share of it
+    handed to that layer's weight and bias (`parts`: the weights, then the biases if there are any)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                *parts: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.rows = [w.shape[0] for w in parts[: len(parts) // (2 if bias is not None else 1)]]
         return kernels.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias
+        grad_weights = (grad.t() @ x).split(ctx.rows) if any(needs[: len(ctx.rows)]) else ()
+        grad_biases = grad.sum(0).split(ctx.rows) if any(needs[len(ctx.rows):]) else ()
+        grads = [*grad_weights, *grad_biases]
+        return grad_x, None, None, *(grads[i] if need else None for i, need in enumerate(needs))
+
+    @staticmethod
+    def fused(owner: nn.Module, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """`tensors` one under the other (a single one as it is), with no autograd history (EngineLinear hands
+        the gradient back to each). Parameters (held quantized weights, biases) change only in place, which
+        bumps their version: their concatenation is kept on `owner` until one of them is another tensor, at
+        another address or version (after each optimizer step, checkpoint load or calibration). Costs one
+        copy of the fused q/k/v and gate/up weights in the compute dtype; saves a copy of them per forward,
+        kept until the backward, and the splitting of their gradients."""
+        if len(tensors) == 1:
+            return tensors[0].detach()
+        if not all(isinstance(t, nn.Parameter) for t in tensors):  # quantized copies made by this forward
+            return torch.cat([t.detach() for t in tensors])
+        key = [(t, t.data_ptr(), t._version) for t in tensors]
+        kept = owner.__dict__.get(name)
+        if kept is None or len(kept[0]) != len(key) or any(
+                a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(kept[0], key)):
+            kept = (key, torch.cat([t.detach() for t in tensors]))
+            owner.__dict__[name] = kept
+        return kept[1]
 
 
 class EngineOp(torch.autograd.Function):
-    """`kernel(*inputs)` forward (the engine's kernel, no graph); backward: the gradient of
-    `reference(*inputs)`, a torch implementation of the same math, recomputed from the saved inputs."""
+    """`kernel(*inputs)` forward (the engine's kernel, no graph); backward: `gradient(grads, *inputs)`, the
+    gradient of the kernel's math with respect to each input, from the saved inputs (written out, or
+    `autograd_of` a torch reference)."""
 
     @staticmethod
-    def forward(ctx, kernel: Callable, reference: Callable, *inputs: torch.Tensor):
-        ctx.reference = reference
+    def forward(ctx, kernel: Callable, gradient: Callable, *inputs: torch.Tensor):
+        ctx.gradient = gradient
         ctx.save_for_backward(*inputs)
         return kernel(*inputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         needs = ctx.needs_input_grad[2:]
+        found = ctx.gradient(grads, *ctx.saved_tensors) if any(needs) else [None] * len(needs)
+        return (None, None, *(g if need else None for g, need in zip(found, needs)))
+
+
+def autograd_of(reference: Callable) -> Callable:
+    """A gradient function (`EngineOp`) that recomputes `reference(*inputs)`, a torch implementation of the
+    kernel's math, and backpropagates through it."""
+
+    def gradient(grads: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> list[torch.Tensor | None]:
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-            outputs = ctx.reference(*leaves)
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+            outputs = reference(*leaves)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        wanted = [leaf for leaf, need in zip(leaves, needs) if need]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wanted else [None] * len(wanted))
-        return (None, None, *(next(found) if need else None for need in needs))
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+        return [next(found) if leaf.requires_grad else None for leaf in leaves]
+
+    return gradient
 
 
-# -- torch references of the kernels' math (their gradients are the exact forward's) ---------------------
+# -- torch references of the kernels' math, and their gradients written out --------------------------
 def _reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _norm_gradient(grads: tuple[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of `_reference_norm` (y = w * x / rms(x)), in fp32: dx = (g w - x^ mean(g w x^)) / rms(x)."""
+    x32, grad = x.float(), grads[0].float()
+    inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = x32 * inverse_rms
+    scaled = grad * weight.float()
+    grad_x = inverse_rms * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+    grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _add_norm_gradient(grads: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor,
+                       weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of (norm(x + residual), x + residual) (`kernels.add_rms_norm`)."""
+    grad_total, grad_weight = _norm_gradient(grads[:1], x + residual, weight, eps)
+    grad_total = grad_total + grads[1]
+    return grad_total, grad_total, grad_weight
 
 
 def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +303,16 @@ def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _silu_and_mul_gradient(grads: tuple[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor]:
+    """The gradient of `_reference_silu_and_mul`, by the ops autograd would run."""
+    gate, up = x.chunk(2, dim=-1)
+    return (torch.cat((torch.ops.aten.silu_backward(grads[0] * up, gate), grads[0] * F.silu(gate)), dim=-1),)
+
+
 def _reference_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor, q: torch.Tensor,
                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding; with the sines negated, the rotation back, which is its gradient (a rotation's
+    transpose is its inverse): `ExactCausalLM._qarl_rope_inverse`."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
@@ -255,16 +324,15 @@ def _reference_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor, q: t
     return rotate(q), rotate(k)
 
 
-def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                         scale: float) -> torch.Tensor:
-    """The packed sequences padded on the right into one batch (a causal mask keeps padding out of every
-    real row), one SDPA call, unpadded: one graph whatever the number of sequences."""
-    valid = torch.arange(max(lengths), device=q.device) < torch.tensor(lengths, device=q.device)[:, None]
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                         grid: tuple[int, int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences: laid into their right-padded [sequences, width] `grid` (`index`:
+    each packed token's place in it; a causal mask keeps padding out of every real row), one SDPA call,
+    packed again. Integer indices only: no host synchronization, one graph whatever the number of sequences."""
 
     def padded(t: torch.Tensor) -> torch.Tensor:
-        batch = t.new_zeros(valid.shape + t.shape[1:])
-        batch[valid] = t
-        return batch.transpose(1, 2)  # [sequences, heads, width, dim]
+        batch = t.new_zeros((grid[0] * grid[1],) + t.shape[1:]).index_copy(0, index, t)
+        return batch.view(grid + t.shape[1:]).transpose(1, 2)  # [sequences, heads, width, dim]
 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)[valid]
+    return out.transpose(1, 2).reshape((-1,) + q.shape[1:]).index_select(0, index)

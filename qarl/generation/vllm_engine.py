@@ -148,6 +148,7 @@ class VLLMEngine:
             exact_kernels.enable_batch_invariance()
         self.sleeps = sleeps_between_rollouts(cfg)
         self._asleep = False
+        self.sleep_wake_s = 0.0  # seconds the latest sleep and wake took (the loops report it apart from the update)
         self.llm = None
         self._start(quant_format, *self._mode(quant_format))
 
@@ -266,17 +267,22 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Release the GPU for the policy's update: weights to host memory, KV cache freed (no-op
         unless sleeping is on). The input amax buffers were allocated with the weights and travel with
-        them; AWQ input scales (eager engines only) stay on the GPU."""
+        them; AWQ input scales (eager engines only) stay on the GPU. `sleep_wake_s` starts counting again."""
+        self.sleep_wake_s = 0.0
         if self.sleeps and not self._asleep:
+            start = time.perf_counter()
             self.llm.sleep(level=1)
             self._asleep = True
+            self.sleep_wake_s += time.perf_counter() - start
 
     def wake(self) -> None:
         """Take the GPU back (weights and KV cache); the caller's freed cached blocks go first."""
         if self._asleep:
+            start = time.perf_counter()
             torch.cuda.empty_cache()
             self.llm.wake_up()
             self._asleep = False
+            self.sleep_wake_s += time.perf_counter() - start
 
     # -- refit --------------------------------------------------------------------------------
     def _weights_to_send(self, policy_model: nn.Module, modules: dict[str, nn.Module]) -> set[str]:
