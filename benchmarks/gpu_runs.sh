@@ -48,7 +48,7 @@ for name, r in json.load(open(sys.argv[1])).items():
     print(name, 'synced', s['mean_abs'], s['max_abs'], s['flipped_tokens'], '/', s['tokens'], 'unsynced', u['mean_abs'],
           'floor', f['mean_abs'], f['max_abs'], f['flipped_tokens'])" "$1"
 }
-show_steps() { # medians over a run's steps 3 and later (the first steps warm up allocators)
+show_steps() { # medians from a run's third step on (the first steps warm up allocators)
   python3 -c "
 import json, statistics as st, sys
 rows = [json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl') if 'perf/step_s' in l][2:]

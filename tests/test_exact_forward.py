@@ -135,11 +135,13 @@ def test_the_written_gradients_are_autograds_gradients_of_the_references(dtype):
 
 def test_fused_weights_are_kept_until_a_part_changes():
     """EngineLinear.fused: the concatenation of parameters is computed once and reused while each is the same
-    tensor at the same version; an in-place write (optimizer step, checkpoint load) or another tensor makes
-    it anew; non-parameters (quantized copies of this forward) are concatenated every time."""
+    tensor at the same version; an in-place write (checkpoint load), another tensor, an optimizer step (which
+    also frees it: fused optimizers bump no version) or `invalidate` makes it anew; non-parameters (quantized
+    copies of this forward) are concatenated every time."""
     from torch import nn
 
     from qarl.backends.exact_forward import EngineLinear
+    from qarl.quant.weight_cache import DERIVED, invalidate
 
     owner = nn.Module()
     parts = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(2, 4))]
@@ -147,11 +149,22 @@ def test_fused_weights_are_kept_until_a_part_changes():
     assert torch.equal(first, torch.cat(parts)) and first.grad_fn is None
     assert EngineLinear.fused(owner, "w", parts) is first
     with torch.no_grad():
-        parts[1].add_(1.0)  # an optimizer step
+        parts[1].add_(1.0)  # a write in place
     second = EngineLinear.fused(owner, "w", parts)
     assert second is not first and torch.equal(second, torch.cat(parts))
     parts[0] = nn.Parameter(parts[0].detach().clone())  # another tensor with the same values
-    assert EngineLinear.fused(owner, "w", parts) is not second
+    third = EngineLinear.fused(owner, "w", parts)
+    assert third is not second
+    optimizer = torch.optim.SGD(parts, lr=0.1)
+    sum(p.sum() for p in parts).backward()
+    optimizer.step()
+    assert DERIVED not in owner.__dict__  # freed at the step
+    assert torch.equal(EngineLinear.fused(owner, "w", parts), torch.cat(parts).detach())
+    invalidate(owner)
+    assert DERIVED not in owner.__dict__
     copies = [p * 1.0 for p in parts]
     assert EngineLinear.fused(owner, "w", copies) is not EngineLinear.fused(owner, "w", copies)
     assert EngineLinear.fused(owner, "w", parts[:1]).data_ptr() == parts[0].data_ptr()  # one layer: no copy
+    with torch.inference_mode():
+        kept = EngineLinear.fused(owner, "w", parts)
+    assert not kept.is_inference()  # a later training pass may save it for its backward

@@ -41,6 +41,7 @@ from qarl.config import ConfigError
 from qarl.generation import exact as kernels
 from qarl.quant.lean_forward import quantized_input, quantized_weight
 from qarl.quant.mixins import pre_quant_scale, with_mixin
+from qarl.quant.weight_cache import derived
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -210,32 +211,25 @@ class EngineLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+        layers, needs = len(ctx.rows), ctx.needs_input_grad[3:]
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weights = (grad.t() @ x).split(ctx.rows) if any(needs[: len(ctx.rows)]) else ()
-        grad_biases = grad.sum(0).split(ctx.rows) if any(needs[len(ctx.rows):]) else ()
+        grad_weights = (grad.t() @ x).split(ctx.rows) if any(needs[:layers]) else [None] * layers
+        grad_biases = grad.sum(0).split(ctx.rows) if any(needs[layers:]) else [None] * (len(needs) - layers)
         grads = [*grad_weights, *grad_biases]
-        return grad_x, None, None, *(grads[i] if need else None for i, need in enumerate(needs))
+        return grad_x, None, None, *(g if need else None for g, need in zip(grads, needs))
 
     @staticmethod
     def fused(owner: nn.Module, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """`tensors` one under the other (a single one as it is), with no autograd history (EngineLinear hands
-        the gradient back to each). Parameters (held quantized weights, biases) change only in place, which
-        bumps their version: their concatenation is kept on `owner` until one of them is another tensor, at
-        another address or version (after each optimizer step, checkpoint load or calibration). Costs one
-        copy of the fused q/k/v and gate/up weights in the compute dtype; saves a copy of them per forward,
-        kept until the backward, and the splitting of their gradients."""
+        """`tensors` one under the other (a single one as it is), without autograd history (EngineLinear hands
+        the gradient back to each). The concatenation of parameters (held quantized weights, unquantized
+        weights, biases) is kept until one of them changes or the optimizer steps (`derived`): one copy of the
+        fused q/k/v and gate/up weights between the first forward after a step and the next step, instead of a
+        new copy per forward, each kept until its backward, and the splitting of their gradients."""
         if len(tensors) == 1:
             return tensors[0].detach()
         if not all(isinstance(t, nn.Parameter) for t in tensors):  # quantized copies made by this forward
             return torch.cat([t.detach() for t in tensors])
-        key = [(t, t.data_ptr(), t._version) for t in tensors]
-        kept = owner.__dict__.get(name)
-        if kept is None or len(kept[0]) != len(key) or any(
-                a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(kept[0], key)):
-            kept = (key, torch.cat([t.detach() for t in tensors]))
-            owner.__dict__[name] = kept
-        return kept[1]
+        return derived(owner, name, tensors, lambda: torch.cat(tensors))
 
 
 class EngineOp(torch.autograd.Function):

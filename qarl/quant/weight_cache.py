@@ -38,14 +38,17 @@ masters. Anything that changes what the quantizer computes gives the parameter i
 back at once (the quantizer then caches as above until the next step); any other write ends the hold.
 
 Memory: one quantized copy of each quantized weight in the weight's dtype (`cache_bytes`), none for the
-held weights of mixed precision; `policy.quant_weight_cache=false` turns all of it off.
+held weights of mixed precision; `policy.quant_weight_cache=false` turns all of it off. Tensors derived
+from weights (`derived`: the exact forward's fused q/k/v and gate/up weights) are kept by the same rules,
+and freed at every optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,14 +60,40 @@ from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixi
 
 
 _optimizer_steps = 0
+_derived_owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that keep `derived` tensors
+DERIVED = "_qarl_derived"
 
 
 def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+    for owner in list(_derived_owners):  # stale now: free their memory before the rollouts
+        owner.__dict__.pop(DERIVED, None)
+    _derived_owners.clear()
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def tensor_key(tensor: torch.Tensor) -> tuple:
+    """What changes when `tensor` is written or replaced, as this module tells changes: the optimizer steps so
+    far for a trainable tensor (fused optimizers bump no version), its identity, address, version, dtype and
+    shape."""
+    steps = _optimizer_steps if tensor.requires_grad else None  # a frozen weight is in no optimizer
+    return (steps, id(tensor), tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
+
+
+def derived(owner: nn.Module, name: str, sources: list[torch.Tensor], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`make()`, a tensor computed from `sources` alone (without autograd history), kept on `owner` under `name`
+    until one of them changes (`tensor_key`), the next optimizer step, or `invalidate`."""
+    kept = owner.__dict__.setdefault(DERIVED, {})
+    key = tuple(tensor_key(t) for t in sources)
+    entry = kept.get(name)
+    if entry is None or entry[0] != key:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor (a later backward may save it)
+            entry = kept[name] = (key, make())
+        _derived_owners.add(owner)
+    return entry[1]
 
 
 class StraightThrough(torch.autograd.Function):
@@ -124,9 +153,7 @@ class WeightCacheMixin(TracksQuantizerChanges):
 
     def _qarl_cache_key(self, inputs: torch.Tensor) -> tuple:
         amax = getattr(self, "_amax", None)
-        steps = _optimizer_steps if inputs.requires_grad else None  # a frozen weight is in no optimizer
-        return (steps, id(inputs), inputs.data_ptr(), inputs._version, inputs.dtype, tuple(inputs.shape),
-                self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
+        return (*tensor_key(inputs), self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
 
     def holds(self, weight: torch.Tensor) -> bool:
         """`weight` is the parameter this quantizer holds, unchanged since, and the quantizer still computes
@@ -259,10 +286,13 @@ def cache_kept(model: nn.Module) -> Iterator[None]:
 
 
 def invalidate(model: nn.Module) -> None:
-    """Drop every cached weight (needed only after writes that bypass version counters, e.g. `.data`)."""
+    """Drop every cached weight and `derived` tensor (needed only after writes that bypass version counters,
+    e.g. `.data`)."""
     for quantizer in single_quantizers(model):
         if isinstance(quantizer, WeightCacheMixin):
             quantizer.qarl_invalidate()
+    for module in model.modules():
+        module.__dict__.pop(DERIVED, None)
 
 
 def cache_bytes(model: nn.Module) -> int:
