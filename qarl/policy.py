@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.lora import AdapterDisabled, QuantNoise, apply_lora, save_adapter, write_lora_manifest
@@ -268,11 +268,10 @@ def build_policy(
         fmt = resolve_format(cfg.quant_cfg)
     model_dir = model_dir or resolve_model_dir(cfg.model_name)
     if cfg.exact_forward:
-        from transformers import AutoConfig
-
         from qarl.backends.exact_forward import check_exact_forward
+        from qarl.models.checks import load_pretrained
 
-        check_exact_forward(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code))
+        check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code))
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
