@@ -1,20 +1,27 @@
 """Where a quantized policy update spends its time and memory on a GPU, against the unquantized one.
 
-    python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b]
+    python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score]
 
 One micro-batch of 8 completions (64 + 448 tokens), bf16 compute with fp32 master weights: memory
 allocated after the forward, after the backward and after the optimizer step, and the torch profiler's
-top operators by self CPU time and by CUDA time for one forward + backward.
+top operators by self CPU time and by CUDA time for one forward + backward and the optimizer step.
+`--score`: the profile of one no-grad scoring pass over the same micro-batch instead (what old and
+reference log-probs cost), with its wall time, the GPU's busy time in it and the host's Python functions by
+own time (cProfile).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import time
 
 import torch
 
 
-def profile(fmt_name: str, model: str) -> None:
+def profile(fmt_name: str, model: str, score: bool) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -46,16 +53,36 @@ def profile(fmt_name: str, model: str) -> None:
             print(f"{fmt_name}: allocated after forward {after_forward}, after backward {after_backward}, "
                   f"after step {gib()}, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 
+    def scoring() -> None:
+        with torch.no_grad():
+            score_completions(policy.model, prompts, comps, pad)
+
     for _ in range(2):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step(report=True)
+    if score:
+        for _ in range(3):
+            scoring()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        scoring()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        scoring() if score else step()
         torch.cuda.synchronize()
     table = prof.key_averages()
-    print(table.table(sort_by="self_cpu_time_total", row_limit=15))
+    if score:
+        busy = sum(e.self_device_time_total for e in table) / 1e3
+        print(f"{fmt_name}: scoring pass {wall * 1e3:.1f} ms wall, GPU busy {busy:.1f} ms (profiled run)")
+        python = cProfile.Profile()
+        python.runcall(scoring)
+        text = io.StringIO()
+        pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(25)
+        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25))
     print(table.table(sort_by="cuda_time_total", row_limit=12))
 
 
@@ -63,9 +90,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", default=["none", "nvfp4_a16"])
     parser.add_argument("--model", default="embedded:0.5b")
+    parser.add_argument("--score", action="store_true", help="profile a no-grad scoring pass instead of the update")
     args = parser.parse_args()
     for fmt in args.formats:
-        profile(fmt, args.model)
+        profile(fmt, args.model, args.score)
 
 
 if __name__ == "__main__":

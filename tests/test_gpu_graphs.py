@@ -9,6 +9,8 @@ import torch
 
 from qarl.config import GenerationConfig
 
+from .conftest import check_kept_logprobs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -53,6 +55,17 @@ def test_refit_under_cuda_graphs_changes_what_the_engine_samples(tiny_dir, task,
         assert all(m.input_amax is t for m, t in zip(quantized_inputs, amax_tensors))
         assert [c.token_ids for c in engine.generate(prompts, greedy=True)] != after
         assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < stale.mean_abs / 5
+    engine.close()
+
+
+def test_logprobs_kept_at_the_sampler_under_cuda_graphs(tiny_dir, make_policy):
+    """The log-probs kept at vLLM's sampler (the v2 model runner's on a GPU) are vLLM's own (conftest)."""
+    from qarl.generation import VLLMEngine
+
+    policy = make_policy("nvfp4_w4a4")
+    settings = GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2, sleep_between_rollouts="off")
+    engine = VLLMEngine(tiny_dir, settings, "float32", 0, quant_format=policy.format)
+    check_kept_logprobs(engine, policy)
     engine.close()
 
 

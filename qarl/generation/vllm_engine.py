@@ -38,6 +38,7 @@ from qarl.distributed import world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
 from qarl.generation.adapters import EngineAdapters
+from qarl.generation.sampled_logprobs import SampledLogprobs
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
 from qarl.quant.input_quant import InputQuant, input_quant_plan, input_spec
@@ -185,7 +186,11 @@ class VLLMEngine:
             **extra,
         )
         self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
-        self.model: nn.Module = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.model: nn.Module = runner.get_model()
+        # the sampled tokens' log-probs are kept at the sampler, except in an exact engine, whose GPU tests ran with
+        # vLLM returning them (None: vLLM returns them)
+        self._sampled = None if self.exact else SampledLogprobs.attach(runner)
         if self.exact:
             from transformers import AutoConfig
 
@@ -203,7 +208,7 @@ class VLLMEngine:
             return
         self.wake()  # sleep-mode memory is given back mapped, as vLLM allocated it
         self.llm.llm_engine.engine_core.shutdown()
-        self.llm = self.model = self.adapters = self.format = self._plan = None
+        self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = None
         self._links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
@@ -381,7 +386,8 @@ class VLLMEngine:
         """Sample `num_samples` completions per prompt (prompt-major order), with per-token log-probs.
 
         Each sample gets its own seed (seed + index), so a run is reproducible sample by sample.
-        `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks).
+        `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks). The log-probs
+        are kept at the sampler (sampled_logprobs.py) where the model runner allows it, else asked of vLLM.
         """
         from vllm import SamplingParams
 
@@ -394,7 +400,7 @@ class VLLMEngine:
                     max_tokens=max_new_tokens or self.cfg.max_new_tokens,
                     temperature=0.0 if greedy else (temperature if temperature is not None else self.cfg.temperature),
                     top_p=1.0 if greedy else self.cfg.top_p,
-                    logprobs=0,
+                    logprobs=0 if self._sampled is None else None,
                     flat_logprobs=True,  # a few flat lists per sample instead of a dict and a Logprob per token
                     seed=seed + i,
                     detokenize=False,  # the loops use token ids; text would cost host time per token
@@ -402,15 +408,16 @@ class VLLMEngine:
                 )
             )
             requests.append({"prompt_token_ids": list(prompt)})
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = []
-        for request, out in zip(requests, outputs):
-            sample = out.outputs[0]
-            logprobs = _sampled_logprobs(sample.logprobs, sample.token_ids)
-            completions.append(
-                Completion(request["prompt_token_ids"], list(sample.token_ids), logprobs, sample.finish_reason)
-            )
-        return completions
+        if self._sampled is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            logprobs = [_sampled_logprobs(out.outputs[0].logprobs, out.outputs[0].token_ids) for out in outputs]
+        else:
+            with self._sampled.recording():
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            logprobs = self._sampled.logprobs(outputs)
+        return [Completion(request["prompt_token_ids"], list(out.outputs[0].token_ids), sample_logprobs,
+                           out.outputs[0].finish_reason)
+                for request, out, sample_logprobs in zip(requests, outputs, logprobs)]
 
 
 def _sampled_logprobs(flat, token_ids) -> list[float]:
