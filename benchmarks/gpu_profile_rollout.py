@@ -12,13 +12,11 @@ by own time (cProfile) in a separate run of the same call.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import time
 
 import torch
 
+from gpu_profile_update import host_functions
 from gpu_rollout import qarl_engine
 
 
@@ -53,13 +51,10 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         busy = busy_ms(lambda: generate(args.batch))
-        profiler = cProfile.Profile()
-        profiler.runcall(generate, args.batch)
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+        functions = host_functions(lambda: generate(args.batch), args.top)
         print(f"== {name}: batch {args.batch}, {args.batch * args.tokens / wall:.0f} tok/s, wall {wall * 1e3:.0f} ms, "
               f"GPU busy {busy:.0f} ms ({busy / args.tokens:.2f} ms per step)")
-        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+        print(functions)
 
 
 if __name__ == "__main__":

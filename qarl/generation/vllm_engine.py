@@ -194,7 +194,10 @@ class VLLMEngine:
         if self.exact:
             from transformers import AutoConfig
 
-            exact_kernels.check_engine(self.model, AutoConfig.from_pretrained(self.model_dir), getattr(torch, self.dtype))
+            from qarl.models.checks import load_pretrained
+
+            config = load_pretrained(AutoConfig, self.model_dir, trust_remote_code=False)
+            exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype))
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
