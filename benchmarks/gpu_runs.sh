@@ -21,6 +21,7 @@
 #   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
 #             uninterrupted (benchmarks/resume_check.py)
 #   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
+#   share     the e2e runs with the policy's compute weights shared with the engine and copied (share_weights)
 #   exact     the exact forward: its kernels' row invariance, then `qarl parity` with policy.exact_forward=true on
 #             the 0.5B model, bf16 and fp16, eager and with CUDA graphs
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
@@ -56,7 +57,8 @@ import json, statistics as st, sys
 rows = [json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl') if 'perf/step_s' in l][2:]
 print(sys.argv[2], {k: round(st.median(r[k] for r in rows), 4) for k in
       ('perf/step_s', 'perf/rollout_s', 'perf/train_s', 'perf/sleep_wake_s', 'perf/refit_s', 'perf/rollout_tokens_per_s',
-       'mismatch/kl')
+       'mismatch/kl', 'perf/refit_bytes', 'perf/refit_shared_bytes', 'perf/gpu_mem_after_rollout_gib',
+       'perf/gpu_mem_after_update_gib', 'perf/torch_peak_rollout_gib', 'perf/torch_peak_update_gib')
       if all(k in r for r in rows)})" "$1" "$2"
 }
 case "$stage" in
@@ -191,6 +193,20 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
       keep "runs/e2e_$1_eager_$2" "e2e_$1_eager_$2"
       show_steps "runs/e2e_$1_eager_$2" "$1 enforce_eager=$2"
+    done
+    ;;
+  share)
+    # one copy of the rollout weights (policy.generation.share_weights) on and off, CUDA graphs, per format in $3
+    # (default "none nvfp4_a16"): step time, refit, sleep/wake and device memory, medians over steps 3-10
+    for fmt in ${3:-none nvfp4_a16}; do
+      for share in true false; do
+        name="share_${fmt}_$share"
+        qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=$fmt" "policy.generation.share_weights=$share" \
+          "run.dir=runs/$name" trainer.steps=10 eval.every=100 checkpoint.every=100 \
+          "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
+        keep "runs/$name" "$name"
+        show_steps "runs/$name" "$fmt share_weights=$share"
+      done
     done
     ;;
   exact_grpo)

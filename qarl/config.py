@@ -53,12 +53,17 @@ class GenerationConfig:
     kv_cache_gib: float = 1.0
     max_model_len: int = 256
     tensor_parallel_size: int = 1
-    # Colocation on one GPU: the engine sleeps (weights to host memory, KV cache released) while the
-    # policy trains and wakes for the rollout. "auto": on when CUDA is used; ignored on CPU.
+    # Colocation on one GPU: the engine sleeps (KV cache released; weights to host memory unless the policy
+    # shares them, see share_weights) while the policy trains and wakes for the rollout. "auto": on when CUDA
+    # is used; ignored on CPU.
     sleep_between_rollouts: str = "auto"  # auto | on | off
     # "auto": CUDA graphs and vLLM's compilation on a GPU, refit in place; eager on CPU and for runs
     # graphs cannot serve (qlora adapters, AWQ input scales). "true": always eager; "false": graphs or refuse.
     enforce_eager: str = "auto"  # auto | true | false
+    # One copy of the rollout weights: with mixed precision (compute weights rewritten from fp32 masters) the
+    # policy's compute weights become views into the engine's tensors after the first refit, so refits copy
+    # only the rest and a sleeping engine keeps its weights (the policy trains with them). false: copy them all.
+    share_weights: bool = True
 
 
 @dataclass

@@ -127,7 +127,8 @@ def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: f
             "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
             "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
             "perf/train_s": refit_start - train_start, "perf/sleep_wake_s": sleep_wake_s, "perf/refit_s": refit.total_s,
-            "perf/refit_bytes": float(refit.bytes), "perf/step_s": done - step_start}
+            "perf/refit_bytes": float(refit.bytes), "perf/refit_shared_bytes": float(refit.shared_bytes),
+            "perf/step_s": done - step_start}
 
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,

@@ -41,3 +41,40 @@ def test_sleep_frees_memory_and_wake_restores_the_engine(tiny_dir, task, make_po
     # the refitted engine is the updated policy (the GPU's fp32 floor is ~1e-3: TF32)
     assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).max_abs < 1e-2
     engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml"])
+def test_shared_weights_stay_through_sleep_and_a_step_reaches_the_graphs(tiny_dir, task, fmt):
+    """bf16 with fp32 masters (the GPU default): the policy trains with the engine's weights while the engine
+    sleeps, so the sleep releases only the KV cache; the steps reach the captured graphs without a copy, and
+    the engine then samples exactly what a plain copy refit gives it."""
+    from qarl.generation import VLLMEngine
+
+    from .conftest import answer_loss
+    from .test_shared_weights import _copied_refit, _greedy, _in_engine, _trainable
+
+    policy, optimizer = _trainable(task, tiny_dir, fmt)
+    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "bfloat16", 0,
+                        quant_format=policy.format)
+    assert engine.sleeps and not engine.eager
+    first = engine.refit(policy.model)
+    assert all(_in_engine(engine, p) for p in policy.model.parameters())
+    before = _greedy(engine, policy, task)
+
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine._asleep == "kv_cache"
+    assert torch.cuda.mem_get_info()[0] - free_awake > 2**30  # the KV cache went away
+    for _ in range(2):  # the update, on the engine's weights
+        optimizer.backward(answer_loss(policy, task))
+        optimizer.step()
+    engine.wake()
+    second = engine.refit(policy.model)
+    assert second.shared_bytes == sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    assert second.bytes == first.bytes - second.shared_bytes  # the input amax alone
+    after = _greedy(engine, policy, task)
+    assert after != before
+    _copied_refit(engine, policy)
+    assert _greedy(engine, policy, task) == after
+    engine.close()
+    answer_loss(policy, task).backward()  # the policy's weights outlive the engine

@@ -7,7 +7,9 @@ Why it quantizes exactly like the policy:
   * in an activation format (W4A4, FP8) each linear layer whose input the policy quantizes calls the
     same fake-quant op on its input (engine_quant.py), with the policy's per-tensor input amax, which
     every refit copies in (q/k/v and gate/up already share one amax on the policy).
-A refit writes into the running engine's tensors; nothing restarts and nothing is read from disk.
+A refit writes into the running engine's tensors; nothing restarts and nothing is read from disk. With
+mixed precision the policy's compute weights become views into those tensors after the first refit
+(shared_weights.py, `policy.generation.share_weights`), so later refits copy only what is not shared.
 
 On a GPU the engine runs vLLM's compiled model with CUDA graphs (`policy.generation.enforce_eager`,
 "auto"): the quantized-input layers are installed before vLLM compiles, and since a refit only copies
@@ -39,6 +41,7 @@ from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
 from qarl.generation.adapters import EngineAdapters
 from qarl.generation.sampled_logprobs import SampledLogprobs
+from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
 from qarl.quant.input_quant import InputQuant, input_quant_plan, input_spec
@@ -63,6 +66,7 @@ class RefitTiming:
     weights_s: float
     amax_s: float
     bytes: int = 0  # weights, adapters and amax moved into the engine
+    shared_bytes: int = 0  # weights not moved because the engine's tensors are the policy's (shared_weights.py)
 
     @property
     def total_s(self) -> float:
@@ -148,7 +152,7 @@ class VLLMEngine:
         if exact:
             exact_kernels.enable_batch_invariance()
         self.sleeps = sleeps_between_rollouts(cfg)
-        self._asleep = False
+        self._asleep: str | None = None  # "vllm": vLLM's own sleep; "kv_cache": only the KV cache released (shared weights)
         self.sleep_wake_s = 0.0  # seconds the latest sleep and wake took (the loops report it apart from the update)
         self.llm = None
         self._start(quant_format, *self._mode(quant_format))
@@ -185,8 +189,9 @@ class VLLMEngine:
             **launcher,
             **extra,
         )
-        self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, False
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, None
+        self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        runner = self._worker.model_runner
         self.model: nn.Module = runner.get_model()
         # the sampled tokens' log-probs are kept at the sampler, except in an exact engine, whose GPU tests ran with
         # vLLM returning them (None: vLLM returns them)
@@ -202,6 +207,8 @@ class VLLMEngine:
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
         self.adapters = EngineAdapters(self.model)
+        # one process holds all of each weight (tensor parallelism would split vLLM's tensors)
+        self._shared = SharedWeights(self.model) if self.cfg.share_weights and self.tensor_parallel_size == 1 else None
 
     def close(self) -> None:
         """Shut vLLM down and give its memory back, so that another engine can start in this process
@@ -210,8 +217,10 @@ class VLLMEngine:
         if self.llm is None:
             return
         self.wake()  # sleep-mode memory is given back mapped, as vLLM allocated it
+        if self._shared is not None:
+            self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
         self.llm.llm_engine.engine_core.shutdown()
-        self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = None
+        self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
@@ -275,21 +284,30 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Release the GPU for the policy's update: weights to host memory, KV cache freed (no-op
         unless sleeping is on). The input amax buffers were allocated with the weights and travel with
-        them; AWQ input scales (eager engines only) stay on the GPU. `sleep_wake_s` starts counting again."""
+        them; AWQ input scales (eager engines only) stay on the GPU. Weights the policy shares stay where they
+        are, and only the KV cache is released. `sleep_wake_s` starts counting again."""
         self.sleep_wake_s = 0.0
-        if self.sleeps and not self._asleep:
+        if self.sleeps and self._asleep is None:
             start = time.perf_counter()
-            self.llm.sleep(level=1)
-            self._asleep = True
+            if self._shared is not None and self._shared.linked:
+                self.llm.reset_prefix_cache()  # its KV blocks are about to be dropped
+                release_kv_cache()
+                self._asleep = "kv_cache"
+            else:
+                self.llm.sleep(level=1)
+                self._asleep = "vllm"
             self.sleep_wake_s += time.perf_counter() - start
 
     def wake(self) -> None:
         """Take the GPU back (weights and KV cache); the caller's freed cached blocks go first."""
-        if self._asleep:
+        if self._asleep is not None:
             start = time.perf_counter()
             torch.cuda.empty_cache()
-            self.llm.wake_up()
-            self._asleep = False
+            if self._asleep == "kv_cache":
+                self._worker.wake_up(tags=["kv_cache"])  # vLLM's own wake of its KV cache (maps it, rebuilds its tables)
+            else:
+                self.llm.wake_up()
+            self._asleep = None
             self.sleep_wake_s += time.perf_counter() - start
 
     # -- refit --------------------------------------------------------------------------------
@@ -318,8 +336,10 @@ class VLLMEngine:
     def refit(self, policy_model: nn.Module | ShardedPolicy) -> RefitTiming:
         """Load the policy's (folded) weights, its qlora adapters and its input amax (and AWQ input
         scales) into the engine, each copied into the tensor the engine already holds. Frozen weights
-        the engine already holds from this policy model are skipped. The weights stream into vLLM one
-        at a time (a sharded policy gathers each from its shards as vLLM asks for it)."""
+        the engine already holds from this policy model are skipped, and so are weights the policy shares
+        with the engine (shared_weights.py); after the copy, the policy's weights that can share do. The
+        weights stream into vLLM one at a time (a sharded policy gathers each from its shards as vLLM asks
+        for it)."""
         from qarl.lora import served_adapters
 
         self.wake()
@@ -328,9 +348,13 @@ class VLLMEngine:
         if isinstance(policy_model, ShardedPolicy):  # every weight is replaced: nothing is held from earlier
             modules, weights = {}, policy_model.rollout_weights()
             self._held_from, self._held = None, {}
+            if self._shared is not None:
+                self._shared.unlink()
         else:
             modules = dict(policy_model.named_modules())
             weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
+            if self._shared is not None:
+                weights = self._shared.unshared(policy_model, weights)
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal moved
@@ -346,6 +370,8 @@ class VLLMEngine:
             raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
                               "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
         moved += self.adapters.load(adapters, modules)
+        if self._shared is not None and not isinstance(policy_model, ShardedPolicy):
+            self._shared.link()
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         loaded = time.perf_counter()
         for layer, policy_quantizer in self._input_amax_links(policy_model):
@@ -353,7 +379,8 @@ class VLLMEngine:
             moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
             if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
                 moved += self._sync_smoothing(layer, policy_quantizer)
-        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved)
+        shared = 0 if self._shared is None or isinstance(policy_model, ShardedPolicy) else self._shared.shared_bytes
+        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved, shared_bytes=shared)
 
     def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
         """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale

@@ -60,6 +60,8 @@ from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixi
 
 
 _optimizer_steps = 0
+# id -> the compute-dtype copies `copy_masters` writes (by id: a WeakSet would compare tensors with ==)
+_from_masters: dict[int, weakref.ref] = {}
 _derived_owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that keep `derived` tensors
 DERIVED = "_qarl_derived"
 
@@ -316,9 +318,17 @@ def copy_masters(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]], holders: di
     weight is quantized once per step, at the step, and every forward reads it as a plain parameter."""
     with torch.no_grad():
         for param, master in pairs:
+            _from_masters[id(param)] = weakref.ref(param)
             holder = holders.get(id(param))
             if holder is not None:
                 holder._qarl_held = None  # the write below replaces what it held
             param.copy_(master)
             if holder is not None:
                 holder.hold(param, master)
+
+
+def written_from_master(param: nn.Parameter) -> bool:
+    """`param` is a compute-dtype copy that `copy_masters` rewrites from its master after every optimizer step:
+    its memory holds nothing the master does not (so the rollout engine may own that memory)."""
+    written = _from_masters.get(id(param))
+    return written is not None and written() is param
