@@ -49,6 +49,7 @@ def test_shared_weights_stay_through_sleep_and_a_step_reaches_the_graphs(tiny_di
     sleeps, so the sleep releases only the KV cache; the steps reach the captured graphs without a copy, and
     the engine then samples exactly what a plain copy refit gives it."""
     from qarl.generation import VLLMEngine
+    from qarl.parity import measure
 
     from .conftest import answer_loss
     from .test_shared_weights import _copied_refit, _greedy, _in_engine, _trainable
@@ -60,6 +61,9 @@ def test_shared_weights_stay_through_sleep_and_a_step_reaches_the_graphs(tiny_di
     first = engine.refit(policy.model)
     assert all(_in_engine(engine, p) for p in policy.model.parameters())
     before = _greedy(engine, policy, task)
+    engine.sleep()
+    engine.wake()
+    assert _greedy(engine, policy, task) == before  # the KV cache came back in working order
 
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
@@ -74,6 +78,8 @@ def test_shared_weights_stay_through_sleep_and_a_step_reaches_the_graphs(tiny_di
     assert second.bytes == first.bytes - second.shared_bytes  # the input amax alone
     after = _greedy(engine, policy, task)
     assert after != before
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:8]]
+    assert measure(engine, policy, prompts, max_new_tokens=8, seed=0).mean_abs < 5e-2  # the engine is the policy
     _copied_refit(engine, policy)
     assert _greedy(engine, policy, task) == after
     engine.close()

@@ -79,19 +79,28 @@ def test_compute_weights_are_the_engines_and_a_step_reaches_it_without_a_copy(bf
 
 
 def test_a_weight_that_no_longer_holds_its_quantized_value_is_copied(bf16_engine, task, tiny_dir):
+    """A new amax gives the weight its unquantized value back until the next step: the engine needs Q(w), so
+    the weight gets its own memory, and (all or nothing) so does every other; the next step links them again."""
     policy, optimizer = _trainable(task, tiny_dir, W4A16)
     bf16_engine.set_quant_format(policy.format)
     bf16_engine.refit(policy.model)
+    assert bf16_engine._shared.linked
     layer = policy.model.model.layers[0].mlp.down_proj
     layer.weight_quantizer.amax = layer.weight_quantizer.amax * 1.5  # the hold ends: the weight is unquantized again
     assert not layer.weight_quantizer.holds(layer.weight)
     refit = bf16_engine.refit(policy.model)
-    assert "model.layers.0.mlp.down_proj.weight" not in bf16_engine._shared.linked
-    assert not _in_engine(bf16_engine, layer.weight), "it has its own memory again: the engine holds Q(w)"
-    assert refit.bytes == layer.weight.numel() * layer.weight.element_size()
+    moved = layer.weight.numel() * layer.weight.element_size()
+    assert refit.bytes == moved, "the others were in the engine already"
+    assert refit.shared_bytes == sum(p.numel() * p.element_size() for p in policy.model.parameters()) - moved
+    assert not bf16_engine._shared.linked
+    assert not any(_in_engine(bf16_engine, p) for p in policy.model.parameters())
     shared = _greedy(bf16_engine, policy, task)
-    _copied_refit(bf16_engine, policy)
+    assert bf16_engine.refit(policy.model).shared_bytes == 0, "nothing links while one weight cannot"
     assert _greedy(bf16_engine, policy, task) == shared
+    optimizer.backward(answer_loss(policy, task))
+    optimizer.step()
+    bf16_engine.refit(policy.model)
+    assert all(_in_engine(bf16_engine, p) for p in policy.model.parameters()), "the step's hold links them again"
 
 
 def test_another_models_refit_and_a_shutdown_leave_the_policy_its_weights(tiny_dir, task):
@@ -132,3 +141,24 @@ def test_nothing_is_shared_without_masters_or_when_switched_off(bf16_engine, tas
         assert not any(_in_engine(off, p) for p in policy.model.parameters())
     finally:
         off.close()
+
+
+def test_engine_views_place_every_engine_weight_or_none(bf16_engine, task, tiny_dir):
+    """Names and rows come from vLLM's own fused layers: q/k/v stacked in qkv_proj (weights and biases), gate/up
+    in gate_up_proj, a vocabulary's first rows; an engine weight with no place in the policy shares nothing."""
+    from qarl.generation.shared_weights import engine_views
+
+    policy = tiny_policy(task, tiny_dir, "none", dtype="bfloat16")
+    shapes = {n: p.shape for n, p in policy.model.named_parameters()}
+    views = engine_views(bf16_engine.model, shapes)
+    assert set(views) == set(shapes)
+    fused = dict(bf16_engine.model.named_parameters())["model.layers.1.self_attn.qkv_proj.bias"]
+    step = fused.element_size()
+    starts = [views[f"model.layers.1.self_attn.{p}_proj.bias"].data_ptr() for p in "qkv"]
+    assert starts == [fused.data_ptr(), fused.data_ptr() + shapes["model.layers.1.self_attn.q_proj.bias"][0] * step,
+                      fused.data_ptr() + (fused.numel() - shapes["model.layers.1.self_attn.v_proj.bias"][0]) * step]
+    fewer = {n: s for n, s in shapes.items() if n != "model.layers.0.mlp.up_proj.weight"}
+    assert engine_views(bf16_engine.model, fewer) is None
+    vocab = shapes["model.embed_tokens.weight"]
+    padded = engine_views(bf16_engine.model, {**shapes, "model.embed_tokens.weight": (vocab[0] - 28, *vocab[1:])})
+    assert padded["model.embed_tokens.weight"].shape[0] == vocab[0] - 28

@@ -33,19 +33,20 @@ from qarl.generation.engine_quant import policy_names
 from qarl.quant.weight_cache import written_from_master
 
 
-def engine_views(engine_model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def engine_views(engine_model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor] | None:
     """Policy parameter name -> the part of the engine's tensor that holds it: the rows of a fused
     parameter (its parts stacked in vLLM's order, which must add up to the whole), the first rows of a
-    padded one, or the whole tensor. Parameters the engine names otherwise are left out (they are copied)."""
+    padded one, or the whole tensor. None if an engine parameter has no such place in the policy (another
+    naming or layout): then nothing is shared."""
     views = {}
     for name, param in engine_model.named_parameters():
         module, _, leaf = name.rpartition(".")
         parts = [f"{part}.{leaf}" for part in policy_names(engine_model, module)]
         if any(part not in shapes or shapes[part][1:] != param.shape[1:] for part in parts):
-            continue
+            return None
         rows = [shapes[part][0] for part in parts]
         if (sum(rows) != param.shape[0]) if len(parts) > 1 else (rows[0] > param.shape[0]):
-            continue
+            return None
         for part, start, count in zip(parts, itertools.accumulate([0, *rows]), rows):
             views[part] = param.data.narrow(0, start, count)
     return views
@@ -53,15 +54,17 @@ def engine_views(engine_model: nn.Module, shapes: dict[str, torch.Size]) -> dict
 
 class SharedWeights:
     """The policy parameters that are views into one engine's weights (`link`), and the refit's view of them
-    (`unshared`: what is left to copy)."""
+    (`unshared`: what is left to copy). All or nothing: a sleeping engine keeps its weights on the GPU only
+    when every one of them is the policy's, so an engine weight the policy cannot share (another format's
+    fold, an AWQ-scaled weight) leaves every weight copied and vLLM's own sleep in charge."""
 
     def __init__(self, engine_model: nn.Module):
         self.engine_model = engine_model
         self.linked: dict[str, torch.Tensor] = {}  # policy parameter name -> the engine view it is
         self.shared_bytes = 0  # what the latest refit did not copy because the engine already holds it
         self._model: weakref.ref | None = None
-        self._params: dict[str, nn.Parameter] = {}
-        self._views: dict[str, torch.Tensor] = {}
+        self._params: dict[str, nn.Parameter] = {}  # the policy model's (after `link`: only the linked ones)
+        self._views: dict[str, torch.Tensor] | None = None
         self._candidates: list[str] = []
 
     @property
@@ -76,7 +79,7 @@ class SharedWeights:
         candidates for `link`. A refit from another model than the linked one unlinks that model first."""
         if self.model is not policy_model:
             self.unlink()
-            self._model = weakref.ref(policy_model)
+            self._model = weakref.ref(policy_model)  # (weak: a refit does not keep a dropped policy alive)
             self._views = engine_views(self.engine_model, {n: p.shape for n, p in policy_model.named_parameters()})
         self._params = dict(policy_model.named_parameters())
         self.shared_bytes, self._candidates = 0, []
@@ -94,14 +97,17 @@ class SharedWeights:
 
     @torch.no_grad()
     def link(self) -> int:
-        """Make each candidate of the latest refit (just copied into the engine) a view into the engine's
-        tensor where one of its dtype, device and shape holds it; returns how many bytes now live once."""
+        """Make the candidates of the latest refit (just copied into the engine) views into the engine's
+        tensors, if with the parameters linked already they then cover every engine weight, each with its dtype,
+        device and shape; else give every linked parameter its own memory back. Returns the bytes linked now."""
+        fits = [name for name in self._candidates if self._views is not None and self._fits(name)]
+        self._candidates = []
+        if self._views is None or set(self._views) - self.linked.keys() - set(fits):
+            self.unlink()
+            return 0
         linked = 0
-        for name in self._candidates:
-            param, view = self._params[name], self._views.get(name)
-            if (view is None or view.dtype != param.dtype or view.device != param.device or view.shape != param.shape
-                    or not view.is_contiguous()):
-                continue
+        for name in fits:
+            param, view = self._params[name], self._views[name]
             if not torch.equal(view, param):
                 raise RuntimeError(
                     f"the engine's tensor for {name} does not hold what the refit just copied into it: vLLM lays "
@@ -110,16 +116,20 @@ class SharedWeights:
             param.data = view  # the parameter's version counter stays: a held quantized value stays held
             self.linked[name] = view
             linked += view.numel() * view.element_size()
-        self._candidates = []
+        self._params = {name: self._params[name] for name in self.linked}
         return linked
+
+    def _fits(self, name: str) -> bool:
+        param, view = self._params[name], self._views.get(name)
+        return (view is not None and view.dtype == param.dtype and view.device == param.device
+                and view.shape == param.shape and view.is_contiguous())
 
     @torch.no_grad()
     def unlink(self) -> None:
         """Give every linked parameter its own memory back (the same values): before another model refits
-        the engine, and before the engine shuts down."""
+        the engine, before the engine shuts down, and where not every engine weight can be shared."""
         for name in list(self.linked):
             self._unlink(name)
-        self._model, self._params, self._views = None, {}, {}
 
     def _unlink(self, name: str) -> None:
         view, param = self.linked.pop(name), self._params[name]

@@ -290,7 +290,9 @@ class VLLMEngine:
         if self.sleeps and self._asleep is None:
             start = time.perf_counter()
             if self._shared is not None and self._shared.linked:
-                self.llm.reset_prefix_cache()  # its KV blocks are about to be dropped
+                # its KV blocks are about to be dropped: no request may hold one (as vLLM's own sleep aborts them)
+                if not self.llm.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError("vLLM could not reset its prefix cache before the engine's KV cache is released")
                 release_kv_cache()
                 self._asleep = "kv_cache"
             else:

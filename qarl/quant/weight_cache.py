@@ -318,7 +318,8 @@ def copy_masters(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]], holders: di
     weight is quantized once per step, at the step, and every forward reads it as a plain parameter."""
     with torch.no_grad():
         for param, master in pairs:
-            _from_masters[id(param)] = weakref.ref(param)
+            if not written_from_master(param):  # (the entry goes when the parameter does)
+                _from_masters[id(param)] = weakref.ref(param, lambda _, key=id(param): _from_masters.pop(key, None))
             holder = holders.get(id(param))
             if holder is not None:
                 holder._qarl_held = None  # the write below replaces what it held
