@@ -172,6 +172,19 @@ def test_matches_reference(name, dtype):
         assert g.item() == F32(amax) * F32(1.0 / 2688.0)
 
 
+def test_scale_tables_are_kept_per_global_scale_and_left_unchanged():
+    """The per-amax tables (128 emulated reciprocals, most of a small tensor's cost) are computed once per
+    global scale value: a repeated amax reuses them, another amax gets its own, and using them changes nothing."""
+    x = _dataset("midpoints", torch.float32)
+    first, second = float(x.abs().amax()), float(x.abs().amax()) * 3
+    nv._scale_tables.cache_clear()
+    want = {a: reference(x, a)[0] for a in (first, second)}
+    for amax in (first, second, first, first, second):
+        assert same_bits(nv.nvfp4_fake_quant(x, torch.tensor(amax)), want[amax])
+    info = nv._scale_tables.cache_info()
+    assert (info.misses, info.hits) == (2, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_midpoint_data_has_ties(dtype):
     """Keep the tie tests honest: the data must put elements exactly on E2M1 midpoints."""
