@@ -61,6 +61,13 @@ print(sys.argv[2], {k: round(st.median(r[k] for r in rows), 4) for k in
        'perf/gpu_mem_after_update_gib', 'perf/torch_peak_rollout_gib', 'perf/torch_peak_update_gib')
       if all(k in r for r in rows)})" "$1" "$2"
 }
+timed_steps() { # NAME LABEL OVERRIDES...: 10 QA-GRPO steps of the 0.5B recipe after the warm start, kept and shown
+  local name="$1" label="$2"; shift 2
+  qarl train recipes/qa_grpo_0p5b_gpu.yaml "$@" "run.dir=runs/$name" trainer.steps=10 eval.every=100 \
+    checkpoint.every=100 "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
+  keep "runs/$name" "$name"
+  show_steps "runs/$name" "$label"
+}
 case "$stage" in
   kernels)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
@@ -185,27 +192,18 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     keep runs/megatron_qad_0p5b megatron_qad_0p5b
     ;;
   e2e)
-    # 10 steps each after the warm start; medians over steps 3-10 (the first steps warm up allocators)
     for run in "none auto" "nvfp4_a16 auto" "nvfp4_a16 true"; do
       set -- $run
-      qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=$1" "policy.generation.enforce_eager=$2" \
-        "run.dir=runs/e2e_$1_eager_$2" trainer.steps=10 eval.every=100 checkpoint.every=100 \
-        "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
-      keep "runs/e2e_$1_eager_$2" "e2e_$1_eager_$2"
-      show_steps "runs/e2e_$1_eager_$2" "$1 enforce_eager=$2"
+      timed_steps "e2e_$1_eager_$2" "$1 enforce_eager=$2" "policy.quant_cfg=$1" "policy.generation.enforce_eager=$2"
     done
     ;;
   share)
     # one copy of the rollout weights (policy.generation.share_weights) on and off, CUDA graphs, per format in $3
-    # (default "none nvfp4_a16"): step time, refit, sleep/wake and device memory, medians over steps 3-10
+    # (default "none nvfp4_a16"): step time, refit, sleep/wake and device memory
     for fmt in ${3:-none nvfp4_a16}; do
       for share in true false; do
-        name="share_${fmt}_$share"
-        qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=$fmt" "policy.generation.share_weights=$share" \
-          "run.dir=runs/$name" trainer.steps=10 eval.every=100 checkpoint.every=100 \
-          "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -2
-        keep "runs/$name" "$name"
-        show_steps "runs/$name" "$fmt share_weights=$share"
+        timed_steps "share_${fmt}_$share" "$fmt share_weights=$share" "policy.quant_cfg=$fmt" \
+          "policy.generation.share_weights=$share"
       done
     done
     ;;
