@@ -10,10 +10,11 @@ the engine's weights, a refit copies nothing for them, and the rollout phase hol
 Which parameters share: those a refit sends as they are (unquantized, or holding their quantized value),
 rewritten from a master, with the engine's dtype and device and a contiguous view of their shape in the
 engine; found by name through vLLM's fused-layer mapping and checked equal to what the refit just copied
-(a layout qarl misreads is an error, not a silent mix-up). Everything else is copied as before. A parameter
-that stops qualifying (its quantizer's amax changed, so it holds the unquantized weight until the next step)
-gets its own memory back before the refit sends its folded value, and a refit from another model first gives
-the linked model all of its memory back.
+(a layout qarl misreads is an error, not a silent mix-up). All or nothing: they share only if they then cover
+every engine weight, else every weight is copied as before. A parameter that stops qualifying (its
+quantizer's amax changed, so it holds the unquantized weight until the next step) gets its own memory back
+before the refit sends its folded value, and with it every other; a refit from another model first gives the
+linked model all of its memory back.
 
 Sleep: vLLM's sleep takes its weights off the GPU, and the policy now trains with them. While weights are
 shared the engine sleeps by releasing only its KV cache (whose content vLLM's level-1 sleep drops too) and
@@ -77,11 +78,12 @@ class SharedWeights:
         the fold returns as itself). A linked parameter whose fold is another tensor gets its own memory back
         before its folded value goes to the engine; unlinked parameters the fold returns as themselves become
         candidates for `link`. A refit from another model than the linked one unlinks that model first."""
+        params = dict(policy_model.named_parameters())
         if self.model is not policy_model:
             self.unlink()
             self._model = weakref.ref(policy_model)  # (weak: a refit does not keep a dropped policy alive)
-            self._views = engine_views(self.engine_model, {n: p.shape for n, p in policy_model.named_parameters()})
-        self._params = dict(policy_model.named_parameters())
+            self._views = engine_views(self.engine_model, {n: p.shape for n, p in params.items()})
+        self._params = params
         self.shared_bytes, self._candidates = 0, []
         for name, tensor in weights:
             param, view = self._params.get(name), self.linked.get(name)

@@ -352,11 +352,13 @@ class VLLMEngine:
             self._held_from, self._held = None, {}
             if self._shared is not None:
                 self._shared.unlink()
+            shared = None  # (its shards are not the engine's tensors)
         else:
             modules = dict(policy_model.named_modules())
             weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
-            if self._shared is not None:
-                weights = self._shared.unshared(policy_model, weights)
+            shared = self._shared
+            if shared is not None:
+                weights = shared.unshared(policy_model, weights)
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal moved
@@ -372,8 +374,8 @@ class VLLMEngine:
             raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
                               "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
         moved += self.adapters.load(adapters, modules)
-        if self._shared is not None and not isinstance(policy_model, ShardedPolicy):
-            self._shared.link()
+        if shared is not None:
+            shared.link()
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         loaded = time.perf_counter()
         for layer, policy_quantizer in self._input_amax_links(policy_model):
@@ -381,8 +383,8 @@ class VLLMEngine:
             moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
             if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
                 moved += self._sync_smoothing(layer, policy_quantizer)
-        shared = 0 if self._shared is None or isinstance(policy_model, ShardedPolicy) else self._shared.shared_bytes
-        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved, shared_bytes=shared)
+        return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved,
+                           shared_bytes=0 if shared is None else shared.shared_bytes)
 
     def _sync_smoothing(self, layer: nn.Module, policy_quantizer: nn.Module) -> int:
         """Copy the policy input's AWQ/SmoothQuant scale (quantized inputs only: a weight-only scale
