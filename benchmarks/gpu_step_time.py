@@ -6,7 +6,8 @@ For the unquantized policy and each shipped format (NVFP4 W4A16, NVFP4 W4A4, FP8
 model (default: the embedded Qwen2.5-0.5B-shaped model, random weights), bf16 compute with fp32 master
 weights (qarl's default mixed precision), all four policies resident at once and timed in interleaved
 rounds (on a launch-bound model the host's noise moves medians taken one format after another by 2x),
-with CUDA synchronisation, medians:
+the host thread pinned to one core (`--cpu`), with CUDA synchronisation; times are medians, and each
+ratio is the median of the same round's ratios, with their quartiles (this run's noise):
   * `qarl.train.policy_update` on 64 completions of 64 prompt + 448 completion tokens, micro-batch 8
     (forward + backward of every micro-batch, the optimizer step, the master -> bf16 copy);
   * a no-grad scoring pass over 8 completions (what old / reference log-probs and evaluation cost);
@@ -20,10 +21,14 @@ the weight cache holds.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
+
+
+SCORES_PER_ROUND = 3  # a scoring pass is ~30 ms: three a round, for as many samples as the noise needs
 
 
 def _timed(fn) -> float:
@@ -95,19 +100,32 @@ class Subject:
         from qarl.quant import folded_weights
 
         self.times["update"].append(_timed(self.update))
-        self.times["score"].append(_timed(self.score))
+        self.times["score"].extend(_timed(self.score) for _ in range(SCORES_PER_ROUND))
         with torch.no_grad():
             self.step()
             self.times["fold"].append(_timed(lambda: [self.buffers[n].copy_(t) for n, t in folded_weights(self.policy.model)]))
             self.step()
             self.times["copy"].append(_timed(lambda: [self.buffers[n].copy_(p) for n, p in self.policy.model.named_parameters()]))
 
+    def samples(self, key: str) -> list[float]:
+        """The timings of `key` after the two warm-up rounds (which warm up allocators and caches)."""
+        times = self.times[key]
+        return times[2 * len(times) // len(self.times["update"]):]
+
     def medians(self) -> dict[str, float]:
         from qarl.quant.weight_cache import cache_bytes
 
-        out = {k: statistics.median(v[2:]) for k, v in self.times.items()}  # the first rounds warm up allocators
+        out = {k: statistics.median(self.samples(k)) for k in self.times}
         return {**out, "resident_gib": self.resident / 2**30, "update_peak_gib": self.update_peak / 2**30,
                 "cache_gib": cache_bytes(self.policy.model) / 2**30}
+
+
+def paired_ratio(subject: Subject, base: Subject, key: str) -> str:
+    """The median over rounds of `subject`'s time over `base`'s in the same round (so that the host's drift
+    between rounds cancels), with the quartiles of those ratios: their spread is this run's noise."""
+    ratios = [a / b for a, b in zip(subject.samples(key), base.samples(key))]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return f"{median:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def main() -> None:
@@ -115,23 +133,33 @@ def main() -> None:
     parser.add_argument("--model", default="embedded:0.5b")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--no-cache", action="store_true", help="ModelOpt's path: quantize at every forward")
-    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (the first two are warm-up)")
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds (the first two are warm-up)")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="the CPU core the timed rounds run on (default: the last one this process may use; "
+                             "-1: not pinned). These steps are host-bound, and a host thread that the scheduler moves "
+                             "between cores made the same step 1.5x slower from one round to the next")
     args = parser.parse_args()
     formats = {"unquantized": "none", "NVFP4 W4A16": "nvfp4_a16", "NVFP4 W4A4": "nvfp4_w4a4", "FP8 W8A8": "fp8_w8a8"}
     subjects = {label: Subject(name, args.model, not args.no_cache) for label, name in formats.items()}
+    cpu = max(os.sched_getaffinity(0)) if args.cpu is None else args.cpu
+    if cpu >= 0:  # after the builds, which may compile (ModelOpt's FP8 extension) on every core
+        os.sched_setaffinity(0, {cpu})
     for _ in range(args.rounds):  # interleaved: host and GPU noise hits every format alike
         for subject in subjects.values():
             subject.round()
     results = {label: s.medians() for label, s in subjects.items()}
-    base = results["unquantized"]
+    base = subjects["unquantized"]
     lines = [f"model {args.model}, bf16 compute + fp32 master weights, weight cache {'off' if args.no_cache else 'on'}, "
-             f"{torch.cuda.get_device_name()}, medians of {args.rounds - 2} interleaved rounds", "",
+             f"{torch.cuda.get_device_name()}, {args.rounds - 2} interleaved rounds (scoring: {SCORES_PER_ROUND} passes "
+             f"a round), host thread {'on CPU %d' % cpu if cpu >= 0 else 'not pinned'}; times: medians; ratios: median "
+             "of the same round's ratios (quartiles)", "",
              "| format | policy_update | vs unquantized | no-grad scoring (8) | vs unquantized | refit fold | "
              "fold / plain copy | policy + optimizer memory | update peak above it | weight cache |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():
-        lines.append(f"| {label} | {r['update'] * 1e3:.0f} ms | {r['update'] / base['update']:.2f} | "
-                     f"{r['score'] * 1e3:.1f} ms | {r['score'] / base['score']:.2f} | {r['fold'] * 1e3:.2f} ms | "
+        subject = subjects[label]
+        lines.append(f"| {label} | {r['update'] * 1e3:.0f} ms | {paired_ratio(subject, base, 'update')} | "
+                     f"{r['score'] * 1e3:.1f} ms | {paired_ratio(subject, base, 'score')} | {r['fold'] * 1e3:.2f} ms | "
                      f"{r['fold'] / r['copy']:.2f} | {r['resident_gib']:.2f} GiB | {r['update_peak_gib']:.2f} GiB | "
                      f"{r['cache_gib']:.2f} GiB |")
     table = "\n".join(lines)

@@ -91,6 +91,41 @@ def test_install_delegates_what_it_does_not_replace():
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_call_without_dispatch_is_the_op(dtype):
+    """`fake_quant` (the op's kernel without its dispatch) gives the installed op's bits where the op runs
+    qarl's kernel, and declines (None) what the op leaves to ModelOpt."""
+    assert gk.install()
+    for x, amax in cases(dtype):
+        op = torch.ops.tensorrt
+        assert same_bits(gk.fake_quant(x, amax, nvfp4=True), op.dynamic_block_quantize_op(x, 16, amax, *NVFP4_OP_ARGS))
+        assert same_bits(gk.fake_quant(x, amax, nvfp4=False), op.quantize_op(x, amax, 8, 4, False, False))
+    x = torch.randn(32, 64, device="cuda", dtype=dtype)
+    assert gk.fake_quant(x, x.abs().amax(), nvfp4=True, block_size=32) is None
+    assert gk.fake_quant(x, x.abs().amax(1, keepdim=True), nvfp4=False) is None
+    assert gk.fake_quant(x.double(), x.abs().amax(), nvfp4=True) is None
+
+
+@gpu
+@needs_gpu
+def test_direct_launch_keeps_triton_specialization():
+    """The compiled kernels launched directly (second call on) give the bits of the first, Triton-launched
+    call, and a pointer that is not 16-byte aligned, which Triton compiles apart, still gets its own kernel."""
+    from modelopt.torch.quantization import tensor_quant
+
+    gk._COMPILED.clear()
+    base = torch.randn(4097, 896, device="cuda").to(torch.bfloat16)
+    amax = base.float().abs().amax()
+    for x in (base[:4096], base[:4096], base.view(-1)[1:1 + 4096 * 896].view(4096, 896), base[:4096]):
+        ref = tensor_quant._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS)
+        assert same_bits(gk.nvfp4_fake_quant_cuda(x, amax), ref)
+        ref = tensor_quant._quantize_impl(x, amax, 8, 4, False, False)
+        assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=tensor_quant.get_cuda_ext_fp8() is None), ref)
+    assert len(gk._COMPILED) == 2  # one NVFP4 and one FP8 kernel held; the unaligned calls took Triton's path
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("fmt", ["nvfp4_w4a4", "fp8_w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensor_quantizer_same_outputs_and_gradients(fmt, dtype, monkeypatch):

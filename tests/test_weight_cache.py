@@ -221,8 +221,8 @@ def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeyp
 
     policy, plain = _policy(task, tiny_dir, "nvfp4_w4a4"), _policy(task, tiny_dir, "nvfp4_w4a4", cache=False)
     calls = []
-    op = lean.fake_quant_input
-    monkeypatch.setattr(lean, "fake_quant_input", lambda *args: calls.append(args[0].shape) or op(*args))
+    op = lean.fake_quant_eager
+    monkeypatch.setattr(lean, "fake_quant_eager", lambda *args: calls.append(args[0].shape) or op(*args))
     with torch.no_grad():
         assert torch.equal(answer_loss(policy, task), answer_loss(plain, task))
     layers = len(policy.model.model.layers)

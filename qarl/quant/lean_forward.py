@@ -14,9 +14,10 @@ result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py 
 The input quantizers of the activation formats (NVFP4 W4A4, FP8 W8A8) run at every forward, and
 ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach one torch op. A
 `FastInputMixin` quantizer calls that op directly (`qarl.quant.input_quant.fake_quant_input`, the op the
-rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py), with
-ModelOpt's straight-through gradient; any other state (calibrating, disabled, smoothing, another format)
-goes to ModelOpt's own forward. It is on every input quantizer of the model, Megatron's layers included.
+rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py; on a GPU
+the kernel the op would run, without its dispatch: `fake_quant_eager`), with ModelOpt's straight-through
+gradient; any other state (calibrating, disabled, smoothing, another format) goes to ModelOpt's own
+forward. It is on every input quantizer of the model, Megatron's layers included.
 
 ModelOpt also wraps every Hugging Face attention module for KV-cache / attention quantization, and its
 forward patches transformers' attention-function table, inspects the module's source module and calls
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qarl.quant.input_quant import InputQuant, calibrated_spec, fake_quant_input
+from qarl.quant.input_quant import InputQuant, calibrated_spec, fake_quant_eager
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
 
@@ -185,10 +186,10 @@ class FastInputMixin(TracksQuantizerChanges):
             return output
         amax = self._amax.to(inputs.device)
         if grad:
-            quantized = fake_quant_input(inputs.detach(), amax, spec)
+            quantized = fake_quant_eager(inputs.detach(), amax, spec)
             output = StraightThrough.apply(inputs, quantized, None if self._pass_through_bwd else amax)
         else:
-            output = fake_quant_input(inputs, amax, spec)
+            output = fake_quant_eager(inputs, amax, spec)
         if shared is not None:
             shared.give(inputs, grad, output)
         return output

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from qarl.quant.input_quant import calibrated_spec, fake_quant_input
+from qarl.quant.input_quant import calibrated_spec, fake_quant_eager
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 
 
@@ -218,12 +218,13 @@ class WeightCacheMixin(TracksQuantizerChanges):
     def _qarl_quantize(self, weight: torch.Tensor) -> torch.Tensor:
         """ModelOpt's output for this weight. For the shipped formats (NVFP4 dynamic blocks, FP8 per
         tensor, static amax) that is the torch op its forward ends in (`plain_spec`), called here directly
-        with the same arguments, which skips ~150 us of per-call Python (the re-quantization after every
-        optimizer step pays it once per weight); anything else goes through the quantizer's own forward."""
+        with the same arguments (`fake_quant_eager`), which skips ~150 us of per-call Python (the
+        re-quantization after every optimizer step pays it once per weight); anything else goes through
+        the quantizer's own forward."""
         spec = calibrated_spec(self)
         if spec is None:
             return super().forward(weight)
-        return fake_quant_input(weight, self._amax.to(weight.device), spec)
+        return fake_quant_eager(weight, self._amax.to(weight.device), spec)
 
     def qarl_invalidate(self) -> None:
         """The weight was written behind its version counter (`.data`): what it holds now is the weight."""
