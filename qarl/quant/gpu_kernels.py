@@ -142,10 +142,11 @@ def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, ama
     The first launch of each specialization goes through Triton's `kernel[grid](...)`, which compiles
     the kernel or finds it compiled; later ones launch that compiled kernel directly, without Triton's
     per-call argument binding, cache-key and option handling (host time, on a forward that waits on its
-    host: the policy's activation formats launch these in every layer). The key holds all that Triton
-    specializes a launch on: the pointers' dtypes and 16-byte alignment (only aligned pointers take the
-    direct launch), each integer's divisibility by 16, equality to 1 and width, the constexprs and the
-    launch options, so a hit runs the kernel Triton itself would pick."""
+    host: the policy's activation formats launch these in every layer). The key holds all in the
+    arguments that Triton specializes a launch on: the pointers' dtypes and 16-byte alignment (only
+    aligned pointers take the direct launch), each integer's divisibility by 16, equality to 1 and width,
+    the constexprs and the launch options, so a hit runs the kernel Triton itself would pick for them
+    (Triton's process-wide debug settings are not in it: they are read at the first launch)."""
     aligned = (x.data_ptr() | y.data_ptr() | amax.data_ptr()) % 16 == 0
     key = (kernel, x.device, x.dtype, y.dtype, amax.dtype, tuple((n % 16 == 0, n == 1, n < 2**31) for n in ints),
            tuple(meta.items())) if aligned and x.is_cuda else None
