@@ -132,7 +132,7 @@ def _kernels() -> tuple[Any, Any]:
     return nvfp4_kernel, fp8_kernel
 
 
-_COMPILED: dict[tuple, Any] = {}
+_COMPILED: dict[tuple, tuple[Any, list]] = {}  # launch key -> (compiled kernel, its constexpr arguments in order)
 
 
 def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor, *ints: int,
@@ -150,16 +150,16 @@ def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, ama
     aligned = (x.data_ptr() | y.data_ptr() | amax.data_ptr()) % 16 == 0
     key = (kernel, x.device, x.dtype, y.dtype, amax.dtype, tuple((n % 16 == 0, n == 1, n < 2**31) for n in ints),
            tuple(meta.items())) if aligned and x.is_cuda else None
-    compiled = _COMPILED.get(key) if key is not None else None
+    held = _COMPILED.get(key) if key is not None else None
     switch = x.is_cuda and x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
-        if compiled is not None:
-            constexprs = [meta[name] for name in kernel.arg_names[3 + len(ints):]]
+        if held is not None:
+            compiled, constexprs = held
             compiled[(*grid, 1, 1)[:3]](x, y, amax, *ints, *constexprs)  # a compiled kernel takes a 3-D grid
         else:
             compiled = kernel[grid](x, y, amax, *ints, **meta)
             if key is not None and compiled is not None:
-                _COMPILED[key] = compiled
+                _COMPILED[key] = compiled, [meta[name] for name in kernel.arg_names[3 + len(ints):]]
 
 
 def _prepare(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +168,7 @@ def _prepare(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.T
         raise TypeError(f"fake quant supports {_DTYPES}, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("fake quant needs a tensor with at least one dim")
-    return x.contiguous(), amax if amax.device == x.device else amax.to(x.device)  # read raw: no autograd
+    return x.contiguous(), amax.to(x.device)  # (no detach: the kernels read the raw memory, outside autograd)
 
 
 def nvfp4_fake_quant_cuda(
