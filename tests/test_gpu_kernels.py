@@ -108,20 +108,50 @@ def test_call_without_dispatch_is_the_op(dtype):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bound_fake_quant_is_the_op(dtype, monkeypatch):
+    """`BoundFakeQuant` (what the policy's input quantizers call) gives the installed op's bits, on
+    contiguous and strided inputs alike, and declines (None) what the op would leave to ModelOpt."""
+    from modelopt.torch.quantization import tensor_quant
+
+    assert gk.install()
+    op = torch.ops.tensorrt
+    for x, amax in cases(dtype):
+        for x in (x, x.transpose(-1, -2)):
+            assert same_bits(gk.BoundFakeQuant(amax, nvfp4=True)(x), op.dynamic_block_quantize_op(x, 16, amax, *NVFP4_OP_ARGS))
+            assert same_bits(gk.BoundFakeQuant(amax, nvfp4=False)(x), op.quantize_op(x, amax, 8, 4, False, False))
+    bound = gk.BoundFakeQuant(amax, nvfp4=True)
+    assert bound(x.double()) is None and bound(x.cpu()) is None
+    monkeypatch.setattr(tensor_quant, "DISABLE_TRITON_KERNEL", True)  # ModelOpt then runs its CUDA extension
+    assert bound(x) is None and gk.BoundFakeQuant(amax, nvfp4=False)(x) is not None
+    with pytest.raises(ValueError, match="one-element CUDA amax"):
+        gk.BoundFakeQuant(amax.cpu(), nvfp4=True)
+
+
+@gpu
+@needs_gpu
 def test_direct_launch_keeps_triton_specialization():
     """The compiled kernels launched directly (second call on) give the bits of the first, Triton-launched
-    call, and a pointer that is not 16-byte aligned, which Triton compiles apart, still gets its own kernel."""
+    call; on a GPU whose Triton passes the PTX and bit checks that launch is `cuLaunchKernel` (a
+    `_DirectLaunch`); a pointer that is not 16-byte aligned, which Triton compiles apart, and an integer
+    argument of 1, which Triton specializes away, keep Triton's launch."""
     from modelopt.torch.quantization import tensor_quant
 
     gk._COMPILED.clear()
     base = torch.randn(4097, 896, device="cuda").to(torch.bfloat16)
     amax = base.float().abs().amax()
+    eager = tensor_quant.get_cuda_ext_fp8() is None
     for x in (base[:4096], base[:4096], base.view(-1)[1:1 + 4096 * 896].view(4096, 896), base[:4096]):
         ref = tensor_quant._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS)
         assert same_bits(gk.nvfp4_fake_quant_cuda(x, amax), ref)
         ref = tensor_quant._quantize_impl(x, amax, 8, 4, False, False)
-        assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=tensor_quant.get_cuda_ext_fp8() is None), ref)
+        assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=eager), ref)
     assert len(gk._COMPILED) == 2  # one NVFP4 and one FP8 kernel held; the unaligned calls took Triton's path
+    assert all(type(held) is gk._DirectLaunch for held in gk._COMPILED.values())
+    one = base[:1, :1]  # FP8's element count 1: a constant in Triton's specialization, not a parameter
+    for _ in range(2):
+        assert same_bits(gk.fp8_fake_quant_cuda(one, amax, eager=eager), tensor_quant._quantize_impl(one, amax, 8, 4, False, False))
+    assert sum(type(held) is tuple for held in gk._COMPILED.values()) == 1
 
 
 @gpu

@@ -218,11 +218,14 @@ def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeyp
     """q/k/v (and gate/up) read one input with one amax: it is quantized once per forward, with ModelOpt's
     bits; siblings whose amax differ quantize apart again."""
     import qarl.quant.lean_forward as lean
+    from qarl.quant.gpu_kernels import BoundFakeQuant
 
     policy, plain = _policy(task, tiny_dir, "nvfp4_w4a4"), _policy(task, tiny_dir, "nvfp4_w4a4", cache=False)
-    calls = []
-    op = lean.fake_quant_eager
+    calls = []  # every quantization an input quantizer computes: the op's path, or on a GPU the bound kernel
+    op, kernel = lean.fake_quant_eager, BoundFakeQuant.__call__
     monkeypatch.setattr(lean, "fake_quant_eager", lambda *args: calls.append(args[0].shape) or op(*args))
+    monkeypatch.setattr(BoundFakeQuant, "__call__",
+                        lambda self, x: (out := kernel(self, x)) is not None and calls.append(x.shape) or out)
     with torch.no_grad():
         assert torch.equal(answer_loss(policy, task), answer_loss(plain, task))
     layers = len(policy.model.model.layers)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import re
 import warnings
 from typing import Any
 
@@ -132,7 +133,8 @@ def _kernels() -> tuple[Any, Any]:
     return nvfp4_kernel, fp8_kernel
 
 
-_COMPILED: dict[tuple, tuple[Any, list]] = {}  # launch key -> (compiled kernel, its constexpr arguments in order)
+_COMPILED: dict[tuple, Any] = {}  # launch key -> a _DirectLaunch, or (compiled kernel, its constexprs in order)
+_current_stream: Any = None  # Triton's own "current stream of device i" (torch's raw stream), bound once
 
 
 def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor, *ints: int,
@@ -140,26 +142,129 @@ def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, ama
     """Launch `kernel(x, y, amax, *ints, **meta)` on x's device (Triton launches on the current one).
 
     The first launch of each specialization goes through Triton's `kernel[grid](...)`, which compiles
-    the kernel or finds it compiled; later ones launch that compiled kernel directly, without Triton's
-    per-call argument binding, cache-key and option handling (host time, on a forward that waits on its
-    host: the policy's activation formats launch these in every layer). The key holds all in the
-    arguments that Triton specializes a launch on: the pointers' dtypes and 16-byte alignment (only
-    aligned pointers take the direct launch), each integer's divisibility by 16, equality to 1 and width,
-    the constexprs and the launch options, so a hit runs the kernel Triton itself would pick for them
-    (Triton's process-wide debug settings are not in it: they are read at the first launch)."""
+    the kernel or finds it compiled; later ones launch that compiled kernel directly (`_DirectLaunch`, or
+    where it does not apply Triton's compiled-kernel runner), without Triton's per-call argument binding,
+    cache-key and option handling (host time, on a forward that waits on its host: the policy's
+    activation formats launch these in every layer). The key holds all in the arguments that Triton
+    specializes a launch on: the pointers' dtypes and 16-byte alignment (only aligned pointers take the
+    direct launch), each integer's divisibility by 16, equality to 1 and width, the constexprs and the
+    launch options, so a hit runs the kernel Triton itself would pick for them (Triton's process-wide
+    debug settings are not in it: they are read at the first launch)."""
+    global _current_stream
+    device = x.get_device()
     aligned = (x.data_ptr() | y.data_ptr() | amax.data_ptr()) % 16 == 0
-    key = (kernel, x.device, x.dtype, y.dtype, amax.dtype, tuple((n % 16 == 0, n == 1, n < 2**31) for n in ints),
-           tuple(meta.items())) if aligned and x.is_cuda else None
+    key = (kernel, device, x.dtype, y.dtype, amax.dtype, tuple([(n % 16 == 0, n == 1, n < 2**31) for n in ints]),
+           tuple(meta.items())) if aligned and device >= 0 else None
     held = _COMPILED.get(key) if key is not None else None
-    switch = x.is_cuda and x.device.index != torch.cuda.current_device()
-    with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
-        if held is not None:
+    switch = device >= 0 and device != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+        if type(held) is _DirectLaunch:
+            held(grid[0], _current_stream(device), x, y, amax, ints)
+        elif held is not None:
             compiled, constexprs = held
             compiled[(*grid, 1, 1)[:3]](x, y, amax, *ints, *constexprs)  # a compiled kernel takes a 3-D grid
         else:
             compiled = kernel[grid](x, y, amax, *ints, **meta)
             if key is not None and compiled is not None:
-                _COMPILED[key] = compiled, [meta[name] for name in kernel.arg_names[3 + len(ints):]]
+                if _current_stream is None:
+                    _current_stream = triton.runtime.driver.active.get_current_stream
+                _COMPILED[key] = (_DirectLaunch.checked(compiled, grid, x, y, amax, ints)
+                                  or (compiled, [meta[name] for name in kernel.arg_names[3 + len(ints):]]))
+
+
+_CU_LAUNCH: Any = None  # libcuda's cuLaunchKernel through ctypes, loaded by the first _DirectLaunch
+
+
+class _DirectLaunch:
+    """One compiled kernel (one specialization) launched by `cuLaunchKernel` through ctypes, its parameter
+    buffer made once: on an H100 host Triton's launcher takes ~22 us of host time a launch (its Python
+    launcher, a `data_ptr()` call and a driver pointer query per tensor), this ~13 us, an aten op ~13 us;
+    in a launch-bound 0.5B forward with one extra kernel at each of 96 linear inputs that was +17 % of
+    the forward with Triton's launch, +9 % with this one (benchmarks/results/gpu/README.md).
+
+    It launches exactly what Triton's launcher launches: the same compiled function (the same bits), on
+    one CTA per program with `32 * num_warps` threads and the kernel's shared memory, with the parameters
+    Triton passes: this module's pointers and integers in order, then Triton's scratch pointers (null:
+    these kernels use no scratch). It is made only where the kernel's PTX entry declares exactly those
+    parameters and needs nothing else (no cluster, cooperative or PDL launch, no scratch, no integer
+    specialized away), and its first launch is compared bit for bit with Triton's; anything else keeps
+    Triton's launch. Not reentrant across threads: a lock covers the shared parameter buffer."""
+
+    def __init__(self, compiled: Any, ints: tuple[int, ...], param_types: list[str]):
+        import ctypes
+        import threading
+
+        global _CU_LAUNCH
+        if _CU_LAUNCH is None:
+            launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            launch.restype = ctypes.c_int
+            _CU_LAUNCH = launch
+        ctype = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
+                 "b32": ctypes.c_uint32, "s32": ctypes.c_int32}
+        self.values = [ctype[t]() for t in param_types]  # pointers, integers, then the (null) scratch pointers
+        self.n_args = 3 + len(ints)
+        self.params = ctypes.cast((ctypes.c_void_p * len(self.values))(*map(ctypes.addressof, self.values)),
+                                  ctypes.c_void_p)
+        self.function = ctypes.c_void_p(compiled.function)
+        self.threads = 32 * compiled.metadata.num_warps
+        self.shared = compiled.metadata.shared
+        self.lock = threading.Lock()
+
+    def __call__(self, programs: int, stream: int, x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor,
+                 ints: tuple[int, ...]) -> None:
+        values = self.values
+        with self.lock:
+            values[0].value, values[1].value, values[2].value = x.data_ptr(), y.data_ptr(), amax.data_ptr()
+            for value, n in zip(values[3:self.n_args], ints):
+                value.value = n
+            status = _CU_LAUNCH(self.function, programs, 1, 1, self.threads, 1, 1, self.shared, stream, self.params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {status}")
+
+    @classmethod
+    def checked(cls, compiled: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor,
+                ints: tuple[int, ...]) -> _DirectLaunch | None:
+        """A direct launch of `compiled`, which Triton has just launched with these arguments into `y`,
+        or None where it would not be the very same launch: checked against the kernel's PTX and
+        metadata, then by launching it into a second output and comparing the bits (once per
+        specialization; not while a CUDA graph is being captured, where a comparison cannot wait)."""
+        meta = compiled.metadata
+        if (torch.cuda.is_current_stream_capturing() or getattr(meta, "num_ctas", 1) != 1
+                or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
+                or getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
+                or not getattr(compiled, "function", None) or any(n == 1 for n in ints)):
+            return None
+        try:
+            params = _ptx_params(compiled.asm["ptx"], compiled.name)
+        except (KeyError, ValueError):
+            return None
+        wanted = ["u64"] * 3 + ["u32" if n < 2**31 else "u64" for n in ints]
+        scratch = params[len(wanted):]
+        if ([_unsigned(t) for t in params[:len(wanted)]] != wanted or len(scratch) > 2
+                or any(_unsigned(t) != "u64" for t in scratch)):
+            return None
+        direct = cls(compiled, ints, params)
+        again = torch.empty_like(y)
+        direct(grid[0], _current_stream(x.get_device()), x, again, amax, ints)
+        if not torch.equal(again.view(torch.uint8), y.view(torch.uint8)):
+            warnings.warn(f"qarl: launching Triton kernel {compiled.name} directly changed its output; keeping "
+                          "Triton's launcher for it (slower, the same bits)", RuntimeWarning, stacklevel=3)
+            return None
+        return direct
+
+
+def _ptx_params(ptx: str, name: str) -> list[str]:
+    """The parameter types (`u64`, `u32`, ...) of PTX entry `name`, in order."""
+    match = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if match is None:
+        raise ValueError(f"no entry {name} in the PTX")
+    return re.findall(r"\.param\s+\.(\w+)", match.group(1))
+
+
+def _unsigned(ptx_type: str) -> str:
+    """A PTX parameter type by width alone (`s32`/`b32` -> `u32`): Triton declares its integer parameters by width."""
+    return "u" + ptx_type[1:]
 
 
 def _prepare(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +292,12 @@ def nvfp4_fake_quant_cuda(
     if block_size != 16:
         raise ValueError(f"NVFP4 blocks are 16 elements (ModelOpt's GPU kernel), got {block_size}")
     x, amax = _prepare(x, amax)
-    if amax.numel() != 1:
-        amax = amax.amax()
+    return _nvfp4(x, amax if amax.numel() == 1 else amax.amax(), blocks_per_program, num_warps)
+
+
+def _nvfp4(x: torch.Tensor, amax: torch.Tensor, blocks_per_program: int = NVFP4_BLOCKS_PER_PROGRAM,
+           num_warps: int = NVFP4_NUM_WARPS) -> torch.Tensor:
+    """The NVFP4 kernel on a contiguous x and a one-element amax on x's device."""
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
@@ -219,6 +328,12 @@ def fp8_fake_quant_cuda(
     if amax.numel() != 1:
         raise ValueError(f"fp8_fake_quant_cuda is per tensor: amax must have one element, got {amax.numel()}")
     x, amax = _prepare(x, amax)
+    return _fp8(x, amax, eager, block, num_warps)
+
+
+def _fp8(x: torch.Tensor, amax: torch.Tensor, eager: bool, block: int = FP8_BLOCK,
+         num_warps: int = FP8_NUM_WARPS) -> torch.Tensor:
+    """The FP8 kernel on a contiguous x and a one-element amax on x's device."""
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
@@ -243,35 +358,31 @@ _LIB: torch.library.Library | None = None
 _MODELOPT: Any = None  # (tensor_quant, ModelOpt's Triton kernel module), set by install()
 
 
+def _takes(x: torch.Tensor) -> bool:
+    """x is what these kernels quantize: a CUDA tensor of a float dtype they handle, with a dim."""
+    return x.is_cuda and x.dtype in _DTYPES and x.dim() > 0
+
+
+def _modelopt_runs_triton_nvfp4() -> bool:
+    """ModelOpt's NVFP4 fake quant on CUDA runs its Triton kernel fp4_fake_quant_block (whose bits
+    nvfp4_kernel has) rather than its CUDA extension: read at every call, as ModelOpt reads it."""
+    tensor_quant, modelopt_triton = _MODELOPT
+    return (modelopt_triton.IS_AVAILABLE and hasattr(modelopt_triton, "fp4_fake_quant_block")
+            and not tensor_quant.DISABLE_TRITON_KERNEL)
+
+
 def _replaces_nvfp4(inputs: torch.Tensor, block_size: int, amax: torch.Tensor, args: tuple) -> bool:
     """The installed `dynamic_block_quantize_op` runs `nvfp4_fake_quant_cuda` for these operands: where
     ModelOpt would run its Triton kernel fp4_fake_quant_block, whose bits it has."""
-    tensor_quant, modelopt_triton = _MODELOPT
-    return (
-        args == _NVFP4_OP_ARGS
-        and block_size == 16  # ModelOpt's Triton path ignores block_size: leave others to it
-        and inputs.is_cuda
-        and amax.is_cuda
-        and inputs.dtype in _DTYPES
-        and inputs.dim() > 0
-        # the conditions under which ModelOpt runs fp4_fake_quant_block
-        and modelopt_triton.IS_AVAILABLE
-        and hasattr(modelopt_triton, "fp4_fake_quant_block")
-        and not tensor_quant.DISABLE_TRITON_KERNEL
-    )
+    return (args == _NVFP4_OP_ARGS
+            and block_size == 16  # ModelOpt's Triton path ignores block_size: leave others to it
+            and amax.is_cuda and _takes(inputs) and _modelopt_runs_triton_nvfp4())
 
 
 def _replaces_fp8(inputs: torch.Tensor, amax: torch.Tensor, num_bits: int, exponent_bits: int) -> bool:
     """The installed `quantize_op` runs `fp8_fake_quant_cuda` for these operands (per-tensor E4M3)."""
-    return (
-        num_bits == 8
-        and exponent_bits == 4
-        and inputs.is_cuda
-        and amax.device == inputs.device
-        and amax.numel() == 1
-        and inputs.dtype in _DTYPES
-        and inputs.dim() > 0
-    )
+    return (num_bits == 8 and exponent_bits == 4 and amax.numel() == 1 and _takes(inputs)
+            and amax.device == inputs.device)
 
 
 def _fp8_eager() -> bool:
@@ -289,6 +400,34 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, nvfp4: bool, block_size: int
     if nvfp4:
         return nvfp4_fake_quant_cuda(x, amax) if _replaces_nvfp4(x, block_size, amax, _NVFP4_OP_ARGS) else None
     return fp8_fake_quant_cuda(x, amax, eager=_fp8_eager()) if _replaces_fp8(x, amax, 8, 4) else None
+
+
+class BoundFakeQuant:
+    """`fake_quant(x, amax, nvfp4)` for one calibrated amax (one element, on a CUDA device) and the
+    format's 16-element blocks, with what depends on them alone settled when it is made (the amax's
+    device; FP8's choice of ModelOpt's extension or eager bits, at its first call) and nothing but x's checks, the output
+    and the launch left for each call: the policy's input quantizers call it at every layer of every
+    forward (`FastInputMixin`), where ~10 us of Python a call is ~3 % of a launch-bound forward.
+    Returns None wherever `fake_quant` would (the op then runs ModelOpt's code): made while the
+    kernels are not installed, x not a CUDA tensor of the amax's device and a handled dtype, or
+    ModelOpt's NVFP4 switched off its Triton kernel."""
+
+    __slots__ = ("amax", "nvfp4", "device", "eager")
+
+    def __init__(self, amax: torch.Tensor, nvfp4: bool):
+        if amax.numel() != 1 or not amax.is_cuda:
+            raise ValueError(f"BoundFakeQuant needs a one-element CUDA amax, got {tuple(amax.shape)} on {amax.device}")
+        self.amax, self.nvfp4, self.device = amax, nvfp4, amax.get_device()
+        self.eager: bool | None = None  # read from ModelOpt at the first FP8 call (the kernels installed)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if _LIB is None or not _takes(x) or x.get_device() != self.device:
+            return None
+        if self.nvfp4:
+            return _nvfp4(x.contiguous(), self.amax) if _modelopt_runs_triton_nvfp4() else None
+        if self.eager is None:
+            self.eager = _fp8_eager()
+        return _fp8(x.contiguous(), self.amax, self.eager)
 
 
 def install() -> bool:

@@ -71,6 +71,16 @@ def fake_quant_eager(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant) -> t
     return fake_quant_input(x, amax, spec)
 
 
+def bound_fake_quant(amax: torch.Tensor | None, spec: InputQuant) -> gpu_kernels.BoundFakeQuant | None:
+    """`fake_quant_eager(x, amax, spec)` with its amax and format settled, for a quantizer that calls it at
+    every forward (`gpu_kernels.BoundFakeQuant`: it returns None for an x the kernel does not take, and the
+    caller then calls `fake_quant_eager`); None where no GPU kernel can serve: the amax not on a GPU, or
+    NVFP4 blocks other than the kernel's 16."""
+    if amax is None or not amax.is_cuda or amax.numel() != 1 or (spec.kind == NVFP4 and spec.block_size != 16):
+        return None
+    return gpu_kernels.BoundFakeQuant(amax, spec.kind == NVFP4)
+
+
 def install_kernels() -> None:
     """Register qarl's implementations of the two ops (the NVFP4 CPU port, the fast GPU kernels; the
     same bits as ModelOpt's): idempotent, and needed before the first call in a process."""

@@ -15,7 +15,8 @@ The input quantizers of the activation formats (NVFP4 W4A4, FP8 W8A8) run at eve
 ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach one torch op. A
 `FastInputMixin` quantizer calls that op directly (`qarl.quant.input_quant.fake_quant_input`, the op the
 rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py; on a GPU
-the kernel the op would run, without its dispatch: `fake_quant_eager`), with ModelOpt's straight-through
+the kernel the op would run, without its dispatch, bound once to the quantizer's amax: `BoundFakeQuant`,
+launched by `cuLaunchKernel` directly), with ModelOpt's straight-through
 gradient; any other state (calibrating, disabled, smoothing, another format) goes to ModelOpt's own
 forward. It is on every input quantizer of the model, Megatron's layers included.
 
@@ -38,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qarl.quant.input_quant import InputQuant, calibrated_spec, fake_quant_eager
+from qarl.quant.gpu_kernels import BoundFakeQuant
+from qarl.quant.input_quant import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
 from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
 
@@ -142,7 +144,7 @@ class SharedInput:
         key = tuple((m._qarl_generation, a.data_ptr(), a._version) for m, a in zip(self.members, amaxes))
         if self._verified is None or self._verified[0] != key:
             first = self.members[0]
-            same = all(m._qarl_fast_spec() == first._qarl_fast_spec() and m._pass_through_bwd == first._pass_through_bwd
+            same = all(m._qarl_plan()[0] == first._qarl_plan()[0] and m._pass_through_bwd == first._pass_through_bwd
                        and torch.equal(a, amaxes[0]) for m, a in zip(self.members[1:], amaxes[1:]))
             self._verified = (key, same)
         return self._verified[1]
@@ -165,18 +167,24 @@ class SharedInput:
 class FastInputMixin(TracksQuantizerChanges):
     """Mixed into an input quantizer's class (see `enable_fast_inputs`): ModelOpt's forward as its one op."""
 
-    _qarl_spec: tuple[int, InputQuant | None] = (-1, None)
+    # (generation, amax tensor, its InputQuant, the GPU kernel bound to it): what `_qarl_plan` last found
+    _qarl_fast: tuple[int, torch.Tensor | None, InputQuant | None, BoundFakeQuant | None] = (-1, None, None, None)
     _qarl_shared: SharedInput | None = None
 
-    def _qarl_fast_spec(self) -> InputQuant | None:
-        generation, spec = self._qarl_spec
-        if generation != self._qarl_generation:
+    def _qarl_plan(self) -> tuple[InputQuant | None, BoundFakeQuant | None]:
+        """How this quantizer fake-quantizes once calibrated (None: not a plain NVFP4 / FP8 per-tensor
+        one) and, with its amax on a GPU, the kernel bound to that amax; found again after any change
+        of the quantizer (its generation) or of its amax tensor (`module.to(device)` replaces buffers)."""
+        generation, held, spec, bound = self._qarl_fast
+        amax = self._buffers.get("_amax")
+        if generation != self._qarl_generation or held is not amax:
             spec = calibrated_spec(self)
-            self._qarl_spec = (self._qarl_generation, spec)
-        return spec
+            bound = bound_fake_quant(amax, spec) if spec is not None else None
+            self._qarl_fast = (self._qarl_generation, amax, spec, bound)
+        return spec, bound
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        spec = self._qarl_fast_spec()
+        spec, bound = self._qarl_plan()
         if (spec is None or self._disabled or not self._if_quant or self._if_calib or type(inputs) is not torch.Tensor
                 or pre_quant_scale(self) is not None or torch.compiler.is_compiling()):
             return super().forward(inputs)
@@ -184,12 +192,13 @@ class FastInputMixin(TracksQuantizerChanges):
         shared = self._qarl_shared
         if shared is not None and (output := shared.take(inputs, grad)) is not None:
             return output
-        amax = self._amax.to(inputs.device)
+        quantized = bound(inputs) if bound is not None else None  # the kernel reads x's memory, outside autograd
+        if quantized is None:
+            quantized = fake_quant_eager(inputs.detach(), self._buffers["_amax"].to(inputs.device), spec)
+        output = quantized
         if grad:
-            quantized = fake_quant_eager(inputs.detach(), amax, spec)
-            output = StraightThrough.apply(inputs, quantized, None if self._pass_through_bwd else amax)
-        else:
-            output = fake_quant_eager(inputs, amax, spec)
+            amax = None if self._pass_through_bwd else self._buffers["_amax"].to(inputs.device)
+            output = StraightThrough.apply(inputs, quantized, amax)
         if shared is not None:
             shared.give(inputs, grad, output)
         return output
