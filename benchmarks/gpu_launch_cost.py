@@ -23,6 +23,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -116,8 +117,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+        Path(args.out).write_text(table + "\n")
 
 
 if __name__ == "__main__":

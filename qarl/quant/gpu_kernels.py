@@ -165,7 +165,8 @@ def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, ama
             compiled[(*grid, 1, 1)[:3]](x, y, amax, *ints, *constexprs)  # a compiled kernel takes a 3-D grid
         else:
             compiled = kernel[grid](x, y, amax, *ints, **meta)
-            if key is not None and compiled is not None:
+            # held from a launch outside CUDA graph capture, where the direct launch's bits can be checked
+            if key is not None and compiled is not None and not torch.cuda.is_current_stream_capturing():
                 if _current_stream is None:
                     _current_stream = triton.runtime.driver.active.get_current_stream
                 _COMPILED[key] = (_DirectLaunch.checked(compiled, grid, x, y, amax, ints)
@@ -177,10 +178,10 @@ _CU_LAUNCH: Any = None  # libcuda's cuLaunchKernel through ctypes, loaded by the
 
 class _DirectLaunch:
     """One compiled kernel (one specialization) launched by `cuLaunchKernel` through ctypes, its parameter
-    buffer made once: on an H100 host Triton's launcher takes ~22 us of host time a launch (its Python
-    launcher, a `data_ptr()` call and a driver pointer query per tensor), this ~13 us, an aten op ~13 us;
-    in a launch-bound 0.5B forward with one extra kernel at each of 96 linear inputs that was +17 % of
-    the forward with Triton's launch, +9 % with this one (benchmarks/results/gpu/README.md).
+    buffer made once, without Triton's Python launcher and its per-tensor `data_ptr()` call and driver
+    pointer query. On an H100 host, in a launch-bound 0.5B forward with an extra copy kernel at each of 96
+    linear inputs, Triton's compiled-kernel runner cost +17 % of the forward, this way of launching +9 %,
+    an aten op +6 % (benchmarks/results/gpu/README.md, eleventh session).
 
     It launches exactly what Triton's launcher launches: the same compiled function (the same bits), on
     one CTA per program with `32 * num_warps` threads and the kernel's shared memory, with the parameters
@@ -228,9 +229,9 @@ class _DirectLaunch:
         """A direct launch of `compiled`, which Triton has just launched with these arguments into `y`,
         or None where it would not be the very same launch: checked against the kernel's PTX and
         metadata, then by launching it into a second output and comparing the bits (once per
-        specialization; not while a CUDA graph is being captured, where a comparison cannot wait)."""
+        specialization: the caller makes none while a CUDA graph is being captured)."""
         meta = compiled.metadata
-        if (torch.cuda.is_current_stream_capturing() or getattr(meta, "num_ctas", 1) != 1
+        if (getattr(meta, "num_ctas", 1) != 1
                 or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
                 or getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
                 or not getattr(compiled, "function", None) or any(n == 1 for n in ints)):
@@ -404,13 +405,13 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, nvfp4: bool, block_size: int
 
 class BoundFakeQuant:
     """`fake_quant(x, amax, nvfp4)` for one calibrated amax (one element, on a CUDA device) and the
-    format's 16-element blocks, with what depends on them alone settled when it is made (the amax's
-    device; FP8's choice of ModelOpt's extension or eager bits, at its first call) and nothing but x's checks, the output
-    and the launch left for each call: the policy's input quantizers call it at every layer of every
+    format's 16-element blocks. What depends on them alone is settled once: the amax's device, and FP8's
+    choice of ModelOpt's extension or eager bits (at the first call). Each call is left with x's checks,
+    the output's allocation and the launch: the policy's input quantizers call it at every layer of every
     forward (`FastInputMixin`), where ~10 us of Python a call is ~3 % of a launch-bound forward.
-    Returns None wherever `fake_quant` would (the op then runs ModelOpt's code): made while the
-    kernels are not installed, x not a CUDA tensor of the amax's device and a handled dtype, or
-    ModelOpt's NVFP4 switched off its Triton kernel."""
+    Returns None wherever `fake_quant` would (the op then runs ModelOpt's code): the kernels not
+    installed, x not a CUDA tensor of the amax's device and a handled dtype, or ModelOpt's NVFP4
+    switched off its Triton kernel."""
 
     __slots__ = ("amax", "nvfp4", "device", "eager")
 
