@@ -8,9 +8,9 @@ time), like qarl's scoring passes. A forward pre-hook on q_proj, o_proj, gate_pr
 every layer (96 calls a forward, where the activation formats quantize) runs one of:
   * nothing (no hook) and a hook returning its input: the baseline and the hook's own cost;
   * `x * 2`: one aten op (an allocation and a launch);
-  * qarl's FP8 / NVFP4 fake quant as the policy runs it (`gpu_kernels.fp8_fake_quant_cuda`,
-    `nvfp4_fake_quant_cuda`: Triton's launcher at the first call of a specialization, then
-    `_DirectLaunch`, a ctypes `cuLaunchKernel`);
+  * qarl's FP8 / NVFP4 fake quant through its Python entry (`gpu_kernels.fp8_fake_quant_cuda`,
+    `nvfp4_fake_quant_cuda`: Triton's launcher at the first call of a specialization, then the C++
+    launcher of qarl/quant/launch.cpp), and the C++ launcher alone (what a bound input quantizer calls);
   * the same kernels through Triton's launcher at every call (`kernel[grid](...)`).
 Forwards of all variants are interleaved in rounds; each ratio is the median of the same round's
 ratios to the baseline. Also times each call in a loop over 16 inputs. Needs torch, triton and
@@ -61,18 +61,26 @@ def main() -> None:
             num_warps=gk.NVFP4_NUM_WARPS)
         return y
 
+    probe = torch.randn(8, 512, 896, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(triton_fp8(probe), gk.fp8_fake_quant_cuda(probe, amax))
+    assert torch.equal(triton_nvfp4(probe), gk.nvfp4_fake_quant_cuda(probe, amax))
+    fp8_launcher = gk._launcher(False, gk.FP8_BLOCK, gk.FP8_NUM_WARPS)
+    nvfp4_launcher = gk._launcher(True, gk.NVFP4_BLOCKS_PER_PROGRAM, gk.NVFP4_NUM_WARPS)
+    if fp8_launcher is None or nvfp4_launcher is None:
+        raise SystemExit("qarl's C++ launcher could not be built (see the warning above)")
+    assert torch.equal(fp8_launcher(probe, amax), triton_fp8(probe))
+    assert torch.equal(nvfp4_launcher(probe, amax), triton_nvfp4(probe))
     variants = {
         "no hook": None,
         "hook returning its input": lambda x: x,
         "aten op (x * 2)": lambda x: x * 2,
-        "qarl FP8 (direct launch)": lambda x: gk.fp8_fake_quant_cuda(x, amax),
+        "qarl FP8 (Python entry, C++ launch)": lambda x: gk.fp8_fake_quant_cuda(x, amax),
+        "qarl FP8 (C++ launcher alone)": lambda x: fp8_launcher(x, amax),
         "FP8 through Triton's launcher": triton_fp8,
-        "qarl NVFP4 (direct launch)": lambda x: gk.nvfp4_fake_quant_cuda(x, amax),
+        "qarl NVFP4 (Python entry, C++ launch)": lambda x: gk.nvfp4_fake_quant_cuda(x, amax),
+        "qarl NVFP4 (C++ launcher alone)": lambda x: nvfp4_launcher(x, amax),
         "NVFP4 through Triton's launcher": triton_nvfp4,
     }
-    probe = torch.randn(8, 512, 896, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(triton_fp8(probe), gk.fp8_fake_quant_cuda(probe, amax))
-    assert torch.equal(triton_nvfp4(probe), gk.nvfp4_fake_quant_cuda(probe, amax))
 
     current = {"op": None}
     for layer in model.model.layers:

@@ -7,6 +7,7 @@ without CUDA, and the NVFP4 kernel runs in Triton's interpreter (TRITON_INTERPRE
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -121,6 +122,8 @@ def test_bound_fake_quant_is_the_op(dtype, monkeypatch):
             assert same_bits(gk.BoundFakeQuant(amax, nvfp4=True)(x), op.dynamic_block_quantize_op(x, 16, amax, *NVFP4_OP_ARGS))
             assert same_bits(gk.BoundFakeQuant(amax, nvfp4=False)(x), op.quantize_op(x, amax, 8, 4, False, False))
     bound = gk.BoundFakeQuant(amax, nvfp4=True)
+    assert bound(x) is not None and bound.launcher is not None  # the C++ launcher, settled at the first call
+    assert same_bits(copy.deepcopy(bound)(x), bound(x))  # a deep-copied quantizer holds a copy: it settles again
     assert bound(x.double()) is None and bound(x.cpu()) is None
     monkeypatch.setattr(tensor_quant, "DISABLE_TRITON_KERNEL", True)  # ModelOpt then runs its CUDA extension
     assert bound(x) is None and gk.BoundFakeQuant(amax, nvfp4=False)(x) is not None
@@ -130,28 +133,40 @@ def test_bound_fake_quant_is_the_op(dtype, monkeypatch):
 
 @gpu
 @needs_gpu
-def test_direct_launch_keeps_triton_specialization():
-    """The compiled kernels launched directly (second call on) give the bits of the first, Triton-launched
-    call; on a GPU whose Triton passes the PTX and bit checks that launch is `cuLaunchKernel` (a
-    `_DirectLaunch`); a pointer that is not 16-byte aligned, which Triton compiles apart, and an integer
-    argument of 1, which Triton specializes away, keep Triton's launch."""
+def test_cpp_launcher_keeps_triton_specialization():
+    """The compiled kernels launched by the C++ launcher (second call on) give the bits of the first,
+    Triton-launched call, and the launcher holds one kernel per specialization; a pointer that is not
+    16-byte aligned, which Triton compiles apart, an integer argument of 1, which Triton specializes away,
+    and an amax of another dtype (another specialization) are not launched from a kernel registered for
+    another."""
     from modelopt.torch.quantization import tensor_quant
 
     gk._COMPILED.clear()
+    gk._LAUNCHERS.clear()
     base = torch.randn(4097, 896, device="cuda").to(torch.bfloat16)
     amax = base.float().abs().amax()
     eager = tensor_quant.get_cuda_ext_fp8() is None
-    for x in (base[:4096], base[:4096], base.view(-1)[1:1 + 4096 * 896].view(4096, 896), base[:4096]):
-        ref = tensor_quant._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS)
+    nvfp4 = gk._launcher(True, gk.NVFP4_BLOCKS_PER_PROGRAM, gk.NVFP4_NUM_WARPS)
+    fp8 = gk._launcher(False, gk.FP8_BLOCK, gk.FP8_NUM_WARPS, eager)
+    assert nvfp4 is not None and fp8 is not None, "the C++ launcher did not build (see the warning)"
+    unaligned = base.view(-1)[1:1 + 4096 * 896].view(4096, 896)
+    for x in (base[:4096], base[:4096], unaligned, base[:4096], base[:4096].transpose(0, 1)):
+        ref = tensor_quant._dynamic_block_quantize_impl(x.contiguous(), 16, amax, *NVFP4_OP_ARGS)
         assert same_bits(gk.nvfp4_fake_quant_cuda(x, amax), ref)
-        ref = tensor_quant._quantize_impl(x, amax, 8, 4, False, False)
+        ref = tensor_quant._quantize_impl(x.contiguous(), amax, 8, 4, False, False)
         assert same_bits(gk.fp8_fake_quant_cuda(x, amax, eager=eager), ref)
-    assert len(gk._COMPILED) == 2  # one NVFP4 and one FP8 kernel held; the unaligned calls took Triton's path
-    assert all(type(held) is gk._DirectLaunch for held in gk._COMPILED.values())
+    assert nvfp4(unaligned, amax) is None and fp8(unaligned, amax) is None
+    assert len(nvfp4) == 2 and len(fp8) == 1  # NVFP4's blocks per row: 56 for 896 columns, 256 for 4096
+    assert fp8(base[:4096], amax.to(torch.bfloat16)) is None and nvfp4(base[:4096], amax.half()) is None
     one = base[:1, :1]  # FP8's element count 1: a constant in Triton's specialization, not a parameter
     for _ in range(2):
         assert same_bits(gk.fp8_fake_quant_cuda(one, amax, eager=eager), tensor_quant._quantize_impl(one, amax, 8, 4, False, False))
-    assert sum(type(held) is tuple for held in gk._COMPILED.values()) == 1
+    assert fp8(one, amax) is None and len(fp8) == 1
+    ragged = torch.randn(3, 40, device="cuda", dtype=torch.float16)  # n_cols % 16 != 0: EVEN=False
+    for _ in range(2):
+        ref = tensor_quant._dynamic_block_quantize_impl(ragged, 16, amax, *NVFP4_OP_ARGS)
+        assert same_bits(gk.nvfp4_fake_quant_cuda(ragged, amax), ref)
+    assert len(nvfp4) == 3
 
 
 @gpu

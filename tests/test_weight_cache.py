@@ -254,3 +254,26 @@ def test_shared_input_needs_every_sibling_calibrated_alike(task, tiny_dir):
     grads = [p.model.model.layers[0].input_layernorm.weight.grad for p in (policy, plain)]
     assert torch.equal(grads[0], grads[1])
 
+
+
+def test_input_quantizer_hooks_still_run(task, tiny_dir):
+    """The lean forward calls a fast input quantizer's forward directly only where `Module.__call__` would
+    run nothing else: a forward hook on it, or a process-wide one, is called, and changes the result."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    policy = _policy(task, tiny_dir, "nvfp4_w4a4")
+    quantizer = policy.model.model.layers[0].self_attn.o_proj.input_quantizer
+    with torch.no_grad():
+        plain = answer_loss(policy, task)
+    seen = []
+    handle = quantizer.register_forward_hook(lambda module, args, output: seen.append(module) or output * 2)
+    with torch.no_grad():
+        hooked = answer_loss(policy, task)
+    handle.remove()
+    assert seen == [quantizer] * len(seen) and seen and not torch.equal(hooked, plain)
+    seen.clear()
+    handle = register_module_forward_hook(lambda module, args, output: seen.append(module) if module is quantizer else None)
+    with torch.no_grad():
+        assert torch.equal(answer_loss(policy, task), plain)
+    handle.remove()
+    assert seen

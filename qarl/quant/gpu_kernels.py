@@ -38,6 +38,11 @@ The extension is built without --use_fast_math, so its divisions are IEEE (``tl.
 - Where the extension cannot be built ModelOpt falls back to ``fp8_eager``, whose ``448.0 / amax``
   is torch's ``amax.reciprocal() * 448``: ``eager=True`` reproduces that instead.
 
+Launching: a forward that quantizes its layers' inputs waits on its host, so the launch is kept short.
+The first launch of each specialization goes through Triton; the compiled function is then launched
+from C++ (qarl/quant/launch.cpp, built once per machine; checked bit for bit against Triton's launch),
+or, where that cannot be built, by Triton's compiled-kernel runner.
+
 Not matched: NaN payloads (NaN stays NaN). Anything else ModelOpt's ops are called with (other
 formats, per-channel amax, fp64, CPU tensors, block_size != 16) goes to ModelOpt's implementation.
 """
@@ -133,24 +138,23 @@ def _kernels() -> tuple[Any, Any]:
     return nvfp4_kernel, fp8_kernel
 
 
-_COMPILED: dict[tuple, Any] = {}  # launch key -> a _DirectLaunch, or (compiled kernel, its constexprs in order)
-_current_stream: Any = None  # Triton's own "current stream of device i" (torch's raw stream), bound once
+_COMPILED: dict[tuple, Any] = {}  # launch key -> (compiled kernel, its constexprs in order)
 
 
 def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor, *ints: int,
-            **meta: Any) -> None:
-    """Launch `kernel(x, y, amax, *ints, **meta)` on x's device (Triton launches on the current one).
+            launcher: Any = None, **meta: Any) -> None:
+    """Launch `kernel(x, y, amax, *ints, **meta)` on x's device (Triton launches on the current one): the
+    Python path, for a call the C++ `launcher` of this kernel and these options did not take.
 
-    The first launch of each specialization goes through Triton's `kernel[grid](...)`, which compiles
-    the kernel or finds it compiled; later ones launch that compiled kernel directly (`_DirectLaunch`, or
-    where it does not apply Triton's compiled-kernel runner), without Triton's per-call argument binding,
-    cache-key and option handling (host time, on a forward that waits on its host: the policy's
-    activation formats launch these in every layer). The key holds all in the arguments that Triton
-    specializes a launch on: the pointers' dtypes and 16-byte alignment (only aligned pointers take the
-    direct launch), each integer's divisibility by 16, equality to 1 and width, the constexprs and the
-    launch options, so a hit runs the kernel Triton itself would pick for them (Triton's process-wide
-    debug settings are not in it: they are read at the first launch)."""
-    global _current_stream
+    The first launch of each specialization goes through Triton's `kernel[grid](...)`, which compiles the
+    kernel or finds it compiled; it is then registered with `launcher` (`_register`), which launches it
+    from there on, and held here for Triton's compiled-kernel runner, which launches it where the launcher
+    does not (no launcher, or a specialization it does not take), without Triton's per-call argument
+    binding, cache-key and option handling. The key holds all in the arguments that Triton specializes a
+    launch on: the pointers' dtypes and 16-byte alignment (only aligned pointers are held), each
+    integer's divisibility by 16, equality to 1 and width, the constexprs and the launch options, so a hit
+    runs the kernel Triton itself would pick for them (Triton's process-wide debug settings are not in it:
+    they are read at the first launch)."""
     device = x.get_device()
     aligned = (x.data_ptr() | y.data_ptr() | amax.data_ptr()) % 16 == 0
     key = (kernel, device, x.dtype, y.dtype, amax.dtype, tuple([(n % 16 == 0, n == 1, n < 2**31) for n in ints]),
@@ -158,101 +162,84 @@ def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, ama
     held = _COMPILED.get(key) if key is not None else None
     switch = device >= 0 and device != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        if type(held) is _DirectLaunch:
-            held(grid[0], _current_stream(device), x, y, amax, ints)
-        elif held is not None:
+        if held is not None:
             compiled, constexprs = held
             compiled[(*grid, 1, 1)[:3]](x, y, amax, *ints, *constexprs)  # a compiled kernel takes a 3-D grid
         else:
             compiled = kernel[grid](x, y, amax, *ints, **meta)
-            # held from a launch outside CUDA graph capture, where the direct launch's bits can be checked
+            # held from a launch outside CUDA graph capture, where the launcher's bits can be checked
             if key is not None and compiled is not None and not torch.cuda.is_current_stream_capturing():
-                if _current_stream is None:
-                    _current_stream = triton.runtime.driver.active.get_current_stream
-                _COMPILED[key] = (_DirectLaunch.checked(compiled, grid, x, y, amax, ints)
-                                  or (compiled, [meta[name] for name in kernel.arg_names[3 + len(ints):]]))
+                _COMPILED[key] = (compiled, [meta[name] for name in kernel.arg_names[3 + len(ints):]])
+                if launcher is not None:
+                    _register(launcher, compiled, x, y, amax, ints)
 
 
-_CU_LAUNCH: Any = None  # libcuda's cuLaunchKernel through ctypes, loaded by the first _DirectLaunch
+def _register(launcher: Any, compiled: Any, x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor,
+              ints: tuple[int, ...]) -> None:
+    """Let the C++ `launcher` launch `compiled`, which Triton has just launched with these arguments into y,
+    where that is the very same launch: the same compiled function (the same bits), on one CTA per program
+    with `32 * num_warps` threads and the kernel's shared memory, with the parameters Triton passes (the
+    pointers and integers in order, then Triton's scratch pointers, null: these kernels use no scratch).
+    Registered only where the kernel's PTX entry declares exactly those parameters and needs nothing else
+    (no cluster, cooperative or PDL launch, no scratch, no integer specialized away), and kept only if
+    the launcher's output for these arguments equals Triton's bit for bit; anything else stays with
+    Triton's launch (a difference with a warning)."""
+    meta = compiled.metadata
+    if (getattr(meta, "num_ctas", 1) != 1
+            or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
+            or getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
+            or not getattr(compiled, "function", None) or any(n == 1 for n in ints)):
+        return
+    try:
+        params = _ptx_params(compiled.asm["ptx"], compiled.name)
+    except (KeyError, ValueError):
+        return
+    widths = ["u32" if n < 2**31 else "u64" for n in ints]
+    scratch = params[3 + len(ints):]
+    if ([_unsigned(t) for t in params[:3 + len(ints)]] != ["u64"] * 3 + widths or len(scratch) > 2
+            or any(_unsigned(t) != "u64" for t in scratch)):
+        return
+    if not launcher.add(x, amax, compiled.function, 32 * meta.num_warps, meta.shared,
+                        [4 if t == "u32" else 8 for t in widths], len(scratch)):
+        return
+    again = launcher(x, amax)
+    if again is None or not torch.equal(again.view(torch.uint8), y.view(torch.uint8)):
+        launcher.drop(x, amax)
+        if again is not None:
+            warnings.warn(f"qarl: the C++ launch of Triton kernel {compiled.name} changed its output; keeping "
+                          "Triton's launcher for it (slower, the same bits)", RuntimeWarning, stacklevel=4)
 
 
-class _DirectLaunch:
-    """One compiled kernel (one specialization) launched by `cuLaunchKernel` through ctypes, its parameter
-    buffer made once, without Triton's Python launcher and its per-tensor `data_ptr()` call and driver
-    pointer query. On an H100 host, in a launch-bound 0.5B forward with an extra copy kernel at each of 96
-    linear inputs, Triton's compiled-kernel runner cost +17 % of the forward, this way of launching +9 %,
-    an aten op +6 % (benchmarks/results/gpu/README.md, eleventh session).
+@functools.cache
+def _extension() -> Any:
+    """qarl/quant/launch.cpp, compiled once per machine by torch's extension builder (about 20 s; ninja and
+    a C++ compiler, which Triton needs too), or None with a warning where it cannot be built: the kernels
+    then launch through Triton's runner (the same bits, ~10 us more host time a call)."""
+    from pathlib import Path
 
-    It launches exactly what Triton's launcher launches: the same compiled function (the same bits), on
-    one CTA per program with `32 * num_warps` threads and the kernel's shared memory, with the parameters
-    Triton passes: this module's pointers and integers in order, then Triton's scratch pointers (null:
-    these kernels use no scratch). It is made only where the kernel's PTX entry declares exactly those
-    parameters and needs nothing else (no cluster, cooperative or PDL launch, no scratch, no integer
-    specialized away), and its first launch is compared bit for bit with Triton's; anything else keeps
-    Triton's launch. Not reentrant across threads: a lock covers the shared parameter buffer."""
+    from torch.utils import cpp_extension
 
-    def __init__(self, compiled: Any, ints: tuple[int, ...], param_types: list[str]):
-        import ctypes
-        import threading
+    try:
+        return cpp_extension.load(name="qarl_launch", sources=[str(Path(__file__).with_name("launch.cpp"))],
+                                  extra_cflags=["-O2"])
+    except Exception as e:  # noqa: BLE001 - any build failure leaves the Python launch path
+        warnings.warn(f"qarl: could not build its C++ kernel launcher ({type(e).__name__}: {e}); fake quant launches "
+                      "through Triton (the same bits, more host time a call). Install ninja and a C++ compiler "
+                      "to get it.", RuntimeWarning, stacklevel=2)
+        return None
 
-        global _CU_LAUNCH
-        if _CU_LAUNCH is None:
-            launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-            launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            launch.restype = ctypes.c_int
-            _CU_LAUNCH = launch
-        ctype = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
-                 "b32": ctypes.c_uint32, "s32": ctypes.c_int32}
-        self.values = [ctype[t]() for t in param_types]  # pointers, integers, then the (null) scratch pointers
-        self.n_args = 3 + len(ints)
-        self.params = ctypes.cast((ctypes.c_void_p * len(self.values))(*map(ctypes.addressof, self.values)),
-                                  ctypes.c_void_p)
-        self.function = ctypes.c_void_p(compiled.function)
-        self.threads = 32 * compiled.metadata.num_warps
-        self.shared = compiled.metadata.shared
-        self.lock = threading.Lock()
 
-    def __call__(self, programs: int, stream: int, x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor,
-                 ints: tuple[int, ...]) -> None:
-        values = self.values
-        with self.lock:
-            values[0].value, values[1].value, values[2].value = x.data_ptr(), y.data_ptr(), amax.data_ptr()
-            for value, n in zip(values[3:self.n_args], ints):
-                value.value = n
-            status = _CU_LAUNCH(self.function, programs, 1, 1, self.threads, 1, 1, self.shared, stream, self.params, None)
-        if status != 0:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {status}")
+_LAUNCHERS: dict[tuple, Any] = {}  # (nvfp4, per_program, num_warps, eager) -> the C++ Launcher, or None
 
-    @classmethod
-    def checked(cls, compiled: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor,
-                ints: tuple[int, ...]) -> _DirectLaunch | None:
-        """A direct launch of `compiled`, which Triton has just launched with these arguments into `y`,
-        or None where it would not be the very same launch: checked against the kernel's PTX and
-        metadata, then by launching it into a second output and comparing the bits (once per
-        specialization: the caller makes none while a CUDA graph is being captured)."""
-        meta = compiled.metadata
-        if (getattr(meta, "num_ctas", 1) != 1
-                or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
-                or getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
-                or not getattr(compiled, "function", None) or any(n == 1 for n in ints)):
-            return None
-        try:
-            params = _ptx_params(compiled.asm["ptx"], compiled.name)
-        except (KeyError, ValueError):
-            return None
-        wanted = ["u64"] * 3 + ["u32" if n < 2**31 else "u64" for n in ints]
-        scratch = params[len(wanted):]
-        if ([_unsigned(t) for t in params[:len(wanted)]] != wanted or len(scratch) > 2
-                or any(_unsigned(t) != "u64" for t in scratch)):
-            return None
-        direct = cls(compiled, ints, params)
-        again = torch.empty_like(y)
-        direct(grid[0], _current_stream(x.get_device()), x, again, amax, ints)
-        if not torch.equal(again.view(torch.uint8), y.view(torch.uint8)):
-            warnings.warn(f"qarl: launching Triton kernel {compiled.name} directly changed its output; keeping "
-                          "Triton's launcher for it (slower, the same bits)", RuntimeWarning, stacklevel=3)
-            return None
-        return direct
+
+def _launcher(nvfp4: bool, per_program: int, num_warps: int, eager: bool = False) -> Any:
+    """The C++ launcher of one kernel and its launch options (constexprs other than NVFP4's EVEN, which
+    follows from n_cols, in its key), or None where the extension cannot be built."""
+    key = (nvfp4, per_program, num_warps, eager)
+    if key not in _LAUNCHERS:
+        extension = _extension()
+        _LAUNCHERS[key] = extension.Launcher(nvfp4, per_program) if extension is not None else None
+    return _LAUNCHERS[key]
 
 
 def _ptx_params(ptx: str, name: str) -> list[str]:
@@ -299,6 +286,9 @@ def nvfp4_fake_quant_cuda(
 def _nvfp4(x: torch.Tensor, amax: torch.Tensor, blocks_per_program: int = NVFP4_BLOCKS_PER_PROGRAM,
            num_warps: int = NVFP4_NUM_WARPS) -> torch.Tensor:
     """The NVFP4 kernel on a contiguous x and a one-element amax on x's device."""
+    launcher = _launcher(True, blocks_per_program, num_warps) if x.is_cuda else None
+    if launcher is not None and (y := launcher(x, amax)) is not None:
+        return y
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
@@ -308,7 +298,7 @@ def _nvfp4(x: torch.Tensor, amax: torch.Tensor, blocks_per_program: int = NVFP4_
     if n_blocks >= 2**31 - blocks_per_program:
         raise ValueError(f"tensor too large for the NVFP4 kernel: {n_blocks} blocks")
     grid = (-(-n_blocks // blocks_per_program),)
-    _launch(_kernels()[0], grid, x, y, amax, n_cols, blocks_per_row, n_blocks,
+    _launch(_kernels()[0], grid, x, y, amax, n_cols, blocks_per_row, n_blocks, launcher=launcher,
             BLOCKS=blocks_per_program, EVEN=n_cols % 16 == 0, num_warps=num_warps)
     return y
 
@@ -335,10 +325,13 @@ def fp8_fake_quant_cuda(
 def _fp8(x: torch.Tensor, amax: torch.Tensor, eager: bool, block: int = FP8_BLOCK,
          num_warps: int = FP8_NUM_WARPS) -> torch.Tensor:
     """The FP8 kernel on a contiguous x and a one-element amax on x's device."""
+    launcher = _launcher(False, block, num_warps, eager) if x.is_cuda else None
+    if launcher is not None and (y := launcher(x, amax)) is not None:
+        return y
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    _launch(_kernels()[1], (-(-x.numel() // block),), x, y, amax, x.numel(),
+    _launch(_kernels()[1], (-(-x.numel() // block),), x, y, amax, x.numel(), launcher=launcher,
             BLOCK=block, EAGER=eager, num_warps=num_warps)
     return y
 
@@ -405,30 +398,41 @@ def fake_quant(x: torch.Tensor, amax: torch.Tensor, nvfp4: bool, block_size: int
 
 class BoundFakeQuant:
     """`fake_quant(x, amax, nvfp4)` for one calibrated amax (one element, on a CUDA device) and the
-    format's 16-element blocks. What depends on them alone is settled once: the amax's device, and FP8's
-    choice of ModelOpt's extension or eager bits (at the first call). Each call is left with x's checks,
-    the output's allocation and the launch: the policy's input quantizers call it at every layer of every
-    forward (`FastInputMixin`), where ~10 us of Python a call is ~3 % of a launch-bound forward.
-    Returns None wherever `fake_quant` would (the op then runs ModelOpt's code): the kernels not
+    format's 16-element blocks, for a caller that quantizes at every layer of every forward (the policy's
+    input quantizers, `FastInputMixin`, in a forward that waits on its host). What depends on the amax and
+    the format alone is settled at the first call: FP8's choice of ModelOpt's extension or eager bits, and
+    the kernel's C++ launcher, which then takes a whole call (x's checks, the output, the launch) in one
+    step. Returns None wherever `fake_quant` would (the op then runs ModelOpt's code): the kernels not
     installed, x not a CUDA tensor of the amax's device and a handled dtype, or ModelOpt's NVFP4
     switched off its Triton kernel."""
 
-    __slots__ = ("amax", "nvfp4", "device", "eager")
+    __slots__ = ("amax", "nvfp4", "device", "eager", "launcher")
 
     def __init__(self, amax: torch.Tensor, nvfp4: bool):
         if amax.numel() != 1 or not amax.is_cuda:
             raise ValueError(f"BoundFakeQuant needs a one-element CUDA amax, got {tuple(amax.shape)} on {amax.device}")
         self.amax, self.nvfp4, self.device = amax, nvfp4, amax.get_device()
-        self.eager: bool | None = None  # read from ModelOpt at the first FP8 call (the kernels installed)
+        self.eager: bool | None = None  # settled at the first call, with the kernels installed
+        self.launcher: Any = None
+
+    def __reduce__(self) -> tuple:
+        """A copy (a deep-copied or pickled quantizer holds one) settles again at its first call: the
+        C++ launcher is this process's."""
+        return BoundFakeQuant, (self.amax, self.nvfp4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _LIB is None or not _takes(x) or x.get_device() != self.device:
+        if _LIB is None or (self.nvfp4 and not _modelopt_runs_triton_nvfp4()):
             return None
-        if self.nvfp4:
-            return _nvfp4(x.contiguous(), self.amax) if _modelopt_runs_triton_nvfp4() else None
         if self.eager is None:
-            self.eager = _fp8_eager()
-        return _fp8(x.contiguous(), self.amax, self.eager)
+            self.eager = not self.nvfp4 and _fp8_eager()
+            self.launcher = (_launcher(True, NVFP4_BLOCKS_PER_PROGRAM, NVFP4_NUM_WARPS) if self.nvfp4
+                             else _launcher(False, FP8_BLOCK, FP8_NUM_WARPS, self.eager))
+        if self.launcher is not None and (y := self.launcher(x, self.amax)) is not None:
+            return y
+        if not _takes(x) or x.get_device() != self.device:
+            return None
+        x = x.contiguous()
+        return _nvfp4(x, self.amax) if self.nvfp4 else _fp8(x, self.amax, self.eager)
 
 
 def install() -> bool:

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module  # the process-wide hooks Module.__call__ runs
 
 from qarl.quant.gpu_kernels import BoundFakeQuant
 from qarl.quant.input_quant import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
@@ -58,10 +59,19 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
 
 
 def quantized_input(layer: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """What the layer multiplies: its input through its input quantizer (unchanged where it has none)."""
+    """What the layer multiplies: its input through its input quantizer (unchanged where it has none). A
+    `FastInputMixin` quantizer without hooks is called through its forward, as `Module.__call__` would
+    call it, without the call's two Python frames (each of the activation formats' input quantizers is
+    called at every layer of every forward)."""
     input_quantizer = layer._modules.get("input_quantizer")
-    if input_quantizer is not None and (_enabled(input_quantizer) or pre_quant_scale(input_quantizer) is not None):
-        input = input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
+    if input_quantizer is None:
+        return input
+    if _enabled(input_quantizer):
+        if isinstance(input_quantizer, FastInputMixin) and _no_hooks(input_quantizer):
+            return input_quantizer.forward(input)
+        return input_quantizer(input)
+    if pre_quant_scale(input_quantizer) is not None:
+        return input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
     return input
 
 
@@ -83,8 +93,15 @@ def _enabled(quantizer: nn.Module) -> bool:
 def _held(quantizer: nn.Module, weight: torch.Tensor) -> bool:
     """`weight` already holds its quantized value (`WeightCacheMixin.hold`), so the call would return it as
     it is: skipped, unless a hook waits on it."""
-    return (isinstance(quantizer, WeightCacheMixin) and quantizer.holds(weight)
-            and not quantizer._forward_hooks and not quantizer._forward_pre_hooks)
+    return isinstance(quantizer, WeightCacheMixin) and quantizer.holds(weight) and _no_hooks(quantizer)
+
+
+def _no_hooks(module: nn.Module) -> bool:
+    """Calling `module` runs no forward hook: `Module.__call__` would call its forward and nothing else."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
+                or torch_module._global_backward_pre_hooks)
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -138,16 +155,19 @@ class SharedInput:
 
     def _amax_equal(self) -> bool:
         """Every sibling holds an amax of the same value and quantizes the same way, gradient included."""
-        amaxes = [m._buffers.get("_amax") for m in self.members]
-        if any(a is None for a in amaxes):
-            return False  # a sibling never calibrated (or disabled before calibration): nothing to share
-        key = tuple((m._qarl_generation, a.data_ptr(), a._version) for m, a in zip(self.members, amaxes))
-        if self._verified is None or self._verified[0] != key:
-            first = self.members[0]
+        key = []  # (generation, amax address, amax version) of each sibling: read at every take
+        for member in self.members:
+            amax = member._buffers.get("_amax")
+            if amax is None:
+                return False  # a sibling never calibrated (or disabled before calibration): nothing to share
+            key.append((member._qarl_generation, amax.data_ptr(), amax._version))
+        verified = self._verified
+        if verified is None or verified[0] != key:
+            first, amax = self.members[0], self.members[0]._buffers["_amax"]
             same = all(m._qarl_plan()[0] == first._qarl_plan()[0] and m._pass_through_bwd == first._pass_through_bwd
-                       and torch.equal(a, amaxes[0]) for m, a in zip(self.members[1:], amaxes[1:]))
-            self._verified = (key, same)
-        return self._verified[1]
+                       and torch.equal(m._buffers["_amax"], amax) for m in self.members[1:])
+            verified = self._verified = (key, same)
+        return verified[1]
 
     def take(self, inputs: torch.Tensor, grad: bool) -> torch.Tensor | None:
         if self.left == 0 or self.source is not inputs or self.version != inputs._version or self.grad != grad \
