@@ -16,9 +16,10 @@ ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach 
 `FastInputMixin` quantizer calls that op directly (`qarl.quant.input_quant.fake_quant_input`, the op the
 rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py; on a GPU
 the kernel the op would run, without its dispatch, bound once to the quantizer's amax: `BoundFakeQuant`,
-launched by `cuLaunchKernel` directly), with ModelOpt's straight-through
-gradient; any other state (calibrating, disabled, smoothing, another format) goes to ModelOpt's own
-forward. It is on every input quantizer of the model, Megatron's layers included.
+launched from C++ by qarl/quant/launch.cpp), with ModelOpt's straight-through gradient; any other
+state (calibrating, disabled, smoothing, another format) goes to ModelOpt's own forward. It is on every
+input quantizer of the model, Megatron's layers included, and the lean forward calls it without
+`Module.__call__` where no hook would run.
 
 ModelOpt also wraps every Hugging Face attention module for KV-cache / attention quantization, and its
 forward patches transformers' attention-function table, inspects the module's source module and calls
