@@ -98,7 +98,8 @@ def _held(quantizer: nn.Module, weight: torch.Tensor) -> bool:
 
 
 def _no_hooks(module: nn.Module) -> bool:
-    """Calling `module` runs no forward hook: `Module.__call__` would call its forward and nothing else."""
+    """Calling `module` runs no hook (forward or backward, its own or process-wide): `Module.__call__` would
+    call its forward and nothing else."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or torch_module._global_forward_hooks
                 or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
