@@ -138,7 +138,7 @@ def _kernels() -> tuple[Any, Any]:
     return nvfp4_kernel, fp8_kernel
 
 
-_COMPILED: dict[tuple, Any] = {}  # launch key -> (compiled kernel, its constexprs in order)
+_COMPILED: dict[tuple, tuple[Any, list]] = {}  # launch key -> (compiled kernel, its constexprs in order)
 
 
 def _launch(kernel: Any, grid: tuple[int], x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor, *ints: int,
@@ -180,15 +180,16 @@ def _register(launcher: Any, compiled: Any, x: torch.Tensor, y: torch.Tensor, am
     where that is the very same launch: the same compiled function (the same bits), on one CTA per program
     with `32 * num_warps` threads and the kernel's shared memory, with the parameters Triton passes (the
     pointers and integers in order, then Triton's scratch pointers, null: these kernels use no scratch).
-    Registered only where the kernel's PTX entry declares exactly those parameters and needs nothing else
-    (no cluster, cooperative or PDL launch, no scratch, no integer specialized away), and kept only if
+    Registered only where the kernel's PTX entry declares exactly those parameters (an integer Triton
+    specialized away, as it does a 1, is missing there, and the launcher takes no integer argument of 1)
+    and needs nothing else (no cluster, cooperative or PDL launch, no scratch), and kept only if
     the launcher's output for these arguments equals Triton's bit for bit; anything else stays with
     Triton's launch (a difference with a warning)."""
     meta = compiled.metadata
     if (getattr(meta, "num_ctas", 1) != 1
             or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
             or getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
-            or not getattr(compiled, "function", None) or any(n == 1 for n in ints)):
+            or not getattr(compiled, "function", None)):
         return
     try:
         params = _ptx_params(compiled.asm["ptx"], compiled.name)
@@ -212,7 +213,7 @@ def _register(launcher: Any, compiled: Any, x: torch.Tensor, y: torch.Tensor, am
 
 @functools.cache
 def _extension() -> Any:
-    """qarl/quant/launch.cpp, compiled once per machine by torch's extension builder (about 20 s; ninja and
+    """qarl/quant/launch.cpp, compiled once per machine by torch's extension builder (20-35 s; ninja and
     a C++ compiler, which Triton needs too), or None with a warning where it cannot be built: the kernels
     then launch through Triton's runner (the same bits, ~10 us more host time a call)."""
     from pathlib import Path
