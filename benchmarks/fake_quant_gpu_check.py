@@ -14,7 +14,8 @@ ModelOpt's implementations called directly, so qarl's install() cannot reach the
 Columns count elements whose raw bits differ from the reference (``(±0: k)``: k of them differ only
 in the sign of zero). ``kernel``: qarl's launcher; ``op``: ModelOpt's torch.library op after
 ``install()``; ``cpu port``: ``nvfp4_cpu.nvfp4_fake_quant`` on the same data on the CPU. Timings:
-``triton.testing.do_bench`` medians (GPU time, L2 flushed); ``op wall``: host time per call of the op,
+``triton.testing.do_bench`` medians (GPU time, L2 flushed); ``clone of x``: ``x.clone()``, the same bytes
+read and written (the memory floor of a quantize-dequantize); ``op wall``: host time per call of the op,
 back to back (what a training step pays, launch overheads included). ``--tune`` also times other
 block and warp counts. Exit status 1 if any bit differs.
 """
@@ -231,11 +232,12 @@ def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
 
     block_op, quant_op = torch.ops.tensorrt.dynamic_block_quantize_op, torch.ops.tensorrt.quantize_op
     lines = ["## Timing (bf16, us)", "",
-             "| tensor | format | ModelOpt kernel | qarl kernel | speedup | ModelOpt op wall | qarl op wall |",
-             "|---|---|---|---|---|---|---|"]
+             "| tensor | format | ModelOpt kernel | qarl kernel | speedup | clone of x | ModelOpt op wall | qarl op wall |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, shape in BENCH_SHAPES.items():
         x = torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16)
         amax = x.float().abs().amax()
+        t_clone = bench(x.clone)  # the memory floor: the same bytes read and written, the output allocated alike
         rows = {
             "NVFP4": (lambda: tq._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS),
                       lambda: gk.nvfp4_fake_quant_cuda(x, amax),
@@ -249,7 +251,7 @@ def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
             with gk.modelopt_kernels():
                 w_ref = wall_us(op)
             w_ours = wall_us(op)
-            lines.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | "
+            lines.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | {t_clone:.1f} | "
                          f"{w_ref:.1f} | {w_ours:.1f} |")
     return lines
 

@@ -214,6 +214,36 @@ def test_a_held_weight_never_goes_stale(task, tiny_dir):
     assert quantizer._qarl_held is None and torch.equal(layer.weight, loaded)
 
 
+def test_lean_embedding_equals_modelopt_with_its_quantizers_enabled(task, tiny_dir):
+    """The lean embedding skips ModelOpt's dynamic `weight` and context manager, not its quantizers: with the
+    table and the lookup's output quantized (FP8, which no shipped format does), outputs and gradients are
+    ModelOpt's."""
+    import modelopt.torch.quantization as mtq
+
+    from qarl.quant.lean_forward import LeanEmbedding
+
+    policies = [_policy(task, tiny_dir, "nvfp4_a16", cache=cache) for cache in (True, False)]
+    assert isinstance(policies[0].model.model.embed_tokens, LeanEmbedding)
+    assert not isinstance(policies[1].model.model.embed_tokens, LeanEmbedding)
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    for p in policies:
+        embedding = p.model.model.embed_tokens
+        mtq.set_quantizer_by_cfg(p.model, [{"quantizer_name": "*embed_tokens.weight_quantizer", "cfg": fp8, "enable": True},
+                                           {"quantizer_name": "*embed_tokens.output_quantizer", "cfg": fp8, "enable": True}])
+        embedding.weight_quantizer.amax = embedding.weight.detach().abs().amax() * 0.5  # clips: a visible change
+        embedding.output_quantizer.amax = torch.tensor(0.05)
+    losses = [answer_loss(p, task) for p in policies]
+    assert torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    grads = [p.model.model.embed_tokens.weight.grad for p in policies]
+    assert torch.equal(grads[0], grads[1])
+    for p in policies:
+        mtq.set_quantizer_by_cfg(p.model, [{"quantizer_name": "*embed_tokens.*", "enable": False}])
+    with torch.no_grad():
+        assert not torch.equal(answer_loss(policies[0], task), losses[0])  # the quantizers did change the result
+
+
 def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeypatch):
     """q/k/v (and gate/up) read one input with one amax: it is quantized once per forward, with ModelOpt's
     bits; siblings whose amax differ quantize apart again."""

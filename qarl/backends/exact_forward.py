@@ -182,11 +182,11 @@ def fused_linear(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     """The layers' outputs side by side, as one engine layer that fuses them computes them: the input
     quantized once (the siblings' input quantizers agree: they return one tensor), one matmul over the
     concatenated (quantized) weights and biases."""
-    inputs = [quantized_input(layer, x) for layer in layers]
+    inputs = [quantized_input(layer._modules.get("input_quantizer"), x) for layer in layers]
     if any(i is not inputs[0] for i in inputs[1:]):
         raise RuntimeError(f"policy.exact_forward: the fused layers {[type(m).__name__ for m in layers]} quantize their "
                            "shared input differently (different amax?); the engine's fused layer quantizes it once")
-    weights = [quantized_weight(layer, layer._parameters["weight"]) for layer in layers]
+    weights = [quantized_weight(layer._modules.get("weight_quantizer"), layer._parameters["weight"]) for layer in layers]
     biases = [layer._parameters.get("bias") for layer in layers]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise RuntimeError("policy.exact_forward: fused layers with and without biases")

@@ -44,7 +44,7 @@ from torch.nn.modules import module as torch_module  # the process-wide hooks Mo
 from qarl.quant.gpu_kernels import BoundFakeQuant
 from qarl.quant.input_quant import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
 from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
-from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
+from qarl.quant.weight_cache import StraightThrough, single_quantizers
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,36 +52,44 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
     merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`. The
     quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its
     dynamic-module __getattr__, ~10 us each on a GPU host."""
-    output = F.linear(quantized_input(layer, input), quantized_weight(layer, weight), layer._parameters.get("bias"))
-    output_quantizer = layer._modules.get("output_quantizer")
-    if output_quantizer is not None and _enabled(output_quantizer):
-        output = output_quantizer(output)
-    return output
+    quantizers = layer._modules
+    output = F.linear(quantized_input(quantizers.get("input_quantizer"), input),
+                      quantized_weight(quantizers.get("weight_quantizer"), weight), layer._parameters.get("bias"))
+    return quantized_output(quantizers.get("output_quantizer"), output)
 
 
-def quantized_input(layer: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """What the layer multiplies: its input through its input quantizer (unchanged where it has none). A
+def quantized_input(quantizer: nn.Module | None, input: torch.Tensor) -> torch.Tensor:
+    """What a layer multiplies: its input through its input `quantizer` (unchanged where it has none). A
     `FastInputMixin` quantizer without hooks is called through its forward, as `Module.__call__` would
     call it, without the call's two Python frames (each of the activation formats' input quantizers is
     called at every layer of every forward)."""
-    input_quantizer = layer._modules.get("input_quantizer")
-    if input_quantizer is None:
+    if quantizer is None:
         return input
-    if _enabled(input_quantizer):
-        if isinstance(input_quantizer, FastInputMixin) and _no_hooks(input_quantizer):
-            return input_quantizer.forward(input)
-        return input_quantizer(input)
-    if pre_quant_scale(input_quantizer) is not None:
-        return input_quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
+    if _enabled(quantizer):
+        if isinstance(quantizer, FastInputMixin) and _no_hooks(quantizer):
+            return quantizer.forward(input)
+        return quantizer(input)
+    if pre_quant_scale(quantizer) is not None:
+        return quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
     return input
 
 
-def quantized_weight(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """What the layer multiplies with: `weight` through its weight quantizer (a held weight as it is)."""
-    weight_quantizer = layer._modules.get("weight_quantizer")
-    if weight_quantizer is not None and _enabled(weight_quantizer) and not _held(weight_quantizer, weight):
-        weight = weight_quantizer(weight)
-    return weight
+def quantized_weight(quantizer: nn.Module | None, weight: torch.Tensor) -> torch.Tensor:
+    """What a layer multiplies with: `weight` through its weight `quantizer`. A weight that holds its
+    quantized value (`WeightCacheMixin.hold`, every step of mixed precision) is returned as it is, the
+    call skipped unless a hook waits on it: what the quantizer's call would return, checked in one frame,
+    since every layer of every forward asks."""
+    if quantizer is None:
+        return weight
+    held = quantizer.__dict__.get("_qarl_held")
+    if held is not None and held.weight is weight and quantizer.holds(weight) and _no_hooks(quantizer):
+        return weight
+    return quantizer(weight) if _enabled(quantizer) else weight
+
+
+def quantized_output(quantizer: nn.Module | None, output: torch.Tensor) -> torch.Tensor:
+    """A layer's output through its output `quantizer` (enabled in no shipped format)."""
+    return quantizer(output) if quantizer is not None and _enabled(quantizer) else output
 
 
 def _enabled(quantizer: nn.Module) -> bool:
@@ -91,51 +99,65 @@ def _enabled(quantizer: nn.Module) -> bool:
     return quantizer.is_enabled if disabled is None else not disabled
 
 
-def _held(quantizer: nn.Module, weight: torch.Tensor) -> bool:
-    """`weight` already holds its quantized value (`WeightCacheMixin.hold`), so the call would return it as
-    it is: skipped, unless a hook waits on it."""
-    return isinstance(quantizer, WeightCacheMixin) and quantizer.holds(weight) and _no_hooks(quantizer)
+# The process-wide hook tables `Module.__call__` reads; torch registers into them in place, never rebinds them.
+_GLOBAL_FORWARD_HOOKS = torch_module._global_forward_hooks
+_GLOBAL_FORWARD_PRE_HOOKS = torch_module._global_forward_pre_hooks
+_GLOBAL_BACKWARD_HOOKS = torch_module._global_backward_hooks
+_GLOBAL_BACKWARD_PRE_HOOKS = torch_module._global_backward_pre_hooks
 
 
 def _no_hooks(module: nn.Module) -> bool:
     """Calling `module` runs no hook (forward or backward, its own or process-wide): `Module.__call__` would
     call its forward and nothing else."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
-                or torch_module._global_backward_pre_hooks)
+                or module._backward_pre_hooks or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS
+                or _GLOBAL_BACKWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS)
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return quantized_linear(self, input, self._parameters["weight"])
 
 
-def enable_lean_forward(model: nn.Module) -> int:
-    """Give every plain quantized linear layer of `model` the lean forward; returns how many."""
-    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
-    from modelopt.torch.quantization.nn.modules.quant_linear import _QuantLinear
-
-    count = 0
-    for module in model.modules():
-        quantizers = [getattr(module, q, None) for q in ("input_quantizer", "weight_quantizer", "output_quantizer")]
-        plain = (isinstance(module, _QuantLinear) and isinstance(module, nn.Linear)
-                 and type(module).forward in (_QuantLinear.forward, lean_forward)
-                 and not hasattr(module, "_forward_pre_dm")
-                 and all(isinstance(q, TensorQuantizer) and not isinstance(q, SequentialQuantizer) for q in quantizers))
-        if plain:
-            module.__class__ = _lean_class(type(module))
-            count += 1
-    return count
-
-
-class LeanForward:
+class LeanLinear:
     """Mixed into a quantized linear layer's class (see `enable_lean_forward`)."""
 
     forward = lean_forward
 
 
-def _lean_class(cls: type) -> type:
-    return with_mixin(LeanForward, cls, "Lean", globals())
+class LeanEmbedding:
+    """Mixed into ModelOpt's quantized embedding class (see `enable_lean_forward`): its lookup from the
+    table through the weight quantizer, then the output quantizer, as ModelOpt's forward computes it
+    (whose dynamic `weight` attribute and context manager cost ~40 us a call on CPU, for quantizers that
+    every shipped format leaves disabled)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        quantizers = self._modules
+        weight = quantized_weight(quantizers.get("weight_quantizer"), self._parameters["weight"])
+        output = F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return quantized_output(quantizers.get("output_quantizer"), output)
+
+
+def enable_lean_forward(model: nn.Module) -> int:
+    """Give every plain quantized linear and embedding layer of `model` the lean forward; returns how many.
+    A layer whose forward something else replaced, whose quantizer is a sequence of them, or an embedding
+    that renormalizes its table in place (`max_norm`), keeps ModelOpt's forward."""
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+    from modelopt.torch.quantization.nn.modules.quant_embedding import _QuantEmbedding
+    from modelopt.torch.quantization.nn.modules.quant_linear import _QuantLinear
+
+    kinds = ((_QuantLinear, nn.Linear, LeanLinear), (_QuantEmbedding, nn.Embedding, LeanEmbedding))
+    count = 0
+    for module in model.modules():
+        quantizers = [getattr(module, q, None) for q in ("input_quantizer", "weight_quantizer", "output_quantizer")]
+        for quant_cls, torch_cls, lean in kinds:
+            plain = (isinstance(module, quant_cls) and isinstance(module, torch_cls)
+                     and type(module).forward in (quant_cls.forward, lean.forward)
+                     and not hasattr(module, "_forward_pre_dm") and getattr(module, "max_norm", None) is None
+                     and all(isinstance(q, TensorQuantizer) and not isinstance(q, SequentialQuantizer) for q in quantizers))
+            if plain:
+                module.__class__ = with_mixin(lean, type(module), "Lean", globals())
+                count += 1
+    return count
 
 
 class SharedInput:
@@ -252,8 +274,10 @@ class LeanAttention:
 
     def forward(self, *args, **kwargs):
         quantizers = self._modules
-        if any(_enabled(quantizers[name]) for name in _ATTENTION_QUANTIZERS if name in quantizers):
-            return super().forward(*args, **kwargs)
+        for name in _ATTENTION_QUANTIZERS:  # a loop, not any(): this runs at every layer of every forward
+            quantizer = quantizers.get(name)
+            if quantizer is not None and _enabled(quantizer):
+                return super().forward(*args, **kwargs)
         return self._qarl_attention_cls.forward(self, *args, **kwargs)
 
     def __getattr__(self, name: str):
