@@ -8,11 +8,12 @@ import copy
 
 import pytest
 import torch
+from modelopt.torch.quantization.nn import TensorQuantizer
 
 from qarl.optim import PolicyOptimizer
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
-from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward
+from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward, quantized_linear
 from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
 from .conftest import FORMATS, answer_loss, tiny_policy
@@ -208,6 +209,11 @@ def test_a_held_weight_never_goes_stale(task, tiny_dir):
     quantizer.enable()
     optimizer.backward(answer_loss(policy, task))
     optimizer.step()
+    quantizer._disabled = True  # ModelOpt also writes its switches directly (quant_embedding, calibration)
+    assert quantizer._qarl_held is None and torch.equal(served(), master.to(torch.bfloat16))
+    quantizer._disabled = False
+    optimizer.backward(answer_loss(policy, task))
+    optimizer.step()
     loaded = torch.randn_like(layer.weight)
     policy.model.load_state_dict({"model.layers.0.self_attn.q_proj.weight": loaded}, strict=False)
     assert torch.equal(served(), _uncached(quantizer, loaded))
@@ -307,3 +313,75 @@ def test_input_quantizer_hooks_still_run(task, tiny_dir):
         assert torch.equal(answer_loss(policy, task), plain)
     handle.remove()
     assert seen
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_a16", "fp8_w8a8"])
+def test_a_linear_layers_plan_follows_every_change(task, tiny_dir, fmt):
+    """A lean linear layer decides what its quantizers do once (`LinearPlan`) and reuses the decision while
+    nothing changed; after every kind of change it decides again, and it always computes what the per-call
+    checks (`quantized_linear`, itself pinned to ModelOpt above) compute."""
+    policy = _policy(task, tiny_dir, fmt, dtype="bfloat16")
+    layer = _layer(policy)
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    x = x.to(layer.weight.device)
+
+    def step() -> None:
+        optimizer.backward(answer_loss(policy, task))
+        optimizer.step()
+
+    def planned() -> object:
+        """The layer's output equals the per-call checks'; returns the plan it ran with."""
+        with torch.no_grad():
+            out = layer(x)
+            assert torch.equal(out, quantized_linear(layer, x, layer.weight))
+        return layer.__dict__["_qarl_plan"]
+
+    step()
+    plan = planned()
+    assert plan.lean and plan.weight_fn is None  # the held weight is taken as it is
+    assert (plan.input_fn is None) == (fmt == "nvfp4_a16")  # W8A8's input quantizer is called directly
+    assert planned() is plan  # nothing changed: the same decision
+    policy.model.train()
+    policy.model.eval()  # a mode switch writes `training` on every quantizer: no change of what they compute
+    assert planned() is plan
+
+    weight_quantizer, input_quantizer = layer.weight_quantizer, layer.input_quantizer
+
+    def in_place(write):
+        def change() -> None:
+            with torch.no_grad():
+                write()
+        return change
+
+    changes = [
+        ("weight written in place", in_place(lambda: layer.weight.mul_(1.5))),
+        ("optimizer step", step),
+        ("amax written in place", in_place(lambda: weight_quantizer._amax.mul_(0.5))),
+        ("step", step),
+        ("calibration switch written directly", lambda: setattr(weight_quantizer, "_if_calib", True)),
+        ("switch back", lambda: setattr(weight_quantizer, "_if_calib", False)),
+        ("input quantizer switched", lambda: setattr(input_quantizer, "_disabled", not input_quantizer._disabled)),
+        ("output quantizer enabled", layer.output_quantizer.enable),
+        ("output quantizer disabled", layer.output_quantizer.disable),
+        ("amax moved", lambda: weight_quantizer.to(torch.float64)),
+        ("step", step),
+    ]
+    for what, change in changes:
+        change()
+        new = planned()
+        assert new is not plan, what
+        plan = new
+    assert plan.lean
+
+    seen = []
+    handle = weight_quantizer.register_forward_hook(lambda module, args, output: seen.append(module))
+    assert not planned().lean and seen and set(seen) == {weight_quantizer}  # the hook runs: the quantizer is called
+    handle.remove()
+    step()  # a removed hook is noticed at the next change, not looked for at every call
+    assert planned().lean
+
+    replacement = TensorQuantizer()
+    replacement.disable()
+    layer.input_quantizer = replacement  # an untracked quantizer: the per-call checks decide
+    assert not planned().lean

@@ -30,12 +30,37 @@ def pre_quant_scale(quantizer) -> torch.Tensor | None:
     return scale if scale is not None and quantizer._enable_pre_quant_scale else None
 
 
+# Every tracked quantizer change in the process, counted (one cell, read at every lean linear forward):
+# a decision derived from quantizer state stays valid while this count is what it was.
+QUANTIZER_CHANGES = [0]
+
+_UNSET = object()
+
+
+def _unchanged(old: object, new: object) -> bool:
+    """An attribute write that leaves the value as it was (ModelOpt's forward rewrites bookkeeping such as
+    `_input_dtype` or `_original_shape` at every call, with the same values)."""
+    if old is new:
+        return True
+    if type(old) is not type(new) or isinstance(new, torch.Tensor):
+        return False
+    try:
+        return bool(old == new)
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors compare elementwise
+        return False
+
+
 class TracksQuantizerChanges:
-    """Mixed into a ModelOpt quantizer class by qarl's fast paths (the weight cache, fast inputs): every
-    way ModelOpt changes what the quantizer computes goes through one of these methods, each of which
-    bumps `_qarl_generation` and calls `_qarl_changed` (what a fast path derived from the old state is
-    dropped there). Changes these methods do not see (an in-place write of the amax buffer) bump the
-    amax tensor's version, which the fast paths check as well."""
+    """Mixed into a ModelOpt quantizer class by qarl's fast paths (the weight cache, fast inputs, the lean
+    linear forward's plans): every change of what the quantizer computes bumps `_qarl_generation` and the
+    process-wide `QUANTIZER_CHANGES`, and calls `_qarl_changed` (what a fast path derived from the old state
+    is dropped there). Changes are seen where they are made: any attribute written with a new value (the
+    switches `_disabled`, `_if_quant`, `_if_calib`, which ModelOpt also writes directly, a config
+    attribute, a buffer assigned, a class swapped), a buffer registered, deleted or replaced (`module.to`), and ModelOpt's
+    writes that bypass attributes (the amax setter and the tensor-parallel max-reduce write through `.data`
+    or in place, a state load). Only in-place writes of the amax buffer are left, and they bump its
+    version, which the fast paths check as well. qarl's own `_qarl_*` bookkeeping is no change, nor is
+    `training` (`model.train()` / `eval()` write it on every module; no quantizer reads it)."""
 
     _qarl_generation: int = 0
 
@@ -44,22 +69,37 @@ class TracksQuantizerChanges:
 
     def _qarl_bump(self) -> None:
         self._qarl_generation += 1
+        QUANTIZER_CHANGES[0] += 1
         self._qarl_changed()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "__class__":  # ModelOpt turns a quantizer into another kind (static blocks) by a class swap:
+            self._qarl_bump()  # announced while this class's methods still answer
+            super().__setattr__(name, value)
+            return
+        old = self.__dict__.get(name, _UNSET)
+        super().__setattr__(name, value)
+        if not name.startswith("_qarl_") and name != "training" and not _unchanged(old, value):
+            self._qarl_bump()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        if not name.startswith("_qarl_"):
+            self._qarl_bump()
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self._qarl_bump()
+
+    def _apply(self, fn, recurse: bool = True):
+        buffers = dict(self._buffers)
+        result = super()._apply(fn, recurse)
+        if any(self._buffers.get(name) is not buffer for name, buffer in buffers.items()):
+            self._qarl_bump()  # moved or cast: new amax tensors
+        return result
 
     def _amax_setter_helper(self, value) -> None:
         super()._amax_setter_helper(value)  # writes through .data: no version bump
-        self._qarl_bump()
-
-    def reset_amax(self) -> None:
-        super().reset_amax()
-        self._qarl_bump()
-
-    def set_from_attribute_config(self, attribute_cfg) -> None:
-        super().set_from_attribute_config(attribute_cfg)
-        self._qarl_bump()
-
-    def disable(self) -> None:
-        super().disable()
         self._qarl_bump()
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
@@ -70,3 +110,7 @@ class TracksQuantizerChanges:
         super().sync_amax_across_distributed_group(parallel_group)  # an in-place all-reduce: no version bump
         self._qarl_bump()
 
+
+def track_changes(quantizer: torch.nn.Module) -> None:
+    """Give `quantizer` (one that no fast path changes otherwise: an output quantizer) the tracking alone."""
+    quantizer.__class__ = with_mixin(TracksQuantizerChanges, type(quantizer), "Tracked", globals())

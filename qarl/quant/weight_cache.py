@@ -16,7 +16,8 @@ itself, without any caller remembering to tell it:
 * amax changes go through ModelOpt's setter, which writes through `.data` (invisible to version
   counters) and bumps a generation (`qarl.quant.mixins.TracksQuantizerChanges` overrides it), as do the
   max-reduce across tensor-parallel ranks (an in-place all-reduce, also invisible), state-dict loads,
-  config changes and `disable()`; any other in-place write of the amax buffer bumps its version.
+  and any attribute of the quantizer written with a new value (its switches, its config, a buffer); any
+  other in-place write of the amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
 such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing
 (ModelOpt, inside `calibrate`) writes weights that way, and `calibrate` invalidates after it.
@@ -227,8 +228,10 @@ class WeightCacheMixin(TracksQuantizerChanges):
         return fake_quant_eager(weight, self._amax.to(weight.device), spec)
 
     def qarl_invalidate(self) -> None:
-        """The weight was written behind its version counter (`.data`): what it holds now is the weight."""
+        """The weight was written behind its version counter (`.data`): what it holds now is the weight (the
+        hold is dropped first, so the change it announces writes nothing back)."""
         self._qarl_held, self._qarl_key, self._qarl_value = None, None, None
+        self._qarl_bump()
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) of a quantizer whose weight holds its quantized value would take that
