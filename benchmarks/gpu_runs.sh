@@ -30,7 +30,8 @@
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
-#             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path
+#             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
+#             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
@@ -77,6 +78,7 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_quantize.py 2>&1 | tail -5
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time.md" 2>&1 | grep -v -i warn | tail -12
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_nocache.md" 2>&1 | grep -v -i warn | tail -12
+    python3 benchmarks/gpu_scoring_floor.py --out "$out/gpu_scoring_floor.md" 2>&1 | grep -v -i warn | tail -8
     ;;
   parity)
     for dtype in bfloat16 float16 float32; do
