@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from gpu_step_time import SCORES_PER_ROUND, Subject, _timed
+from gpu_step_time import SCORES_PER_ROUND, Subject, _timed, paired_ratios, report
 
 
 def main() -> None:
@@ -80,14 +80,10 @@ def main() -> None:
              "|---|---|---|---|"]
     for name, samples in times.items():
         samples = samples[warm:]
-        q1, median, q3 = statistics.quantiles([a / b for a, b in zip(samples, ref)], n=4)
+        median, q1, q3 = paired_ratios(samples, ref)
         lines.append(f"| {name} | {statistics.median(samples) * 1e3:.2f} ms | {median:.3f} ({q1:.3f}-{q3:.3f}) | "
                      f"{min(samples) / min(ref):.3f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

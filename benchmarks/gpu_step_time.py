@@ -133,11 +133,16 @@ class Subject:
                 "cache_gib": cache_bytes(self.policy.model) / 2**30}
 
 
+def paired_ratios(samples: list[float], reference: list[float]) -> tuple[float, float, float]:
+    """(median, first and third quartile) of the ratios of timings taken side by side, the i-th of each list in
+    the same round: the host's drift between rounds cancels, and the quartiles' spread is this run's noise."""
+    q1, median, q3 = statistics.quantiles([a / b for a, b in zip(samples, reference)], n=4)
+    return median, q1, q3
+
+
 def paired_ratio(subject: Subject, base: Subject, key: str) -> str:
-    """The median over rounds of `subject`'s time over `base`'s in the same round (so that the host's drift
-    between rounds cancels), with the quartiles of those ratios: their spread is this run's noise."""
-    ratios = [a / b for a, b in zip(subject.samples(key), base.samples(key))]
-    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    """`paired_ratios` of `subject`'s `key` timings over `base`'s."""
+    median, q1, q3 = paired_ratios(subject.samples(key), base.samples(key))
     return f"{median:.2f} ({q1:.2f}-{q3:.2f})"
 
 
@@ -145,6 +150,15 @@ def best_ratio(subject: Subject, base: Subject, key: str) -> str:
     """`subject`'s fastest time over `base`'s: what each costs when nothing else on the host interferes (the
     estimate `timeit` recommends; interference only ever adds time, and a host-bound pass feels all of it)."""
     return f"{min(subject.samples(key)) / min(base.samples(key)):.2f}"
+
+
+def report(lines: list[str], out: str | None) -> None:
+    """Print the table, and write it to `out` as well where one is named."""
+    table = "\n".join(lines)
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
 
 
 def main() -> None:
@@ -188,11 +202,7 @@ def main() -> None:
                      f"{paired_ratio(subject, base, 'score')} | {best_ratio(subject, base, 'score')} | {r['fold'] * 1e3:.2f} ms | "
                      f"{r['fold'] / r['copy']:.2f} | {r['resident_gib']:.2f} GiB | {r['update_peak_gib']:.2f} GiB | "
                      f"{r['cache_gib']:.2f} GiB |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":
