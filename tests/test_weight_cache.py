@@ -13,7 +13,7 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 from qarl.optim import PolicyOptimizer
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
-from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward, quantized_linear
+from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward, plan_linear, quantized_linear
 from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
 from .conftest import FORMATS, answer_loss, tiny_policy
@@ -319,7 +319,9 @@ def test_input_quantizer_hooks_still_run(task, tiny_dir):
 def test_a_linear_layers_plan_follows_every_change(task, tiny_dir, fmt):
     """A lean linear layer decides what its quantizers do once (`LinearPlan`) and reuses the decision while
     nothing changed; after every kind of change it decides again, and it always computes what the per-call
-    checks (`quantized_linear`, itself pinned to ModelOpt above) compute."""
+    checks (`quantized_linear`) and ModelOpt's own QuantLinear forward compute."""
+    from modelopt.torch.quantization.nn.modules.quant_linear import _QuantLinear
+
     policy = _policy(task, tiny_dir, fmt, dtype="bfloat16")
     layer = _layer(policy)
     optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
@@ -331,13 +333,16 @@ def test_a_linear_layers_plan_follows_every_change(task, tiny_dir, fmt):
         optimizer.step()
 
     def planned() -> object:
-        """The layer's output equals the per-call checks'; returns the plan it ran with."""
+        """The layer's output equals the per-call checks' and ModelOpt's; returns the plan it ran with."""
         with torch.no_grad():
             out = layer(x)
+            plan = layer.__dict__["_qarl_plan"]
             assert torch.equal(out, quantized_linear(layer, x, layer.weight))
-        return layer.__dict__["_qarl_plan"]
+            assert torch.equal(out, _QuantLinear.forward(layer, x))  # (it writes attributes: planned anew then)
+        return plan
 
     step()
+    planned()  # ModelOpt's forward records the input dtype on the disabled quantizers it calls: once, a change
     plan = planned()
     assert plan.lean and plan.weight_fn is None  # the held weight is taken as it is
     assert (plan.input_fn is None) == (fmt == "nvfp4_a16")  # W8A8's input quantizer is called directly
@@ -366,6 +371,12 @@ def test_a_linear_layers_plan_follows_every_change(task, tiny_dir, fmt):
         ("output quantizer disabled", layer.output_quantizer.disable),
         ("amax moved", lambda: weight_quantizer.to(torch.float64)),
         ("step", step),
+        ("held amax replaced behind the attributes",
+         lambda: weight_quantizer._buffers.__setitem__("_amax", weight_quantizer._amax * 2)),
+        ("step", step),
+        ("smoothing scale on the input quantizer",
+         lambda: setattr(input_quantizer, "pre_quant_scale", torch.full_like(x[0], 2.0))),
+        ("smoothing scale off", lambda: setattr(input_quantizer, "_enable_pre_quant_scale", False)),
     ]
     for what, change in changes:
         change()
@@ -381,7 +392,11 @@ def test_a_linear_layers_plan_follows_every_change(task, tiny_dir, fmt):
     step()  # a removed hook is noticed at the next change, not looked for at every call
     assert planned().lean
 
+    layer.output_quantizer._rotate = True  # ModelOpt rotates even when disabled (its GPU-only transform)
+    assert not plan_linear(layer, layer.weight).lean
+    layer.output_quantizer._rotate = False
+
     replacement = TensorQuantizer()
     replacement.disable()
-    layer.input_quantizer = replacement  # an untracked quantizer: the per-call checks decide
+    layer.add_module("input_quantizer", replacement)  # an untracked quantizer: the per-call checks decide
     assert not planned().lean

@@ -8,8 +8,9 @@ cached). `lean_forward` makes the same calls in the same order, and nothing else
 
     y = output_quantizer(F.linear(input_quantizer(x), weight_quantizer(W), b))
 
-skipping only quantizers that are disabled (for which ModelOpt returns the tensor unchanged), so the
-result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py checks both).
+skipping only quantizers that are disabled and neither scale nor rotate (for which ModelOpt returns the
+tensor unchanged), so the result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py
+checks both). Each layer decides that once per change (`LinearPlan`).
 
 The input quantizers of the activation formats (NVFP4 W4A4, FP8 W8A8) run at every forward, and
 ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach one torch op. A
@@ -24,7 +25,8 @@ input quantizer of the model, Megatron's layers included, and the lean forward c
 ModelOpt also wraps every Hugging Face attention module for KV-cache / attention quantization, and its
 forward patches transformers' attention-function table, inspects the module's source module and calls
 four quantizers at every call, even when all four are disabled (every shipped format). `LeanAttention`
-calls the model's own attention forward whenever they are all disabled: the same computation, since
+calls the model's own attention forward whenever they are all disabled (and pass their tensors through
+unchanged): the same computation, since
 ModelOpt's path then ends in the same attention function with the same tensors. It also finds its
 submodules without ModelOpt's dynamic-module __getattr__.
 Installed by giving each plain linear layer a subclass of its own class (so deep copies and state
@@ -70,9 +72,7 @@ def quantized_input(quantizer: nn.Module | None, input: torch.Tensor) -> torch.T
         if isinstance(quantizer, FastInputMixin) and _no_hooks(quantizer):
             return quantizer.forward(input)
         return quantizer(input)
-    if pre_quant_scale(quantizer) is not None:
-        return quantizer(input)  # a disabled one still applies AWQ's smoothing scale, as in ModelOpt
-    return input
+    return input if _passes_through(quantizer) else quantizer(input)
 
 
 def quantized_weight(quantizer: nn.Module | None, weight: torch.Tensor) -> torch.Tensor:
@@ -85,12 +85,14 @@ def quantized_weight(quantizer: nn.Module | None, weight: torch.Tensor) -> torch
     held = quantizer.__dict__.get("_qarl_held")
     if held is not None and held.weight is weight and quantizer.holds(weight) and _no_hooks(quantizer):
         return weight
-    return quantizer(weight) if _enabled(quantizer) else weight
+    return quantizer(weight) if _enabled(quantizer) or not _passes_through(quantizer) else weight
 
 
 def quantized_output(quantizer: nn.Module | None, output: torch.Tensor) -> torch.Tensor:
     """A layer's output through its output `quantizer` (enabled in no shipped format)."""
-    return quantizer(output) if quantizer is not None and _enabled(quantizer) else output
+    if quantizer is None or not _enabled(quantizer) and _passes_through(quantizer):
+        return output
+    return quantizer(output)
 
 
 def _enabled(quantizer: nn.Module) -> bool:
@@ -98,6 +100,12 @@ def _enabled(quantizer: nn.Module) -> bool:
     quantizers answers through its property)."""
     disabled = quantizer.__dict__.get("_disabled")
     return quantizer.is_enabled if disabled is None else not disabled
+
+
+def _passes_through(quantizer: nn.Module) -> bool:
+    """A disabled `quantizer` returns its input as it is in ModelOpt's forward, which applies a smoothing scale
+    (AWQ, SmoothQuant) and a rotation even when the quantizer is disabled."""
+    return pre_quant_scale(quantizer) is None and not getattr(quantizer, "rotate_is_enabled", False)
 
 
 # The process-wide hook tables `Module.__call__` reads; torch registers into them in place, never rebinds them.
@@ -119,8 +127,9 @@ def _no_hooks(module: nn.Module) -> bool:
 class LinearPlan:
     """What a lean linear layer's quantizers do to its next call, found once (`plan_linear`) and reused while
     nothing it rests on changed: the same weight tensor at the same version, no quantizer changed anywhere
-    (`QUANTIZER_CHANGES`: every write that changes a tracked quantizer counts), a held weight's amax not
-    written in place, and no hook on a quantizer it calls or skips. A layer makes one per change instead of
+    (`QUANTIZER_CHANGES`: every write that changes a tracked quantizer counts), a held weight's amax still
+    its quantizer's and not written in place (what `WeightCacheMixin.holds` checks at every call), and no
+    hook on a quantizer it calls or skips. A layer makes one per change instead of
     asking its three quantizers ~20 questions at every call: on an H100 host those questions were 6 % of a
     W4A16 no-grad pass of a Qwen2.5-0.5B-shaped model."""
 
@@ -129,13 +138,16 @@ class LinearPlan:
     changes: int
     amax: torch.Tensor  # a held weight's amax (`_NO_AMAX` otherwise), and its version then
     amax_version: int
+    buffers: dict[str, torch.Tensor]  # where `amax` must still be "_amax": the weight quantizer's buffers
     hooks: tuple[dict, ...]  # the hook tables whose entries would make this plan wrong
     lean: bool  # False: `quantized_linear` decides at every call (a state the plan does not cover)
     weight_fn: Callable[[torch.Tensor], torch.Tensor] | None  # None: the parameter as it is
     input_fn: Callable[[torch.Tensor], torch.Tensor] | None  # None: the input as it is
 
 
-_NO_AMAX = torch.zeros(())  # never written: its version never moves
+with torch.inference_mode(False):  # an inference tensor keeps no version (an import under inference_mode)
+    _NO_AMAX = torch.zeros(())  # never written: its version never moves
+_NO_BUFFERS = {"_amax": _NO_AMAX}
 _GLOBAL_HOOKS = (_GLOBAL_FORWARD_HOOKS, _GLOBAL_FORWARD_PRE_HOOKS, _GLOBAL_BACKWARD_HOOKS, _GLOBAL_BACKWARD_PRE_HOOKS)
 
 
@@ -147,35 +159,38 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     """What `quantized_linear(layer, x, weight)` would do, decided now: skip a disabled quantizer, take a held
     weight as it is, call a weight's cache or a fast input quantizer's forward directly. Any state whose
     changes the plan could miss (an untracked quantizer: the cache turned off; an enabled output quantizer;
-    a slow input quantizer; a smoothing scale; a hook) gets a plan that sends every call to
+    a slow input quantizer; a disabled one that still scales or rotates; a hook) gets a plan that sends every call to
     `quantized_linear`, until the next change (a removed hook is noticed there, not looked for at every call)."""
     quantizers = layer._modules
     weight_quantizer, input_quantizer, output_quantizer = (quantizers.get(name) for name in
                                                            ("weight_quantizer", "input_quantizer", "output_quantizer"))
     key = (weight, weight._version, QUANTIZER_CHANGES[0])
-    checks_each_call = LinearPlan(*key, _NO_AMAX, 0, (), False, None, None)
+    checks_each_call = LinearPlan(*key, _NO_AMAX, 0, _NO_BUFFERS, (), False, None, None)
     if not all(q is None or isinstance(q, TracksQuantizerChanges)
                for q in (weight_quantizer, input_quantizer, output_quantizer)):
         return checks_each_call
-    hooks, amax, weight_fn, input_fn = [*_GLOBAL_HOOKS], _NO_AMAX, None, None
+    hooks, amax, buffers, weight_fn, input_fn = [*_GLOBAL_HOOKS], _NO_AMAX, _NO_BUFFERS, None, None
     if weight_quantizer is not None:
         if isinstance(weight_quantizer, WeightCacheMixin) and weight_quantizer.holds(weight):
-            amax = weight_quantizer._qarl_held.amax
+            amax, buffers = weight_quantizer._qarl_held.amax, weight_quantizer._buffers
             hooks += _hook_tables(weight_quantizer)
         elif _enabled(weight_quantizer):
             weight_fn = weight_quantizer.forward
             hooks += _hook_tables(weight_quantizer)
+        elif not _passes_through(weight_quantizer):
+            return checks_each_call
     if input_quantizer is not None:
         if _enabled(input_quantizer):
             if not isinstance(input_quantizer, FastInputMixin):
                 return checks_each_call
             input_fn = input_quantizer.forward
             hooks += _hook_tables(input_quantizer)
-        elif pre_quant_scale(input_quantizer) is not None:
+        elif not _passes_through(input_quantizer):
             return checks_each_call
-    if output_quantizer is not None and _enabled(output_quantizer) or any(hooks):
+    if output_quantizer is not None and (_enabled(output_quantizer) or not _passes_through(output_quantizer)) \
+            or any(hooks):
         return checks_each_call
-    return LinearPlan(*key, amax, amax._version, tuple(hooks), True, weight_fn, input_fn)
+    return LinearPlan(*key, amax, amax._version, buffers, tuple(hooks), True, weight_fn, input_fn)
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -184,7 +199,8 @@ def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     weight = self._parameters["weight"]
     plan = self.__dict__.get("_qarl_plan")
     if (plan is None or plan.weight is not weight or plan.version != weight._version
-            or plan.changes != QUANTIZER_CHANGES[0] or plan.amax._version != plan.amax_version or any(plan.hooks)):
+            or plan.changes != QUANTIZER_CHANGES[0] or plan.amax._version != plan.amax_version
+            or plan.buffers.get("_amax") is not plan.amax or any(plan.hooks)):
         plan = self.__dict__["_qarl_plan"] = plan_linear(self, weight)
     if not plan.lean:
         return quantized_linear(self, input, weight)
@@ -201,13 +217,17 @@ class LeanLinear:
     forward = lean_forward
 
     def __setattr__(self, name: str, value) -> None:
-        if name != "training":  # a quantizer (or anything else but the mode) replaced: plan again
+        if isinstance(value, nn.Module) or name in self._modules:  # a quantizer replaced: plan again
             self.__dict__.pop("_qarl_plan", None)
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
         self.__dict__.pop("_qarl_plan", None)
         super().__delattr__(name)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        self.__dict__.pop("_qarl_plan", None)  # `register_module` too; `_modules[name] = q` is not seen
+        super().add_module(name, module)
 
     def __getstate__(self) -> dict:
         """A copy plans anew: a plan names this layer's tensors and the process's hook tables."""
@@ -370,7 +390,7 @@ class LeanAttention:
         quantizers = self._modules
         for name in _ATTENTION_QUANTIZERS:  # a loop, not any(): this runs at every layer of every forward
             quantizer = quantizers.get(name)
-            if quantizer is not None and _enabled(quantizer):
+            if quantizer is not None and (_enabled(quantizer) or not _passes_through(quantizer)):
                 return super().forward(*args, **kwargs)
         return self._qarl_attention_cls.forward(self, *args, **kwargs)
 

@@ -39,10 +39,11 @@ _UNSET = object()
 
 def _unchanged(old: object, new: object) -> bool:
     """An attribute write that leaves the value as it was (ModelOpt's forward rewrites bookkeeping such as
-    `_input_dtype` or `_original_shape` at every call, with the same values)."""
+    `_input_dtype` or `_original_shape` at every call, with the same values). A tensor or a mutable container
+    is the same only as the same object: an equal new one (an empty hook table) is another object to watch."""
     if old is new:
         return True
-    if type(old) is not type(new) or isinstance(new, torch.Tensor):
+    if type(old) is not type(new) or isinstance(new, (torch.Tensor, dict, list, set)):
         return False
     try:
         return bool(old == new)
@@ -58,9 +59,11 @@ class TracksQuantizerChanges:
     switches `_disabled`, `_if_quant`, `_if_calib`, which ModelOpt also writes directly, a config
     attribute, a buffer assigned, a class swapped), a buffer registered, deleted or replaced (`module.to`), and ModelOpt's
     writes that bypass attributes (the amax setter and the tensor-parallel max-reduce write through `.data`
-    or in place, a state load). Only in-place writes of the amax buffer are left, and they bump its
-    version, which the fast paths check as well. qarl's own `_qarl_*` bookkeeping is no change, nor is
-    `training` (`model.train()` / `eval()` write it on every module; no quantizer reads it)."""
+    or in place, a state load). In-place writes of the amax buffer bump its version, which the fast paths
+    check as well. Not seen: writes past the attributes (into `__dict__`, `_buffers` or a config container
+    in place, `tensor.data = ...`), which nothing in qarl or in ModelOpt's paths that qarl runs makes. qarl's
+    own `_qarl_*` bookkeeping is no change, nor is `training` (`model.train()` / `eval()` write it on every
+    module; no quantizer reads it)."""
 
     _qarl_generation: int = 0
 
@@ -77,7 +80,8 @@ class TracksQuantizerChanges:
             self._qarl_bump()  # announced while this class's methods still answer
             super().__setattr__(name, value)
             return
-        old = self.__dict__.get(name, _UNSET)
+        buffers = self.__dict__.get("_buffers", {})
+        old = buffers[name] if name in buffers else self.__dict__.get(name, _UNSET)
         super().__setattr__(name, value)
         if not name.startswith("_qarl_") and name != "training" and not _unchanged(old, value):
             self._qarl_bump()

@@ -20,7 +20,9 @@ itself, without any caller remembering to tell it:
   other in-place write of the amax buffer bumps its version.
 Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
 such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing
-(ModelOpt, inside `calibrate`) writes weights that way, and `calibrate` invalidates after it.
+(ModelOpt, inside `calibrate`) writes weights that way, and `calibrate` invalidates after it. ModelOpt's
+`fold_weight` (not used by qarl) writes the folded weight that way and then disables the quantizer, which
+gives a held weight its master back over the fold: fold a model built from the masters instead.
 
 Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
 the shipped formats the op that forward ends in, with the same arguments), so a cached forward equals an
