@@ -72,7 +72,7 @@ def quantized_input(quantizer: nn.Module | None, input: torch.Tensor) -> torch.T
         if isinstance(quantizer, FastInputMixin) and _no_hooks(quantizer):
             return quantizer.forward(input)
         return quantizer(input)
-    return input if _passes_through(quantizer) else quantizer(input)
+    return input if _is_identity(quantizer) else quantizer(input)
 
 
 def quantized_weight(quantizer: nn.Module | None, weight: torch.Tensor) -> torch.Tensor:
@@ -85,14 +85,12 @@ def quantized_weight(quantizer: nn.Module | None, weight: torch.Tensor) -> torch
     held = quantizer.__dict__.get("_qarl_held")
     if held is not None and held.weight is weight and quantizer.holds(weight) and _no_hooks(quantizer):
         return weight
-    return quantizer(weight) if _enabled(quantizer) or not _passes_through(quantizer) else weight
+    return weight if _is_identity(quantizer) else quantizer(weight)
 
 
 def quantized_output(quantizer: nn.Module | None, output: torch.Tensor) -> torch.Tensor:
     """A layer's output through its output `quantizer` (enabled in no shipped format)."""
-    if quantizer is None or not _enabled(quantizer) and _passes_through(quantizer):
-        return output
-    return quantizer(output)
+    return output if quantizer is None or _is_identity(quantizer) else quantizer(output)
 
 
 def _enabled(quantizer: nn.Module) -> bool:
@@ -102,25 +100,23 @@ def _enabled(quantizer: nn.Module) -> bool:
     return quantizer.is_enabled if disabled is None else not disabled
 
 
-def _passes_through(quantizer: nn.Module) -> bool:
-    """A disabled `quantizer` returns its input as it is in ModelOpt's forward, which applies a smoothing scale
-    (AWQ, SmoothQuant) and a rotation even when the quantizer is disabled."""
-    return pre_quant_scale(quantizer) is None and not getattr(quantizer, "rotate_is_enabled", False)
+def _is_identity(quantizer: nn.Module) -> bool:
+    """ModelOpt's forward of `quantizer` returns its input as it is: disabled, and without the smoothing scale
+    (AWQ, SmoothQuant) and rotation that it applies even when disabled. Such a quantizer is skipped."""
+    return (not _enabled(quantizer) and pre_quant_scale(quantizer) is None
+            and not getattr(quantizer, "rotate_is_enabled", False))
 
 
 # The process-wide hook tables `Module.__call__` reads; torch registers into them in place, never rebinds them.
-_GLOBAL_FORWARD_HOOKS = torch_module._global_forward_hooks
-_GLOBAL_FORWARD_PRE_HOOKS = torch_module._global_forward_pre_hooks
-_GLOBAL_BACKWARD_HOOKS = torch_module._global_backward_hooks
-_GLOBAL_BACKWARD_PRE_HOOKS = torch_module._global_backward_pre_hooks
+_GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+                 torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
 
 
 def _no_hooks(module: nn.Module) -> bool:
     """Calling `module` runs no hook (forward or backward, its own or process-wide): `Module.__call__` would
     call its forward and nothing else."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS
-                or _GLOBAL_BACKWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS)
+                or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +144,6 @@ class LinearPlan:
 with torch.inference_mode(False):  # an inference tensor keeps no version (an import under inference_mode)
     _NO_AMAX = torch.zeros(())  # never written: its version never moves
 _NO_BUFFERS = {"_amax": _NO_AMAX}
-_GLOBAL_HOOKS = (_GLOBAL_FORWARD_HOOKS, _GLOBAL_FORWARD_PRE_HOOKS, _GLOBAL_BACKWARD_HOOKS, _GLOBAL_BACKWARD_PRE_HOOKS)
 
 
 def _hook_tables(module: nn.Module) -> tuple[dict, ...]:
@@ -159,8 +154,9 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     """What `quantized_linear(layer, x, weight)` would do, decided now: skip a disabled quantizer, take a held
     weight as it is, call a weight's cache or a fast input quantizer's forward directly. Any state whose
     changes the plan could miss (an untracked quantizer: the cache turned off; an enabled output quantizer;
-    a slow input quantizer; a disabled one that still scales or rotates; a hook) gets a plan that sends every call to
-    `quantized_linear`, until the next change (a removed hook is noticed there, not looked for at every call)."""
+    a slow input quantizer; a disabled one that still scales or rotates; a hook) gets a plan that sends every
+    call to `quantized_linear`, until the next change (a removed hook is noticed there, not looked for at every
+    call)."""
     quantizers = layer._modules
     weight_quantizer, input_quantizer, output_quantizer = (quantizers.get(name) for name in
                                                            ("weight_quantizer", "input_quantizer", "output_quantizer"))
@@ -177,7 +173,7 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
         elif _enabled(weight_quantizer):
             weight_fn = weight_quantizer.forward
             hooks += _hook_tables(weight_quantizer)
-        elif not _passes_through(weight_quantizer):
+        elif not _is_identity(weight_quantizer):
             return checks_each_call
     if input_quantizer is not None:
         if _enabled(input_quantizer):
@@ -185,10 +181,9 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
                 return checks_each_call
             input_fn = input_quantizer.forward
             hooks += _hook_tables(input_quantizer)
-        elif not _passes_through(input_quantizer):
+        elif not _is_identity(input_quantizer):
             return checks_each_call
-    if output_quantizer is not None and (_enabled(output_quantizer) or not _passes_through(output_quantizer)) \
-            or any(hooks):
+    if output_quantizer is not None and not _is_identity(output_quantizer) or any(hooks):
         return checks_each_call
     return LinearPlan(*key, amax, amax._version, buffers, tuple(hooks), True, weight_fn, input_fn)
 
@@ -390,7 +385,7 @@ class LeanAttention:
         quantizers = self._modules
         for name in _ATTENTION_QUANTIZERS:  # a loop, not any(): this runs at every layer of every forward
             quantizer = quantizers.get(name)
-            if quantizer is not None and (_enabled(quantizer) or not _passes_through(quantizer)):
+            if quantizer is not None and not _is_identity(quantizer):
                 return super().forward(*args, **kwargs)
         return self._qarl_attention_cls.forward(self, *args, **kwargs)
 

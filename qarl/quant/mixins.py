@@ -59,8 +59,8 @@ class TracksQuantizerChanges:
     switches `_disabled`, `_if_quant`, `_if_calib`, which ModelOpt also writes directly, a config
     attribute, a buffer assigned, a class swapped), a buffer registered, deleted or replaced (`module.to`),
     and ModelOpt's writes that bypass attributes (the amax setter and the tensor-parallel max-reduce write
-    through `.data` or in place, a state load). In-place writes of the amax buffer bump its version, which the fast paths
-    check as well. Not seen: writes past the attributes (into `__dict__`, `_buffers` or a config container
+    through `.data` or in place, a state load). In-place writes of the amax buffer bump its version, which
+    the fast paths check as well. Not seen: writes past the attributes (into `__dict__`, `_buffers` or a config container
     in place, `tensor.data = ...`), which nothing in qarl or in ModelOpt's paths that qarl runs makes. qarl's
     own `_qarl_*` bookkeeping is no change, nor is `training` (`model.train()` / `eval()` write it on every
     module; no quantizer reads it)."""
