@@ -13,11 +13,20 @@ ModelOpt's implementations called directly, so qarl's install() cannot reach the
 
 Columns count elements whose raw bits differ from the reference (``(±0: k)``: k of them differ only
 in the sign of zero). ``kernel``: qarl's launcher; ``op``: ModelOpt's torch.library op after
-``install()``; ``cpu port``: ``nvfp4_cpu.nvfp4_fake_quant`` on the same data on the CPU. Timings:
-``triton.testing.do_bench`` medians (GPU time, L2 flushed); ``clone of x``: ``x.clone()``, the same bytes
-read and written (the memory floor of a quantize-dequantize); ``op wall``: host time per call of the op,
-back to back (what a training step pays, launch overheads included). ``--tune`` also times other
-block and warp counts. Exit status 1 if any bit differs.
+``install()``; ``cpu port``: ``nvfp4_cpu.nvfp4_fake_quant`` on the same data on the CPU. Timings, two ways:
+
+- one call, L2 flushed: ``triton.testing.do_bench`` medians (GPU time). Its flush zeroes 256 MB before
+  each call and so leaves the L2 full of dirty lines, which the timed call writes back to memory as it
+  evicts them: about its own traffic once more, on top of its own.
+- back to back: one call per tensor over several distinct tensors that together are 4x the L2, queued
+  behind a sleep kernel so that the GPU never waits for the host, outputs kept (GPU time per call,
+  median of rounds). Each call reads its input from memory and pays its own write-back only: how the
+  weights are quantized one after another when the weight cache is rebuilt after an optimizer step.
+
+``clone``: ``x.clone()``, the same bytes read and written and the output allocated alike, timed the same
+way (the memory floor of a quantize-dequantize). ``op wall``: host time per call of the op, back to back
+on one tensor (what a training step pays, launch overheads included). ``--tune`` also times other block
+and warp counts. Exit status 1 if any bit differs.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import argparse
 import importlib.util
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -224,55 +234,117 @@ def wall_us(fn: Callable[[], object], calls: int = 200) -> float:
     return sorted(rounds)[2]
 
 
+def flushed_us(fn: Callable[[], object], rep: int = 200) -> float:
+    """GPU time of one call with the L2 flushed before it (do_bench median)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # x, amax
+
+
+def cold_tensors(shape: tuple[int, ...], gen: torch.Generator) -> list[Pair]:
+    """Distinct bf16 tensors of `shape` (with their amax), together 4x the L2: cold for back_to_back_us."""
+    l2 = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+    n = max(8, -(-4 * l2 // (torch.Size(shape).numel() * 2)))
+    xs = [torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    return [(x, x.float().abs().amax()) for x in xs]
+
+
+def back_to_back_us(fn: Callable[[torch.Tensor, torch.Tensor], object], pairs: list[Pair], rounds: int = 15) -> float:
+    """GPU time per call of `fn(x, amax)`, one call per pair launched back to back (median of rounds).
+
+    The calls are queued behind a sleep kernel; a round counts only if the host had queued all of them
+    before the sleep ended (the start event had not run), so no call waited for its launch, and the sleep
+    is doubled until that holds. The outputs are kept until the round ends, so each call writes fresh memory.
+    """
+    for x, a in pairs:  # warm-up (compiles, fills the allocator's cache)
+        fn(x, a)
+    times: list[float] = []
+    cycles = 1 << 20
+    while len(times) < rounds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start.record()
+        outs = [fn(x, a) for x, a in pairs]
+        end.record()
+        queued_in_time = not start.query()
+        end.synchronize()
+        outs.clear()  # the outputs lived until the round ended
+        if queued_in_time:
+            times.append(start.elapsed_time(end) * 1e3 / len(pairs))
+        else:
+            cycles *= 2
+    return statistics.median(times)
+
+
 def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
-    from triton.testing import do_bench
-
-    def bench(fn: Callable[[], object]) -> float:
-        return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
     block_op, quant_op = torch.ops.tensorrt.dynamic_block_quantize_op, torch.ops.tensorrt.quantize_op
-    lines = ["## Timing (bf16, us)", "",
-             "| tensor | format | ModelOpt kernel | qarl kernel | speedup | clone of x | ModelOpt op wall | qarl op wall |",
-             "|---|---|---|---|---|---|---|---|"]
+    kernels = {
+        "NVFP4": (lambda x, a: tq._dynamic_block_quantize_impl(x, 16, a, *NVFP4_OP_ARGS), gk.nvfp4_fake_quant_cuda,
+                  lambda x, a: block_op(x, 16, a, *NVFP4_OP_ARGS)),
+        "FP8": (lambda x, a: tq._quantize_impl(x, a, 8, 4, False, False), gk.fp8_fake_quant_cuda,
+                lambda x, a: quant_op(x, a, 8, 4, False, False)),
+    }
+    flushed = ["### One call, L2 flushed (do_bench)", "",
+               "| tensor | format | ModelOpt kernel | qarl kernel | speedup | clone | qarl / clone | ModelOpt op wall "
+               "| qarl op wall |", "|---|---|---|---|---|---|---|---|---|"]
+    b2b = ["### Back to back over cold tensors", "",
+           "| tensor | tensors | format | ModelOpt kernel | qarl kernel | speedup | clone | qarl / clone |",
+           "|---|---|---|---|---|---|---|---|"]
     for label, shape in BENCH_SHAPES.items():
-        x = torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16)
-        amax = x.float().abs().amax()
-        t_clone = bench(x.clone)  # the memory floor: the same bytes read and written, the output allocated alike
-        rows = {
-            "NVFP4": (lambda: tq._dynamic_block_quantize_impl(x, 16, amax, *NVFP4_OP_ARGS),
-                      lambda: gk.nvfp4_fake_quant_cuda(x, amax),
-                      lambda: block_op(x, 16, amax, *NVFP4_OP_ARGS)),
-            "FP8": (lambda: tq._quantize_impl(x, amax, 8, 4, False, False),
-                    lambda: gk.fp8_fake_quant_cuda(x, amax),
-                    lambda: quant_op(x, amax, 8, 4, False, False)),
-        }
-        for fmt, (ref, ours, op) in rows.items():
-            t_ref, t_ours = bench(ref), bench(ours)
+        pairs = cold_tensors(shape, gen)
+        x, amax = pairs[0]
+        t_clone = flushed_us(x.clone)
+        c_clone = back_to_back_us(lambda x, a: x.clone(), pairs)
+        for fmt, (ref, ours, op) in kernels.items():
+            t_ref, t_ours = flushed_us(partial(ref, x, amax)), flushed_us(partial(ours, x, amax))
+            c_ref, c_ours = back_to_back_us(ref, pairs), back_to_back_us(ours, pairs)
             with gk.modelopt_kernels():
-                w_ref = wall_us(op)
-            w_ours = wall_us(op)
-            lines.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | {t_clone:.1f} | "
-                         f"{w_ref:.1f} | {w_ours:.1f} |")
-    return lines
+                w_ref = wall_us(partial(op, x, amax))
+            w_ours = wall_us(partial(op, x, amax))
+            flushed.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | {t_clone:.1f} | "
+                           f"{t_ours / t_clone:.2f} | {w_ref:.1f} | {w_ours:.1f} |")
+            b2b.append(f"| {label} | {len(pairs)} | {fmt} | {c_ref:.1f} | {c_ours:.1f} | {c_ref / c_ours:.1f}x | "
+                       f"{c_clone:.1f} | {c_ours / c_clone:.2f} |")
+        del pairs, x, amax
+    return ["## Timing (bf16, GPU us a call)", "", *flushed, "", *b2b]
 
 
-def run_tune(gk, gen: torch.Generator) -> list[str]:
-    from triton.testing import do_bench
-
-    xs = {k: torch.randn(s, device=DEVICE, generator=gen).to(torch.bfloat16) for k, s in BENCH_SHAPES.items()}
-    lines = ["## Tuning (bf16, do_bench median us)", "",
-             "| format | per program | warps | " + " | ".join(xs) + " |", "|---|---|---|" + "---|" * len(xs)]
-    configs = [("NVFP4", n, w) for n in (32, 64, 128, 256) for w in (2, 4, 8)]
-    configs += [("FP8", n, w) for n in (1024, 2048, 4096, 8192) for w in (2, 4, 8)]
-    for fmt, n, w in configs:
-        times = []
-        for x in xs.values():
-            amax = x.float().abs().amax()
-            fn = (partial(gk.nvfp4_fake_quant_cuda, x, amax, blocks_per_program=n, num_warps=w) if fmt == "NVFP4"
-                  else partial(gk.fp8_fake_quant_cuda, x, amax, block=n, num_warps=w))
-            times.append(do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3)
-        size = f"{n} blocks" if fmt == "NVFP4" else f"{n} elements"
-        lines.append(f"| {fmt} | {size} | {w} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+def run_tune(gk, gen: torch.Generator, rounds: int = 9) -> list[str]:
+    """Other block and warp counts, timed both ways in interleaved rounds (every configuration once a round,
+    and a clone), each against the clone of its round: per tensor, median us (flushed / back to back) and
+    the median ratio to the clone."""
+    configs: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {"clone": lambda x, a: x.clone()}
+    for n in (32, 64, 128, 256):
+        for w in (2, 4, 8):
+            configs[f"NVFP4 | {n} blocks | {w}"] = partial(gk.nvfp4_fake_quant_cuda, blocks_per_program=n, num_warps=w)
+    for n in (1024, 2048, 4096, 8192):
+        for w in (2, 4, 8):
+            configs[f"FP8 | {n} elements | {w}"] = partial(gk.fp8_fake_quant_cuda, block=n, num_warps=w)
+    cells: dict[str, list[str]] = {name: [] for name in configs}
+    for shape in BENCH_SHAPES.values():
+        pairs = cold_tensors(shape, gen)
+        times = {name: ([], []) for name in configs}  # flushed, back to back
+        for r in range(rounds):
+            for name, fn in configs.items():
+                times[name][0].append(flushed_us(partial(fn, *pairs[r % len(pairs)]), rep=50))
+                times[name][1].append(back_to_back_us(fn, pairs, rounds=5))
+        clone = times["clone"]
+        for name, (flushed, b2b) in times.items():
+            ratios = [statistics.median(t / c for t, c in zip(mine, ref))
+                      for mine, ref in ((flushed, clone[0]), (b2b, clone[1]))]
+            cells[name].append(f"{statistics.median(flushed):.1f} / {statistics.median(b2b):.1f} "
+                               f"({ratios[0]:.2f} / {ratios[1]:.2f})")
+    lines = [f"## Tuning (bf16; us one call L2 flushed / back to back, median of {rounds} interleaved rounds; "
+             "in brackets: median ratio to the clone of the same round)", "",
+             "| format | per program | warps | " + " | ".join(BENCH_SHAPES) + " |",
+             "|---|---|---|" + "---|" * len(BENCH_SHAPES)]
+    for name, row in cells.items():
+        label = "clone |  | " if name == "clone" else name
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines
 
 
