@@ -16,12 +16,12 @@ in the sign of zero). ``kernel``: qarl's launcher; ``op``: ModelOpt's torch.libr
 ``install()``; ``cpu port``: ``nvfp4_cpu.nvfp4_fake_quant`` on the same data on the CPU. Timings, two ways:
 
 - one call, L2 flushed: ``triton.testing.do_bench`` medians (GPU time). Its flush zeroes 256 MB before
-  each call and so leaves the L2 full of dirty lines, which the timed call writes back to memory as it
-  evicts them: about its own traffic once more, on top of its own.
+  each call, which leaves the L2 full of dirty lines for the timed call to write back as it evicts them.
+  ``read flush``: the same call after a flush that reads 256 MB instead (clean lines), the control.
 - back to back: one call per tensor over several distinct tensors that together are 4x the L2, queued
   behind a sleep kernel so that the GPU never waits for the host, outputs kept (GPU time per call,
-  median of rounds). Each call reads its input from memory and pays its own write-back only: how the
-  weights are quantized one after another when the weight cache is rebuilt after an optimizer step.
+  median of rounds). Each call reads its input from memory and writes its own output only, as when the
+  weights are quantized one after another (the GPU side of it: host time is the ``op wall`` column).
 
 ``clone``: ``x.clone()``, the same bytes read and written and the output allocated alike, timed the same
 way (the memory floor of a quantize-dequantize). ``op wall``: host time per call of the op, back to back
@@ -241,6 +241,22 @@ def flushed_us(fn: Callable[[], object], rep: int = 200) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
+def read_flushed_us(fn: Callable[[], object], reps: int = 100) -> float:
+    """GPU time of one call after a flush that reads 256 MB (median): do_bench's timing with clean lines in
+    the L2 instead of the dirty ones its zeroing flush leaves."""
+    flush = torch.ones(64 << 20, dtype=torch.int32, device=DEVICE)
+    total = torch.empty((), dtype=torch.int64, device=DEVICE)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    fn()
+    for start, end in events:
+        torch.sum(flush, dim=0, dtype=torch.int64, out=total)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
+
+
 Pair = tuple[torch.Tensor, torch.Tensor]  # x, amax
 
 
@@ -259,11 +275,13 @@ def back_to_back_us(fn: Callable[[torch.Tensor, torch.Tensor], object], pairs: l
     before the sleep ended (the start event had not run), so no call waited for its launch, and the sleep
     is doubled until that holds. The outputs are kept until the round ends, so each call writes fresh memory.
     """
-    for x, a in pairs:  # warm-up (compiles, fills the allocator's cache)
-        fn(x, a)
+    warm = [fn(x, a) for x, a in pairs]  # compiles, and leaves a round's outputs in the allocator's cache
+    warm.clear()
     times: list[float] = []
     cycles = 1 << 20
     while len(times) < rounds:
+        if cycles > 1 << 34:  # ~10 s of sleep: fn waits for the GPU (a host synchronisation)
+            raise RuntimeError("back_to_back_us: the calls could not be queued ahead of the GPU; does fn synchronize?")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         torch.cuda._sleep(cycles)
@@ -288,25 +306,26 @@ def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
         "FP8": (lambda x, a: tq._quantize_impl(x, a, 8, 4, False, False), gk.fp8_fake_quant_cuda,
                 lambda x, a: quant_op(x, a, 8, 4, False, False)),
     }
-    flushed = ["### One call, L2 flushed (do_bench)", "",
-               "| tensor | format | ModelOpt kernel | qarl kernel | speedup | clone | qarl / clone | ModelOpt op wall "
-               "| qarl op wall |", "|---|---|---|---|---|---|---|---|---|"]
+    flushed = ["### One call, L2 flushed (do_bench; read flush: the control)", "",
+               "| tensor | format | ModelOpt kernel | qarl kernel | speedup | clone | qarl / clone | qarl, read flush "
+               "| clone, read flush | ModelOpt op wall | qarl op wall |", "|---" * 11 + "|"]
     b2b = ["### Back to back over cold tensors", "",
            "| tensor | tensors | format | ModelOpt kernel | qarl kernel | speedup | clone | qarl / clone |",
            "|---|---|---|---|---|---|---|---|"]
     for label, shape in BENCH_SHAPES.items():
         pairs = cold_tensors(shape, gen)
         x, amax = pairs[0]
-        t_clone = flushed_us(x.clone)
+        t_clone, r_clone = flushed_us(x.clone), read_flushed_us(x.clone)
         c_clone = back_to_back_us(lambda x, a: x.clone(), pairs)
         for fmt, (ref, ours, op) in kernels.items():
             t_ref, t_ours = flushed_us(partial(ref, x, amax)), flushed_us(partial(ours, x, amax))
+            r_ours = read_flushed_us(partial(ours, x, amax))
             c_ref, c_ours = back_to_back_us(ref, pairs), back_to_back_us(ours, pairs)
             with gk.modelopt_kernels():
                 w_ref = wall_us(partial(op, x, amax))
             w_ours = wall_us(partial(op, x, amax))
             flushed.append(f"| {label} | {fmt} | {t_ref:.1f} | {t_ours:.1f} | {t_ref / t_ours:.1f}x | {t_clone:.1f} | "
-                           f"{t_ours / t_clone:.2f} | {w_ref:.1f} | {w_ours:.1f} |")
+                           f"{t_ours / t_clone:.2f} | {r_ours:.1f} | {r_clone:.1f} | {w_ref:.1f} | {w_ours:.1f} |")
             b2b.append(f"| {label} | {len(pairs)} | {fmt} | {c_ref:.1f} | {c_ours:.1f} | {c_ref / c_ours:.1f}x | "
                        f"{c_clone:.1f} | {c_ours / c_clone:.2f} |")
         del pairs, x, amax
@@ -315,8 +334,8 @@ def run_timing(gk, tq, gen: torch.Generator) -> list[str]:
 
 def run_tune(gk, gen: torch.Generator, rounds: int = 9) -> list[str]:
     """Other block and warp counts, timed both ways in interleaved rounds (every configuration once a round,
-    and a clone), each against the clone of its round: per tensor, median us (flushed / back to back) and
-    the median ratio to the clone."""
+    and a clone, in an order rotated from round to round), each against the clone of its round: per tensor,
+    median us (flushed / back to back) and the median ratio to the clone."""
     configs: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {"clone": lambda x, a: x.clone()}
     for n in (32, 64, 128, 256):
         for w in (2, 4, 8):
@@ -328,8 +347,10 @@ def run_tune(gk, gen: torch.Generator, rounds: int = 9) -> list[str]:
     for shape in BENCH_SHAPES.values():
         pairs = cold_tensors(shape, gen)
         times = {name: ([], []) for name in configs}  # flushed, back to back
+        names = list(configs)
         for r in range(rounds):
-            for name, fn in configs.items():
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn = configs[name]
                 times[name][0].append(flushed_us(partial(fn, *pairs[r % len(pairs)]), rep=50))
                 times[name][1].append(back_to_back_us(fn, pairs, rounds=5))
         clone = times["clone"]

@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-# Elements per program and warps; benchmarks/fake_quant_gpu_check.py --tune compares others. NVFP4 at
-# 32 x 2 (8 elements a thread) was the fastest on an H100: 1-4 % faster than 128 x 4 (16 a thread).
+# Elements per program and warps; benchmarks/fake_quant_gpu_check.py --tune compares others. On an H100,
+# NVFP4 at 32 x 2 (8 elements a thread) tied 64 x 4 as the fastest, 3-6 % faster than 128 x 4 (16 a thread).
 NVFP4_BLOCKS_PER_PROGRAM, NVFP4_NUM_WARPS = 32, 2  # 16-element blocks: 512 elements
 FP8_BLOCK, FP8_NUM_WARPS = 2048, 4
 
