@@ -112,11 +112,15 @@ _GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forwar
                  torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
 
 
+def _hook_tables(module: nn.Module) -> tuple[dict, ...]:
+    """`module`'s own hook tables (forward and backward) that `Module.__call__` reads."""
+    return module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+
+
 def _no_hooks(module: nn.Module) -> bool:
     """Calling `module` runs no hook (forward or backward, its own or process-wide): `Module.__call__` would
     call its forward and nothing else."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
+    return not (any(_hook_tables(module)) or any(_GLOBAL_HOOKS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +148,6 @@ class LinearPlan:
 with torch.inference_mode(False):  # an inference tensor keeps no version (an import under inference_mode)
     _NO_AMAX = torch.zeros(())  # never written: its version never moves
 _NO_BUFFERS = {"_amax": _NO_AMAX}
-
-
-def _hook_tables(module: nn.Module) -> tuple[dict, ...]:
-    return module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
 
 
 def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
