@@ -32,7 +32,9 @@ def measure(exact: bool, quant_cfg: str, repeats: int, profile: Path | None, sha
     import torch
 
     from qarl.config import PolicyConfig
-    from qarl.policy import build_policy, resolve_model_dir, score_completions
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
+    from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
     task = ArithmeticTask(num_train=400, num_eval=32, seed=0)

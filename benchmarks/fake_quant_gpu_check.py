@@ -410,8 +410,8 @@ def main() -> None:
     import triton
     from modelopt.torch.quantization import tensor_quant as tq
 
-    gk = load("qarl_gpu_kernels", "qarl/quant/gpu_kernels.py")
-    nv = load("qarl_nvfp4_cpu", "qarl/quant/nvfp4_cpu.py")
+    gk = load("qarl_gpu_kernels", "qarl/quant/kernels/gpu.py")
+    nv = load("qarl_nvfp4_cpu", "qarl/quant/kernels/nvfp4_cpu.py")
     if not (gk.available() and hasattr(modelopt_triton, "fp4_fake_quant_block") and not tq.DISABLE_TRITON_KERNEL):
         raise SystemExit("ModelOpt does not take its Triton NVFP4 path here (needs sm_89+ and triton)")
     fp8_ext = tq.get_cuda_ext_fp8(raise_if_failed=False) is not None

@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qarl.quant import gpu_kernels as gk
+    from qarl.quant.kernels import gpu as gk
 
     os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})  # see gpu_step_time.py --cpu
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

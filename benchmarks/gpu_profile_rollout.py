@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=22)
     args = parser.parse_args()
 
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
 
     runners = qarl_engine(args.format, resolve_model_dir(args.model), "bfloat16", args.tokens, eager=False,
                           request_options=args.format == "none")

@@ -37,7 +37,9 @@ def profile(fmt_name: str, model: str, score: bool) -> None:
 
     from qarl.config import PolicyConfig
     from qarl.optim import PolicyOptimizer
-    from qarl.policy import build_policy, resolve_model_dir, score_completions
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
+    from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
     cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name)

@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens)}

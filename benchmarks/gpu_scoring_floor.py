@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
 
-    from qarl.quant import lean_forward as lean
+    from qarl.quant.fastpath import lean_forward as lean
 
     def plain_linear(self, input):
         return F.linear(input, self._parameters["weight"], self._parameters.get("bias"))

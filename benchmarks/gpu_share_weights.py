@@ -56,7 +56,9 @@ def main() -> None:
     from qarl.config import GenerationConfig, PolicyConfig
     from qarl.generation import VLLMEngine
     from qarl.optim import PolicyOptimizer
-    from qarl.policy import build_policy, resolve_model_dir, score_completions
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
+    from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
     model_dir = resolve_model_dir(args.model)

@@ -55,9 +55,10 @@ class Subject:
         from qarl.config import RecipeConfig, load_recipe
         from qarl.generation import Completion
         from qarl.optim import PolicyOptimizer
-        from qarl.policy import build_policy, resolve_model_dir
+        from qarl.models.resolve import resolve_model_dir
+        from qarl.policy import build_policy
         from qarl.tasks import build_task
-        from qarl.train import Rollout
+        from qarl.run import Rollout
 
         self.cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [
             f"policy.model_name={model}", "policy.dtype=bfloat16", f"policy.quant_cfg={fmt_name}",
@@ -91,7 +92,7 @@ class Subject:
         policy_update(self.policy, None, self.optimizer, self.batch, self.advantages, self.cfg)
 
     def score(self) -> None:
-        from qarl.policy import score_completions
+        from qarl.scoring import score_completions
 
         rows = self.completions[:8]
         with torch.no_grad():
@@ -126,7 +127,7 @@ class Subject:
         return times[2 * len(times) // len(self.times["update"]):]
 
     def medians(self) -> dict[str, float]:
-        from qarl.quant.weight_cache import cache_bytes
+        from qarl.quant.fastpath.weight_cache import cache_bytes
 
         out = {k: statistics.median(self.samples(k)) for k in self.times}
         return {**out, "resident_gib": self.resident / 2**30, "update_peak_gib": self.update_peak / 2**30,

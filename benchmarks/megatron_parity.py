@@ -32,7 +32,7 @@ def main() -> None:
 
     from qarl.backends.convert import gpt_shape, read_hf_config
     from qarl.backends.megatron import build_megatron_model
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
     from qarl.quant import quantize_policy, resolve_format
 
     parser = argparse.ArgumentParser()

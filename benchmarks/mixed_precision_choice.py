@@ -21,7 +21,9 @@ import torch
 def main() -> None:
     from qarl.config import GenerationConfig, PolicyConfig
     from qarl.generation import VLLMEngine
-    from qarl.policy import build_policy, resolve_model_dir, score_completions
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
+    from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -22,7 +22,8 @@ def measure(size: str, fmt_name: str, repeats: int) -> dict:
 
     from qarl.config import GenerationConfig, PolicyConfig
     from qarl.generation import VLLMEngine
-    from qarl.policy import build_policy, resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
     from qarl.tasks import ArithmeticTask
 
     model_dir = resolve_model_dir(f"embedded:{size}")

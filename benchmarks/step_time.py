@@ -24,7 +24,8 @@ def main(overrides: list[str]) -> None:
     from qarl.policy import build_policy
     from qarl.rewards import WeightedRewards
     from qarl.tasks import build_task
-    from qarl.train import initial_policy, policy_update, rollout, step_problems
+    from qarl.run import initial_policy, rollout, step_problems
+    from qarl.train import policy_update
 
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", ["trainer.steps=12", *overrides], RecipeConfig)
     t = cfg.trainer

@@ -20,7 +20,7 @@ import torch
 def greedy_exact_match(model_dir: str, problems: list, device: torch.device) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qarl.policy import completion_logits
+    from qarl.scoring import completion_logits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -36,7 +36,7 @@ def greedy_exact_match(model_dir: str, problems: list, device: torch.device) -> 
 
 def main() -> None:
     from qarl.config import RecipeConfig, load_recipe
-    from qarl.policy import cache_dir, default_device, resolve_model_dir
+    from qarl.models.resolve import cache_dir, default_device, resolve_model_dir
     from qarl.tasks import build_task
     from qarl.warm_start import warm_start
 

@@ -117,6 +117,13 @@ class PolicyConfig:
     # bf16/fp16, Llama/Qwen2): the engine's log-prob of every sampled token then equals the policy's bit for
     # bit, in every format. The engine runs vLLM's batch-invariant mode. See qarl/backends/exact_forward.py.
     exact_forward: bool = False
+    # Log-probs, entropy and the QAD KL come from the final hidden states this many completion tokens at a time (the
+    # head, the log-softmax, the KL), each chunk recomputed in the backward: a [tokens, vocabulary] fp32 tensor
+    # exists for one chunk, never for the whole micro-batch (qarl/scoring.py).
+    logprob_chunk_tokens: int = 512
+    # Activation checkpointing of the decoder layers during the update: "off", "on", or "auto" (on only when the
+    # memory plan finds the update does not fit without it; qarl/memory.py). The STE gradients are unchanged.
+    gradient_checkpointing: str = "auto"
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
     backend: str = "hf"
@@ -125,8 +132,16 @@ class PolicyConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:
-        """Settings the exact forward cannot serve, refused as the recipe loads (what the machine and the
-        model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
+        """Settings that cannot run, and those the exact forward cannot serve, refused as the recipe loads (what
+        the machine and the model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
+        if self.logprob_chunk_tokens < 1:
+            raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens} must be at least 1")
+        # YAML reads a bare on/off as a boolean: both spellings are accepted
+        self.gradient_checkpointing = {"true": "on", "false": "off"}.get(str(self.gradient_checkpointing).lower(),
+                                                                        str(self.gradient_checkpointing))
+        if self.gradient_checkpointing not in ("off", "on", "auto"):
+            raise ConfigError(f"policy.gradient_checkpointing={self.gradient_checkpointing!r}; choose one of "
+                              "('off', 'on', 'auto')")
         if not self.exact_forward:
             return
         conflicts = [

@@ -63,7 +63,8 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
     """{layer: statistics} of one model (see the module docstring)."""
     import torch
 
-    from qarl.policy import build_policy, calibration_batches
+    from qarl.calibration import calibration_batches
+    from qarl.policy import build_policy
     from qarl.quant import resolve_format
     from qarl.quant.quantize import quantized_linears
 
@@ -158,7 +159,7 @@ def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, d
     from qarl.quant import resolve_format
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task
-    from qarl.train import initial_model_dir
+    from qarl.run import initial_model_dir
 
     task = build_task(cfg.task, cfg.run.seed)
     sources = {m: resolve_model_source(m) for m in models if m != WARM_START}  # bad paths fail first

@@ -15,39 +15,38 @@ Evaluation (step 0 = plain post-training quantization of the teacher, every `eva
 at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy, and
 `eval/teacher_kl`, the same reverse KL as the loss on the student's samples for held-out prompts.
 
-What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, evaluation,
-checkpoints, metrics) comes from qarl.train and the modules it uses; this file holds what
-distillation adds. `qarl distill RECIPE [a.b=c ...]` (qarl/cli.py) runs it.
+What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, the step skeleton,
+checkpoints, metrics) lives in qarl/run.py; this file holds what distillation adds.
+`qarl distill RECIPE [a.b=c ...]` (qarl/cli.py) runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from transformers import PreTrainedModel
 
-from qarl.checkpoint import latest_checkpoint, resolve_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
-from qarl.config import ConfigError, LoraConfig, RecipeConfig, to_dict
+from qarl.checkpoint import resolve_checkpoint
+from qarl.config import ConfigError, LoraConfig, RecipeConfig
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
+from qarl.memory import FrozenModel, ModelShape
 from qarl.models.checks import parameter_count, tokenizer_differences, vocab_width
-from qarl.metrics import MetricsLog, ProgressFigures, device_memory_gib, progress_bar, report_run
-from qarl.optim import NonFiniteGuard, PolicyOptimizer, step_metrics
-from qarl.policy import DTYPES, Policy, attach_rollout_view, build_policy, completion_logits, resolve_model_dir
-from qarl.quant import check_generation_matches, resolve_format
-from qarl.rewards import WeightedRewards
-from qarl.tasks import Problem, Task, build_task
-from qarl.train import (Rollout, check_run_settings, initial_model_dir, initial_policy, resumed_policy, rollout,
-                        rollout_and_timing_metrics, step_problems)
+from qarl.models.resolve import resolve_model_dir
+from qarl.optim import PolicyOptimizer, step_metrics
+from qarl.policy import build_policy, DTYPES, Policy
+from qarl.quant import resolve_format
+from qarl.run import Rollout, Run, initial_model_dir, run_steps, start_engine, start_run
+from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
+from qarl.seeds import derived_seed
+from qarl.tasks import Problem, Task
 
 GiB = 2**30
 WARM_START_TEACHER = "warm-start"
@@ -55,7 +54,7 @@ DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
 LR_SCHEDULES = ("constant", "cosine")
 MEMORY_MARGIN = 0.1  # of the available memory, left for activations and allocator slack
-EVAL_SEED_OFFSET = 2**30  # held-out samples' seeds: apart from every rollout's (run.seed * 1_000_003 + position)
+EVAL_SEED_OFFSET = 2**30  # the held-out samples' seed position: apart from every rollout's
 
 
 # -- checks before anything heavy ------------------------------------------------------------------
@@ -174,19 +173,40 @@ class PairScores:
 
 
 def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: list[Completion], pad_id: int,
-               temperature: float, top_k: int = 0) -> PairScores:
-    """Both models score the same sequences; grad flows through the student only."""
+               temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS) -> PairScores:
+    """Both models score the same sequences, `chunk_tokens` completion tokens at a time (qarl/scoring.py); grad flows
+    through the student only."""
     prompts, tokens = [c.prompt_ids for c in completions], [c.token_ids for c in completions]
-    student_logits, targets, mask = completion_logits(student, prompts, tokens, pad_id)
+    found = completion_states(student, prompts, tokens, pad_id)
     with torch.no_grad():
-        teacher_logits = completion_logits(teacher, prompts, tokens, pad_id)[0].to(student_logits.device)
-    kl = reverse_kl(student_logits, teacher_logits, temperature, top_k) * mask
+        teacher_found = completion_states(teacher, prompts, tokens, pad_id)
+    if found is None or teacher_found is None:  # a model that gives logits only: the whole vocabulary at once
+        student_logits, targets, mask = completion_logits(student, prompts, tokens, pad_id)
+        with torch.no_grad():
+            teacher_logits = completion_logits(teacher, prompts, tokens, pad_id)[0].to(student_logits.device)
+        return PairScores(*(part * mask for part in pair_terms(student_logits, teacher_logits, targets, temperature,
+                                                              top_k)), mask=mask)
+
+    def chunk(states: torch.Tensor, teacher_states: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            teacher_logits = teacher_found.head(teacher_states).to(states.device)
+        return pair_terms(found.head(states), teacher_logits, targets, temperature, top_k)
+
+    terms = in_chunks(chunk, chunk_tokens, found.states, teacher_found.states.to(found.states.device), found.targets)
+    return PairScores(*(found.scatter(part) for part in terms), mask=found.mask)
+
+
+def pair_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+               top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token: the KL that is optimized, the full-vocabulary KL (no grad), the student's log-prob of the target
+    and its entropy (no grad)."""
+    kl = reverse_kl(student_logits, teacher_logits, temperature, top_k)
     with torch.no_grad():
-        kl_full = kl.detach() if top_k <= 0 else reverse_kl(student_logits, teacher_logits, temperature) * mask
+        kl_full = kl.detach() if top_k <= 0 else reverse_kl(student_logits, teacher_logits, temperature)
         log_p = torch.log_softmax(student_logits.detach().float() / temperature, dim=-1)
-        logprobs = log_p.gather(-1, targets[..., None]).squeeze(-1) * mask
-        entropy = -(log_p.exp() * log_p).sum(-1) * mask
-    return PairScores(kl=kl, kl_full=kl_full, logprobs=logprobs, entropy=entropy, mask=mask)
+        logprobs = log_p.gather(-1, targets[..., None]).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return kl, kl_full, logprobs, entropy
 
 
 def learning_rate(cfg: RecipeConfig, step: int) -> float:
@@ -194,10 +214,6 @@ def learning_rate(cfg: RecipeConfig, step: int) -> float:
     if cfg.distill.lr_schedule == "cosine":
         return cfg.trainer.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.trainer.steps))
     return cfg.trainer.lr
-
-
-def _micro_batches(items: list, size: int) -> list[list]:
-    return [items[s : s + size] for s in range(0, len(items), size)]
 
 
 def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer, batch: Rollout,
@@ -218,13 +234,11 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     for group in optimizer.param_groups:
         group["lr"] = lr
     # this process's micro-batches (data parallel), each weighted for the whole step
-    for rows in student.local_share(_micro_batches(comps, t.micro_batch_size)):
-        scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
-                            cfg.policy.generation.temperature, cfg.distill.top_k)
+    for mb in student.local_share(micro_batches(comps, list(range(len(comps))), t.micro_batch_size)):
+        scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
+                            cfg.policy.generation.temperature, cfg.distill.top_k, cfg.policy.logprob_chunk_tokens)
         optimizer.backward(scores.kl.sum() / total_tokens)
-        width = scores.mask.shape[1]
-        engine_lp = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in rows],
-                                 device=scores.mask.device)
+        engine_lp = mb.engine_logprobs(scores.mask.device)
         delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
         parts["max_diff"].append(delta.abs().max().item())
         parts["mismatch"].append(((torch.exp(delta) - delta - 1) * scores.mask).sum().item())
@@ -237,7 +251,9 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     max_diff = max(student.all_values(parts["max_diff"]), default=0.0)
     out = {"distill/kl": sums["kl"] / total_tokens, "lr": lr, "grad_norm": result.grad_norm,
            "entropy": sums["entropy"] / total_tokens, "mismatch/kl": sums["mismatch"] / total_tokens,
-           "mismatch/max_abs_logprob_diff": max_diff, **step_metrics([result])}
+           "mismatch/max_abs_logprob_diff": max_diff,
+           "train/policy_tokens": float(sum(len(c.prompt_ids) + len(c.token_ids) for c in comps)),
+           **step_metrics([result])}
     if cfg.distill.top_k > 0:
         out["distill/kl_full"] = sums["kl_full"] / total_tokens
     return out
@@ -249,11 +265,11 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
     from the quantized student at the training temperature. The same seed at every evaluation, so
     successive values differ by the student, not by the sampling noise."""
     prompts = [student.tokenizer(p.prompt).input_ids for p in problems]
-    comps = [c for c in engine.generate(prompts, seed=cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET) if c.token_ids]
+    comps = [c for c in engine.generate(prompts, seed=derived_seed(cfg.run.seed, EVAL_SEED_OFFSET)) if c.token_ids]
     kl, tokens = 0.0, 0.0
-    for rows in _micro_batches(comps, cfg.trainer.micro_batch_size):
-        scores = score_pair(student.model, teacher.model, rows, student.tokenizer.pad_token_id,
-                            cfg.policy.generation.temperature)
+    for mb in micro_batches(comps, list(range(len(comps))), cfg.trainer.micro_batch_size):
+        scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
+                            cfg.policy.generation.temperature, chunk_tokens=cfg.policy.logprob_chunk_tokens)
         kl += scores.kl_full.sum().item()
         tokens += scores.mask.sum().item()
     return kl / max(tokens, 1.0)
@@ -261,100 +277,58 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
 
 # -- the loop --------------------------------------------------------------------------------------
 def distill(cfg: RecipeConfig) -> Path:
-    # 1. Check everything cheap before anything expensive.
     check_distill_config(cfg)
-    check_run_settings(cfg)
-    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)  # [0] = the verifier
-    student_format = resolve_format(cfg.policy.quant_cfg)
-    check_generation_matches(student_format, resolve_format(cfg.policy.generation.quant_cfg),
-                             cfg.policy.generation.allow_quant_mismatch)
-    task = build_task(cfg.task, cfg.run.seed)
+    run = start_run(cfg, frozen=lambda student, task: load_teacher(cfg, task), checks=check_teacher,
+                    frozen_model=lambda cfg, shape: FrozenModel("teacher", ModelShape.of(
+                        teacher_source(cfg), cfg.teacher.trust_remote_code), cfg.teacher.dtype))
+    # The engine: the teacher's own accuracy first (unquantized), then the student's format.
+    rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
+    teacher_first = run.start_step == 0 and cfg.distill.eval_teacher_accuracy
+    engine = start_engine(run, None if teacher_first else rollout_format)
+    first_row: dict[str, float] = {}
+    if teacher_first:
+        teacher = run.frozen
+        if same_architecture(teacher.model, run.policy.model):
+            engine.refit(teacher.model)
+            eval_problems = run.task.eval[: cfg.eval.num_prompts]
+            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, run.rewards).accuracy
+        else:
+            print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
+    engine.set_quant_format(rollout_format)  # a graph engine restarts for it (once, after the teacher)
+    return run_steps(run, engine, QADSteps(run, engine), first_row)
+
+
+def check_teacher(cfg: RecipeConfig) -> None:
+    """Before anything loads: the teacher shares the student's tokenizer, and teacher + student + engine fit."""
     student_source, source = resolve_model_dir(cfg.policy.model_name), teacher_source(cfg)
     if source != student_source:
         check_tokenizers(student_source, source, cfg.teacher.trust_remote_code or cfg.policy.trust_remote_code)
     memory = check_memory(cfg, student_source, source)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
-    t = cfg.trainer
-    prompts_per_step = t.batch_size // t.num_generations
     print(f"QAD memory estimate (GiB): {', '.join(f'{k} {v:.2f}' for k, v in memory.items())}")
 
-    # 2. The student (resumed, or built fresh: warm start, quantize, calibrate) and the frozen teacher.
-    checkpoint = latest_checkpoint(run_dir) if t.resume else None
-    torch.manual_seed(cfg.run.seed)
-    student = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
-    student.start_noise(t.steps, cfg.run.seed)
-    teacher = load_teacher(cfg, task)
-    attach_rollout_view(student, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
-    optimizer = PolicyOptimizer(student, t.lr, t.weight_decay, t.max_grad_norm)
-    start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
-    guard = NonFiniteGuard(t.max_nonfinite_steps)
-    student.model.eval()
 
-    # 3. The engine: the teacher's own accuracy first (unquantized), then the student's format, synced.
-    rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
-    teacher_first = start_step == 0 and cfg.distill.eval_teacher_accuracy
-    engine = VLLMEngine(student.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
-                        quant_format=None if teacher_first else rollout_format, qlora=cfg.policy.lora.mode == "qlora",
-                        exact=cfg.policy.exact_forward)
-    eval_problems = task.eval[: cfg.eval.num_prompts]
-    first_row: dict[str, float] = {}
-    if teacher_first:
-        if same_architecture(teacher.model, student.model):
-            engine.refit(teacher.model)
-            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, rewards).accuracy
-        else:
-            print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
-    engine.set_quant_format(rollout_format)  # a graph engine restarts for it (once, after the teacher)
-    step_state = student.prepare_step(start_step)
-    engine.refit(student.rollout_model())
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None,
-                         loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
+class QADSteps:
+    """QAD's part of a step: held-out accuracy and KL to the teacher, rewards as metrics, the distillation update."""
 
-    def evaluation() -> dict[str, float]:
-        return {"eval/accuracy": evaluate(engine, student, eval_problems, rewards).accuracy,
-                "eval/teacher_kl": teacher_kl(engine, student, teacher, eval_problems, cfg)}
+    label, panels = "QAD", DISTILL_PANELS
 
-    # 4. The loop.
-    bar = progress_bar(range(start_step, t.steps), "QAD")
-    progress = ProgressFigures()
-    for step in bar:
-        step_start = time.perf_counter()
-        row: dict[str, float | int | None] = {"step": step, **step_state, **(first_row if step == 0 else {})}
-        if step % cfg.eval.every == 0:
-            row.update(evaluation())
+    def __init__(self, run: Run, engine: VLLMEngine):
+        self.run, self.engine = run, engine
+        self.eval_problems = run.task.eval[: run.cfg.eval.num_prompts]
+        self.summary = distill_summary
 
-        problems = step_problems(task, step, prompts_per_step, cfg.run.seed)
-        batch = rollout(engine, student, problems, t.num_generations, seed=cfg.run.seed * 1_000_003 + step * t.batch_size)
-        reward_values, reward_parts = rewards(batch.texts, [p.answer for p in problems for _ in range(t.num_generations)])
+    def evaluate(self) -> dict[str, float]:
+        student, teacher = self.run.policy, self.run.frozen
+        return {"eval/accuracy": evaluate(self.engine, student, self.eval_problems, self.run.rewards).accuracy,
+                "eval/teacher_kl": teacher_kl(self.engine, student, teacher, self.eval_problems, self.run.cfg)}
 
-        rollout_memory = device_memory_gib("rollout")
-        train_start = time.perf_counter()
-        engine.sleep()  # colocated on one GPU: the engine's memory is the models' during the update
-        update = distill_update(student, teacher, optimizer, batch, cfg, learning_rate(cfg, step))
-        memory = {**rollout_memory, **device_memory_gib("update")}
-        engine.wake()
-        refit_start = time.perf_counter()
-        step_state = student.prepare_step(step + 1)
-        refit = engine.refit(student.rollout_model())
-        done = time.perf_counter()
+    def judge(self, batch: Rollout) -> dict[str, float]:
+        values, parts = self.run.rewards(batch.texts, batch.answers)  # rewards[0] is the verifier
+        return {"reward/mean": sum(values) / len(values), **parts}
 
-        row.update({**update, "reward/mean": sum(reward_values) / len(reward_values), **reward_parts, **memory,
-                    **rollout_and_timing_metrics(batch, step_start, train_start, refit_start, refit, done,
-                                                 engine.sleep_wake_s)})
-        metrics.write(row)
-        bar.set_postfix_str(f"kl={update.get('distill/kl', float('nan')):.4f}, {progress.update(row)}")
-        guard(update.get("train/nonfinite", 0) > 0, step)
-        if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
-            save_checkpoint(run_dir, step + 1, student, trainer_state(step + 1, optimizer, prompts_per_step),
-                            keep=cfg.checkpoint.keep)
-
-    # 5. Final evaluation, plot, summary.
-    metrics.write({"step": t.steps, **evaluation()})
-    metrics.close()
-    report_run(run_dir, DISTILL_PANELS, distill_summary)
-    return run_dir
+    def update(self, step: int, batch: Rollout) -> dict[str, float]:
+        run = self.run
+        return distill_update(run.policy, run.frozen, run.optimizer, batch, run.cfg, learning_rate(run.cfg, step))
 
 
 def distill_summary(rows: list[dict[str, Any]]) -> str:

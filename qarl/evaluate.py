@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
 from qarl.generation import VLLMEngine
-from qarl.policy import Policy, build_policy
+from qarl.policy import build_policy, Policy
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, build_task
 

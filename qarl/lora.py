@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
-from qarl.quant.lean_forward import quantized_linear
-from qarl.quant.mixins import with_mixin
+from qarl.quant.fastpath.lean_forward import quantized_linear
+from qarl.quant.mixins import with_mixin, without_mixin
+from qarl.seeds import derived_seed
 
 MODES = ("none", "qlora", "merged")
 ADAPTER_PARAMS = ("lora_A", "lora_B")
@@ -190,6 +191,13 @@ class AdapterDisabled(nn.Module):
         with adapters_disabled(self.policy):
             return self.policy(*args, **kwargs)
 
+    def get_decoder(self) -> nn.Module:
+        """The base's decoder, its adapters off (chunked scoring calls the decoder and the head apart)."""
+        return AdapterDisabled(self.policy.get_decoder())
+
+    def get_output_embeddings(self) -> nn.Module:
+        return AdapterDisabled(self.policy.get_output_embeddings())
+
 
 def served_adapters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{layer name: (A, B, s)} of every adapter that runs beside its weight (qlora): what the engine adds."""
@@ -252,7 +260,7 @@ def deployable_model(model: nn.Module) -> nn.Module:
         if layer.lora_mode == "merged":
             layer.weight.copy_(merged_weight(layer.weight, layer.lora_A, layer.lora_B, layer.lora_scale))
         del layer.lora_A, layer.lora_B
-        layer.__class__ = type(layer).__mro__[2]  # Lora<cls> -> LoraLayer -> cls
+        layer.__class__ = without_mixin(type(layer))  # Lora<cls> -> cls
     return model
 
 
@@ -323,7 +331,7 @@ class QuantNoise:
 
     @torch.no_grad()
     def apply(self, step: int) -> float:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, step))
         std = self.std(step)
         for name, norm in self.norms:
             z = torch.randn(norm.weight.shape, generator=generator) * std

@@ -124,7 +124,7 @@ def _check_run(source: ModelSource, held_out: set[str], base_key: str | None) ->
     """A run must not have trained on the matrix's held-out prompts (a run of another task split has), and,
     when the base is the recipe's warm start, must have started from that very model."""
     from qarl.tasks import build_task
-    from qarl.train import initial_model_key
+    from qarl.run import initial_model_key
 
     config = source.checkpoint.parent.parent / "config.yaml" if source.checkpoint is not None else None
     if config is None or not config.is_file():
@@ -209,10 +209,10 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     loads, the warm start runs (last) or the engine starts."""
     _check_settings(cfg)
     from qarl.models.checks import tokenizer_differences
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task
-    from qarl.train import initial_model_dir, initial_model_key
+    from qarl.run import initial_model_dir, initial_model_key
 
     m = cfg.matrix
     precisions = _precisions(cfg)

@@ -87,7 +87,7 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 class ProgressFigures:
-    """The figures people watch on the progress bar: reward, held-out accuracy, mismatch, tokens/s
+    """The figures people watch on the progress bar: QAD's KL, reward, held-out accuracy, mismatch, tokens/s
     (held-out accuracy and the skipped-step count carry over from the rows that have them)."""
 
     def __init__(self) -> None:
@@ -98,7 +98,8 @@ class ProgressFigures:
         if row.get("eval/accuracy") is not None:
             self.accuracy = row["eval/accuracy"]
         self.skipped += int(row.get("train/skipped") or 0)
-        parts = [f"reward={row['reward/mean']:.2f}" if row.get("reward/mean") is not None else "reward=nan"]
+        parts = [f"kl={row['distill/kl']:.4f}"] if row.get("distill/kl") is not None else []  # QAD's loss
+        parts.append(f"reward={row['reward/mean']:.2f}" if row.get("reward/mean") is not None else "reward=nan")
         if self.accuracy is not None:
             parts.append(f"eval_acc={self.accuracy:.3f}")
         if row.get("mismatch/kl") is not None:
@@ -110,10 +111,18 @@ class ProgressFigures:
         return ", ".join(parts)
 
 
-def device_memory_gib(phase: str) -> dict[str, float]:
-    """GPU memory at the end of a phase of the step ("rollout", "update"): in use on the whole device
-    (every allocator, vLLM's pool included), and the peak of torch's allocator during the phase (the
-    policy's tensors and vLLM's activations, which also come from it). Nothing on CPU."""
+def free_device_bytes() -> int:
+    """The device's free memory as its driver reports it (0 without a GPU)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
+def device_memory_gib(phase: str, released: int = 0) -> dict[str, float]:
+    """GPU memory of a phase of the step ("rollout", "update"): in use on the whole device at its end (the driver's
+    view: every allocator, vLLM's pool included), the peak of torch's allocator during the phase, and that peak less
+    `released`, the memory the sleeping engine gave back to the device but torch's allocator still counts as
+    allocated (vLLM's pool): what the phase really used at its peak. Nothing on CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -121,7 +130,8 @@ def device_memory_gib(phase: str) -> dict[str, float]:
     free, total = torch.cuda.mem_get_info()
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    return {f"perf/gpu_mem_after_{phase}_gib": (total - free) / 2**30, f"perf/torch_peak_{phase}_gib": peak / 2**30}
+    return {f"perf/gpu_mem_after_{phase}_gib": (total - free) / 2**30, f"perf/torch_peak_{phase}_gib": peak / 2**30,
+            f"memory/{phase}_peak_gib": (peak - released) / 2**30}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import torch
 
 from qarl.config import ConfigError, TrainingDiverged
 from qarl.policy import Policy
-from qarl.quant.weight_cache import copy_masters, weight_holders
+from qarl.quant.fastpath.weight_cache import copy_masters, weight_holders
 
 
 @dataclass

@@ -16,7 +16,9 @@ import torch
 from qarl.config import RecipeConfig
 from qarl.generation import VLLMEngine
 from qarl.lora import check_lora, lora_layers
-from qarl.policy import Policy, build_policy, resolve_model_dir, score_completions
+from qarl.models.resolve import resolve_model_dir
+from qarl.policy import build_policy, Policy
+from qarl.scoring import score_completions
 from qarl.quant import resolve_format
 from qarl.tasks import build_task
 

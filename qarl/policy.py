@@ -1,7 +1,9 @@
-"""The policy the training loops train, and its log-probs. The Hugging Face backend lives here: a transformers
-causal LM, fake-quantized by ModelOpt; `policy.backend` picks another (qarl/backends/megatron_policy.py), which
-subclasses `Policy` where it must differ (building, gradient reductions and norm, saving), so the loops, the
-optimizer, checkpoints and refit never ask which backend they run.
+"""The Policy the training loops train, and the one seam to the training backends that build it.
+
+A backend is one module under qarl/backends with `check(cfg)` (what it refuses, before anything loads) and
+`build(cfg, model_dir, tokenizer, fmt, texts, trainable) -> Policy`; `policy.backend` picks it. A backend subclasses
+`Policy` where it must differ (gradient reductions and norm, saving), so the loops, the optimizer, checkpoints and
+refit never ask which backend they run.
 
 `build_policy` goes recipe -> model directory -> (checks) -> backend: model -> quantizers -> calibration.
 Everything that can be wrong with the input is checked before the expensive steps.
@@ -10,100 +12,25 @@ Everything that can be wrong with the input is checked before the expensive step
 from __future__ import annotations
 
 import importlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeVar
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from qarl.calibration import calibration_batches, load_calibration_texts
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
-from qarl.lora import AdapterDisabled, QuantNoise, apply_lora, save_adapter, write_lora_manifest
-from qarl.quant import QuantFormat, load_quantizer_state, quantize_policy, quantizer_state, resolve_format
+from qarl.lora import AdapterDisabled, QuantNoise, save_adapter, write_lora_manifest
+from qarl.models.resolve import resolve_model_dir
+from qarl.quant import QuantFormat, load_quantizer_state, quantizer_state, resolve_format
 from qarl.quant.formats import format_to_yaml
 from qarl.quant.rollout_view import RolloutView
 
-EMBEDDED_PREFIX = "embedded:"
 T = TypeVar("T")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QARL_CACHE_DIR", Path.home() / ".cache" / "qarl"))
-
-
-def resolve_model_dir(model_name: str) -> str:
-    """"embedded:<size>" -> a locally made model directory; a local directory -> itself; else a hub name."""
-    if model_name.startswith(EMBEDDED_PREFIX):
-        from qarl.models.tiny import make_tiny_model
-
-        size = model_name[len(EMBEDDED_PREFIX):]
-        return str(make_tiny_model(cache_dir() / "embedded" / size, size=size))
-    path = Path(model_name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
-        return str(path)
-    if model_name.startswith((".", "/", "~")) or model_name.count("/") != 1:
-        raise ConfigError(f"model not found: {model_name!r} is neither a local model directory nor a hub id (org/name)")
-    return model_name  # a hub id: transformers and vLLM resolve it (needs a reachable hub or a warm cache)
-
-
-def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str]:
-    """`quant_calib_data`: "task" (the task's prompts), a local file, or a datasets hub name."""
-    source = cfg.quant_calib_data
-    if source == "task":
-        texts = task_texts
-    else:
-        import datasets
-
-        path = Path(source).expanduser()
-        builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
-        try:
-            if path.suffix in builders or path.exists():
-                if not path.is_file():
-                    raise ConfigError(f"calibration data file not found: {source}")
-                data = datasets.load_dataset(builders.get(path.suffix, "json"), data_files=str(path), split="train")
-            else:
-                data = datasets.load_dataset(source, split="train")
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(
-                f"calibration data {source!r} could not be loaded ({type(e).__name__}: {e}). Use "
-                "policy.quant_calib_data=task, a local .jsonl/.parquet/.txt file, or a reachable hub dataset."
-            ) from None
-        column = cfg.quant_calib_text_column if cfg.quant_calib_text_column in data.column_names else "text"
-        if column not in data.column_names:
-            raise ConfigError(
-                f"calibration data {source!r} has no column {cfg.quant_calib_text_column!r} (columns: "
-                f"{data.column_names}); set policy.quant_calib_text_column"
-            )
-        texts = [str(t) for t in data[column][: cfg.quant_calib_size]]
-    texts = texts[: cfg.quant_calib_size]
-    if not texts:
-        raise ConfigError(f"calibration data {source!r} is empty")
-    return texts
-
-
-def calibration_batches(
-    texts: list[str], tokenizer: PreTrainedTokenizerBase, cfg: PolicyConfig, device: torch.device,
-    padding_side: str | None = None,
-) -> Iterator[dict[str, torch.Tensor]]:
-    """`texts` tokenized in batches of `cfg.quant_batch_size`, padded on the tokenizer's side (or `padding_side`)."""
-    for start in range(0, len(texts), cfg.quant_batch_size):
-        enc = tokenizer(
-            texts[start : start + cfg.quant_batch_size],
-            return_tensors="pt",
-            padding=True,
-            padding_side=padding_side or tokenizer.padding_side,
-            truncation=True,
-            max_length=cfg.quant_sequence_length,
-        )
-        yield {k: v.to(device) for k, v in enc.items()}
-
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -212,42 +139,22 @@ class Policy:
         return {k: v.detach() for k, v in state.items()}
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# policy.backend -> the module that checks and builds its Policy, imported on use
+BACKENDS = {"hf": "qarl.backends.hf", "megatron": "qarl.backends.megatron_policy"}
 
 
-def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code
-    )
-    return model.to(device)
-
-
-# policy.backend -> "module:function" that builds its Policy; each backend is one module, imported on use
-BACKENDS = {"hf": "qarl.policy:build_hf_policy", "megatron": "qarl.backends.megatron_policy:build_megatron_policy"}
-
-
-def _backend_module(cfg: PolicyConfig) -> tuple[object, str]:
-    """(the module of `policy.backend`, the name of its builder), imported on use."""
+def backend_module(cfg: PolicyConfig) -> ModuleType:
+    """The module of `policy.backend` (its `check` and `build`), imported on use."""
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"policy.backend={cfg.backend!r}; choose one of {sorted(BACKENDS)}")
-    module, _, function = BACKENDS[cfg.backend].partition(":")
-    return importlib.import_module(module), function
+    return importlib.import_module(BACKENDS[cfg.backend])
 
 
 def check_backend(cfg: PolicyConfig) -> None:
-    """`policy.backend` and what it allows, before anything loads (the backend's own `check` does the rest)."""
-    module, _ = _backend_module(cfg)
+    """`policy.backend` and what it allows, before anything loads."""
+    module = backend_module(cfg)
     if cfg.tensor_parallel_size < 1:
         raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} must be at least 1")
-    if cfg.backend == "hf":
-        if cfg.tensor_parallel_size != 1:
-            raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} needs policy.backend=megatron: "
-                              "the Hugging Face backend trains in one process")
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            raise ConfigError("the Hugging Face backend trains in one process, but torchrun started "
-                              f"{os.environ['WORLD_SIZE']}: run it without torchrun, or set policy.backend=megatron")
-        return
     module.check(cfg)
 
 
@@ -276,34 +183,7 @@ def build_policy(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    module, function = _backend_module(cfg)
-    return getattr(module, function)(cfg, model_dir, tokenizer, fmt, texts, trainable)
-
-
-def build_hf_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
-                    texts: list[str] | None, trainable: bool) -> Policy:
-    """The Hugging Face backend: a transformers model, quantized by ModelOpt and calibrated on `texts` (None:
-    uncalibrated)."""
-    device = default_device()
-    master = None
-    if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":
-        model = load_model(model_dir, cfg, device, dtype=cfg.master_dtype)
-        master = {n: p.detach() for n, p in model.named_parameters()}  # .to() below leaves these alone
-        model.to(getattr(torch, cfg.dtype))
-    else:
-        model = load_model(model_dir, cfg, device)
-    if fmt is not None:
-        batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
-        quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
-    lora = None
-    if cfg.lora.mode != "none":  # a frozen base: no master copy; the adapters are the masters
-        apply_lora(model, cfg.lora, dtype=getattr(torch, cfg.master_dtype))
-        lora = cfg.lora
-    if cfg.exact_forward:
-        from qarl.backends.exact_forward import enable_exact_forward
-
-        enable_exact_forward(model)
-    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master, lora=lora)
+    return backend_module(cfg).build(cfg, model_dir, tokenizer, fmt, texts, trainable)
 
 
 def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: list[str]) -> None:
@@ -317,59 +197,3 @@ def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: li
     view = build_policy(cfg, [], model_dir=policy.model_dir, fmt=fmt, calibrate=False)
     batches = list(calibration_batches(texts, view.tokenizer, cfg, view.device))
     policy.rollout = RolloutView(view.model, fmt, batches)
-
-
-@dataclass
-class TokenScores:
-    """Per completion token, padded to [batch, longest completion]: log-prob, entropy, and a 0/1 mask."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    mask: torch.Tensor
-
-
-def completion_logits(
-    model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher-forced logits that predict each completion token, [batch, longest completion, vocab],
-    with the completion tokens and a 0/1 mask of the same [batch, longest completion] shape."""
-    device = next(model.parameters()).device
-    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
-    longest = max(len(c) for c in completions)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros_like(ids)
-    # index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j
-    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
-    mask = torch.zeros((batch, longest), device=device)
-    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
-        attention[i, : len(p) + len(c)] = 1
-        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
-        mask[i, : len(c)] = 1
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    logits = model(input_ids=ids, attention_mask=attention).logits
-    return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])), targets, mask
-
-
-def score_completions(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    pad_id: int,
-    temperature: float = 1.0,
-) -> TokenScores:
-    """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
-
-    Computed in fp32 from logits / temperature, the same distribution the engine samples from; a model
-    with the exact forward picks each token's log-prob with the engine's own kernel
-    (`qarl_token_logprobs`, qarl/backends/exact_forward.py). Carries grad when grad is enabled.
-    """
-    logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    engine_scoring = getattr(model, "qarl_token_logprobs", None)
-    picked = (engine_scoring(logits, targets, temperature) if engine_scoring is not None
-              else log_probs.gather(-1, targets[..., None]).squeeze(-1))
-    token_logprobs = picked * mask
-    entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
-    return TokenScores(logprobs=token_logprobs, entropy=entropy, mask=mask)

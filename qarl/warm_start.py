@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qarl.config import WarmStartConfig
 from qarl.distributed import exclusive
-from qarl.policy import default_device
+from qarl.models.resolve import default_device
 from qarl.tasks import Problem
 
 

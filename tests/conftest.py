@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from qarl.config import GenerationConfig, PolicyConfig
-from qarl.policy import build_policy, resolve_model_dir, score_completions
+from qarl.models.resolve import resolve_model_dir
+from qarl.policy import build_policy
+from qarl.scoring import score_completions
 from qarl.tasks import ArithmeticTask
 
 FORMATS = ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]

@@ -19,7 +19,7 @@ def train_step(model, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> No
     """One optimizer step of a policy-gradient loss: completions (the last 8 tokens of each row) scored by
     qarl's own `score_completions`, weighted by fixed advantages. The same function trains the HF backend in
     tests/test_megatron.py."""
-    from qarl.policy import score_completions
+    from qarl.scoring import score_completions
 
     prompts, completions = [row[:16].tolist() for row in ids], [row[16:].tolist() for row in ids]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[: len(prompts), None]
@@ -38,7 +38,7 @@ def refit_both(built, model_dir: str, fmt, ids: torch.Tensor, out: Path) -> None
 
     from qarl.config import GenerationConfig
     from qarl.generation import VLLMEngine
-    from qarl.policy import score_completions
+    from qarl.scoring import score_completions
     from qarl.quant import quantize_policy
 
     prompts = [row[:8].tolist() for row in ids]

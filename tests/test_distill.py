@@ -105,7 +105,7 @@ def test_top_k_error_is_the_tail_term_and_within_its_bound(top_k):
 # -- the teacher checks --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir() -> str:
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
 
     return resolve_model_dir("embedded:tiny")
 

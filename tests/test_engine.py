@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qarl.parity import measure
-from qarl.policy import score_completions
+from qarl.scoring import score_completions
 from qarl.quant import folded_weights
 
 from .conftest import FORMATS, check_kept_logprobs

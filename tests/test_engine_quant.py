@@ -10,7 +10,7 @@ import torch
 from qarl.config import ConfigError, GenerationConfig
 from qarl.generation.vllm_engine import runs_eager
 from qarl.quant import resolve_format
-from qarl.quant.input_quant import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
+from qarl.quant.ops import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
 
 from .conftest import tiny_policy
 

@@ -141,7 +141,7 @@ def test_fused_weights_are_kept_until_a_part_changes():
     from torch import nn
 
     from qarl.backends.exact_forward import EngineLinear
-    from qarl.quant.weight_cache import DERIVED, invalidate
+    from qarl.quant.fastpath.weight_cache import DERIVED, invalidate
 
     owner = nn.Module()
     parts = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(2, 4))]

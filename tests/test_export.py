@@ -19,7 +19,8 @@ from qarl.checkpoint import save_checkpoint
 from qarl.config import ConfigError, PolicyConfig
 from qarl.export import export_checkpoint, export_policy, verify_export
 from qarl.export.cli import add_export_command
-from qarl.policy import build_policy, resolve_model_dir
+from qarl.models.resolve import resolve_model_dir
+from qarl.policy import build_policy
 from qarl.quant import folded_weights, resolve_format
 from qarl.quant.quantize import quantized_linears
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_sleep_frees_memory_and_wake_restores_the_engine(tiny_dir, task, make_policy):
     from qarl.generation import VLLMEngine
     from qarl.parity import measure
-    from qarl.policy import score_completions
+    from qarl.scoring import score_completions
 
     policy = make_policy("nvfp4_a16")
     engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "float32", 0,

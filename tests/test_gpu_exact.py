@@ -21,7 +21,7 @@ MODEL = "embedded:20m"  # head size 64 (FlashAttention 3); the tiny model's is 3
 
 
 def exact_policy(task, quant_cfg: str, dtype: str = "bfloat16", exact: bool = True):
-    from qarl.policy import resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
 
     return tiny_policy(task, resolve_model_dir(MODEL), quant_cfg, trainable=True, model_name=MODEL, dtype=dtype,
                        exact_forward=exact)

@@ -19,7 +19,7 @@ def test_refit_under_cuda_graphs_changes_what_the_engine_samples(tiny_dir, task,
     from qarl.generation import VLLMEngine
     from qarl.generation.engine_quant import QuantizedInput
     from qarl.parity import measure
-    from qarl.policy import score_completions
+    from qarl.scoring import score_completions
 
     policy = make_policy(fmt)
     settings = GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2, sleep_between_rollouts="off")

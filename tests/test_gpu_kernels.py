@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qarl.quant import gpu_kernels as gk
+from qarl.quant.kernels import gpu as gk
 from qarl.quant import resolve_format
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ def test_install_is_a_noop_without_cuda():
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import sys
     import torch
-    from qarl.quant import gpu_kernels as gk, nvfp4_cpu as nv
+    from qarl.quant.kernels import gpu as gk, nvfp4_cpu as nv
 
     gen = torch.Generator().manual_seed(0)
     amax = torch.tensor(2688.0 / 8)

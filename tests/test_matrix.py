@@ -17,7 +17,8 @@ from qarl.checkpoint import save_checkpoint
 from qarl.config import ConfigError, RecipeConfig, WarmStartConfig, load_recipe
 from qarl.evaluate import EvalResult
 from qarl.matrix import FULL, TRAINED, gain, mean_and_se, per_prompt, plan_matrix, run_matrix, survival
-from qarl.policy import build_policy, cache_dir
+from qarl.models.resolve import cache_dir
+from qarl.policy import build_policy
 from qarl.tasks import ArithmeticTask
 from qarl.warm_start import warm_start
 

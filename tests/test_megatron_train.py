@@ -141,7 +141,7 @@ def test_qad_runs_on_the_megatron_backend(tmp_path):
     from qarl.config import RecipeConfig, load_recipe
     from qarl.quant import quantizer_state
     from qarl.tasks import build_task
-    from qarl.train import initial_policy
+    from qarl.run import initial_policy
 
     from .test_distill import COMMAND, SMALL
 

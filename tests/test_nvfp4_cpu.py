@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from qarl.quant import nvfp4_cpu as nv
+from qarl.quant.kernels import nvfp4_cpu as nv
 
 F32 = np.float32
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

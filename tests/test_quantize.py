@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from qarl.config import ConfigError, PolicyConfig
-from qarl.policy import build_policy, load_calibration_texts, score_completions
+from qarl.calibration import load_calibration_texts
+from qarl.policy import build_policy
+from qarl.scoring import score_completions
 from qarl.quant import FUSED_SIBLINGS, folded_weights, load_quantizer_state, quantizer_state, resolve_format
 from qarl.quant.quantize import quantize_policy
 
@@ -143,7 +145,7 @@ def test_smoothing_calibration_cannot_train():
     from qarl.config import RecipeConfig, load_recipe
     from qarl.quant.formats import with_calibration
     from qarl.quant.quantize import check_trainable_format
-    from qarl.train import check_run_settings
+    from qarl.run import check_run_settings
 
     check_trainable_format(resolve_format("nvfp4_w4a4"), "policy.quant_cfg")
     with pytest.raises(ConfigError, match="awq_lite, a smoothing algorithm"):
@@ -156,7 +158,7 @@ def test_smoothing_calibration_cannot_train():
 def test_static_block_formats_round_trip_through_the_quantizer_state(task, tiny_dir, spec):
     """ModelOpt's MSE / 4-over-6 calibration turns weight quantizers into static-block ones with a global
     amax; a checkpoint's quantizer state restores them: the same folded weights, bit for bit, cached."""
-    from qarl.quant.weight_cache import WeightCacheMixin
+    from qarl.quant.fastpath.weight_cache import WeightCacheMixin
 
     cfg = PolicyConfig(quant_calib_size=16)
     policy = build_policy(cfg, task.calibration_texts(16), model_dir=tiny_dir, fmt=resolve_format(spec))

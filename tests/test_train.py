@@ -108,15 +108,15 @@ def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="allowed where CUDA is")),
 ])
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path, monkeypatch, overrides, needle):
-    import qarl.train
+    import qarl.run
     from qarl.train import train
 
     def tripwire(*args, **kwargs):
         raise AssertionError("a model or engine was loaded before the input was checked")
 
-    monkeypatch.setattr(qarl.train, "initial_policy", tripwire)
-    monkeypatch.setattr(qarl.train, "load_policy_checkpoint", tripwire)
-    monkeypatch.setattr(qarl.train, "VLLMEngine", tripwire)
+    monkeypatch.setattr(qarl.run, "initial_policy", tripwire)
+    monkeypatch.setattr(qarl.run, "load_policy_checkpoint", tripwire)
+    monkeypatch.setattr(qarl.run, "VLLMEngine", tripwire)
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [f"run.dir={tmp_path}", *overrides], RecipeConfig)
     with pytest.raises(ConfigError, match=needle):
         train(cfg)

@@ -13,8 +13,8 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 from qarl.optim import PolicyOptimizer
 from qarl.quant import folded_weights, load_quantizer_state, quantizer_state
 from qarl.quant.quantize import quantized_linears, share_fused_amax
-from qarl.quant.lean_forward import FastInputMixin, LeanAttention, lean_forward, plan_linear, quantized_linear
-from qarl.quant.weight_cache import WeightCacheMixin, cache_bytes, invalidate
+from qarl.quant.fastpath.lean_forward import FastInputMixin, LeanAttention, lean_forward, plan_linear, quantized_linear
+from qarl.quant.fastpath.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
 from .conftest import FORMATS, answer_loss, tiny_policy
 
@@ -226,7 +226,7 @@ def test_lean_embedding_equals_modelopt_with_its_quantizers_enabled(task, tiny_d
     ModelOpt's."""
     import modelopt.torch.quantization as mtq
 
-    from qarl.quant.lean_forward import LeanEmbedding
+    from qarl.quant.fastpath.lean_forward import LeanEmbedding
 
     policies = [_policy(task, tiny_dir, "nvfp4_a16", cache=cache) for cache in (True, False)]
     assert isinstance(policies[0].model.model.embed_tokens, LeanEmbedding)
@@ -253,8 +253,8 @@ def test_lean_embedding_equals_modelopt_with_its_quantizers_enabled(task, tiny_d
 def test_fused_siblings_quantize_their_shared_input_once(task, tiny_dir, monkeypatch):
     """q/k/v (and gate/up) read one input with one amax: it is quantized once per forward, with ModelOpt's
     bits; siblings whose amax differ quantize apart again."""
-    import qarl.quant.lean_forward as lean
-    from qarl.quant.gpu_kernels import BoundFakeQuant
+    import qarl.quant.fastpath.lean_forward as lean
+    from qarl.quant.kernels.gpu import BoundFakeQuant
 
     policy, plain = _policy(task, tiny_dir, "nvfp4_w4a4"), _policy(task, tiny_dir, "nvfp4_w4a4", cache=False)
     calls = []  # every quantization an input quantizer computes: the op's path, or on a GPU the bound kernel

@@ -39,9 +39,10 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.generation import exact as kernels
-from qarl.quant.lean_forward import quantized_input, quantized_weight
-from qarl.quant.mixins import pre_quant_scale, with_mixin
-from qarl.quant.weight_cache import derived
+from qarl.quant.fastpath.lean_forward import quantized_input, quantized_weight
+from qarl.quant.fastpath.weight_cache import derived
+from qarl.quant.mixins import mix_in
+from qarl.quant.modelopt_compat import pre_quant_scale
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -91,7 +92,7 @@ def enable_exact_forward(model: nn.Module) -> None:
     cos, sin = cache.chunk(2, dim=-1)
     model.__dict__["_qarl_rope_cache"] = cache
     model.__dict__["_qarl_rope_inverse"] = torch.cat((cos, -sin), dim=-1)  # rotation by -angle: rotary's gradient
-    model.__class__ = with_mixin(ExactCausalLM, type(model), "", globals())  # its name: what save_pretrained records
+    mix_in(model, ExactCausalLM, "", globals())  # the class keeps its name: what save_pretrained records
 
 
 class ExactCausalLM:
@@ -109,6 +110,15 @@ class ExactCausalLM:
             raise TypeError(f"the exact forward computes logits only; it takes no {extra}")
         return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask))
 
+    def qarl_body_and_head(self) -> tuple[Callable, Callable]:
+        """The decoder and the head apart, both with the engine's kernels, for scoring in chunks (qarl/scoring.py)."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        def body(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused) -> BaseModelOutput:
+            return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask))
+
+        return body, partial(exact_head, self)
+
     def qarl_token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """[rows, width] log-probs of `targets` under logits / temperature as the engine's sampler computes
         them (`score_completions` calls this), with log_softmax's gradient."""
@@ -124,6 +134,29 @@ class ExactCausalLM:
 
 def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
+    states, index = exact_states(model, input_ids, attention_mask)
+    logits = exact_head(model, states)
+    rows, width = input_ids.shape
+    return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
+
+
+def exact_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[rows, width, hidden] final hidden states (after the last norm) of right-padded rows, 0 at padding."""
+    states, index = exact_states(model, input_ids, attention_mask)
+    rows, width = input_ids.shape
+    return states.new_zeros(rows * width, states.shape[-1]).index_copy(0, index, states).view(rows, width, -1)
+
+
+def exact_head(model: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """Logits of [tokens, hidden] final states with the engine's (batch-invariant) matmul: a token's logits do not
+    depend on how many tokens are computed with it, so scoring in chunks of tokens keeps every bit."""
+    return fused_linear([model._modules["lm_head"]], states)
+
+
+def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
+    computes them, and each packed token's place in the [rows * width] grid."""
     rows, width = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     lengths = valid.sum(1)
@@ -163,8 +196,7 @@ def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         gate_up = fused_linear([mlp["gate_proj"], mlp["up_proj"]], x)
         hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _silu_and_mul_gradient, gate_up))
     x, _ = add_norm(hidden, residual, inner._modules["norm"])
-    logits = fused_linear([model._modules["lm_head"]], x)
-    return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
+    return x, index
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -439,7 +439,8 @@ def _quantize(built: MegatronModel, reference: nn.Module, fmt: QuantFormat,
 def check_megatron_model(model_dir: str, tensor_parallel_size: int, fmt: QuantFormat | None) -> nn.Module | None:
     """The model family, the TP size and `fmt`'s blocks against the sharded widths, on the meta device (before
     torch.distributed or any weights); returns the meta-device Hugging Face model quantized with `fmt`."""
-    from qarl.quant.quantize import block_size, quantized_linears, quantized_meta_model
+    from qarl.quant.formats import block_size, quantized_meta_model
+    from qarl.quant.quantize import quantized_linears
 
     shape = gpt_shape(read_hf_config(model_dir))
     reference = quantized_meta_model(model_dir, fmt) if fmt is not None else None

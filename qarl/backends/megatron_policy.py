@@ -19,8 +19,10 @@ from transformers import PreTrainedTokenizerBase
 
 from qarl.backends.megatron import (MegatronModel, all_data_parallel_values, build_megatron_model, check_megatron_model,
                                     data_parallel_rank_and_size, read_master_weights)
+from qarl.calibration import calibration_batches
 from qarl.config import ConfigError, PolicyConfig
-from qarl.policy import Policy, T, calibration_batches, default_device, resolve_model_dir
+from qarl.models.resolve import default_device, resolve_model_dir
+from qarl.policy import Policy, T
 from qarl.quant import QuantFormat, resolve_format
 from qarl.quant.formats import same_format
 
@@ -86,7 +88,7 @@ def check(cfg: PolicyConfig) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def build_megatron_policy(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
+def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
                           texts: list[str] | None, trainable: bool) -> MegatronPolicy:
     """This rank's Megatron model of `model_dir` in the compute dtype, quantized with `fmt` and calibrated on the
     batches the HF backend calibrates on (None: uncalibrated); `trainable`: with master weights read from the

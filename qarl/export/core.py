@@ -91,7 +91,8 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
     """
     from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
                                  model_dir_dtype, resolve_checkpoint, trained_dtype)
-    from qarl.policy import build_policy, resolve_model_dir
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
 
     path = Path(str(source)).expanduser()
     is_checkpoint = is_checkpoint_dir(path) or (path / "checkpoints").is_dir()

@@ -96,7 +96,7 @@ def decode_nvfp4_divisor(w: NVFP4Weight, divisor: torch.Tensor, dtype: torch.dty
 
 def kernel_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """The NVFP4 kernel's fp32 global scale for `amax`, from the kernel port itself."""
-    from qarl.quant.nvfp4_cpu import nvfp4_block_scales
+    from qarl.quant.kernels.nvfp4_cpu import nvfp4_block_scales
 
     _, g = nvfp4_block_scales(torch.zeros(1, NVFP4_BLOCK), amax.detach().float().cpu())
     return g.reshape(())
@@ -110,7 +110,7 @@ def encode_nvfp4(w_q: torch.Tensor, master: torch.Tensor, amax: torch.Tensor, na
     kernel's 1e-5 floor (replaced by 1.0) quantizes to zeros; it is stored with scale 1.0, as
     ModelOpt's exporter stores all-zero blocks.
     """
-    from qarl.quant.nvfp4_cpu import nvfp4_block_scales
+    from qarl.quant.kernels.nvfp4_cpu import nvfp4_block_scales
 
     if w_q.ndim != 2 or w_q.shape[-1] % NVFP4_BLOCK:
         raise FidelityError(f"{name}: NVFP4 export needs a 2-D weight with input width divisible by 16, "

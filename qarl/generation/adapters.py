@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qarl.generation import vllm_compat
 from qarl.lora import adapter_output
 
 
@@ -39,7 +40,7 @@ class EngineAdapters:
     def __init__(self, engine_model: nn.Module):
         self.model = engine_model
         self.modules = dict(engine_model.named_modules())
-        self.packed: dict[str, list[str]] = getattr(engine_model, "packed_modules_mapping", {})
+        self.packed: dict[str, list[str]] = vllm_compat.packed_modules(engine_model)
         self.slots: dict[str, dict[str, _Slot]] = {}  # engine layer -> policy layer -> slot
         self.hooked: set[str] = set()
 

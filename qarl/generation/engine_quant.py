@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
-from qarl.generation import exact
-from qarl.quant.input_quant import InputQuant, fake_quant_input, install_kernels
-from qarl.quant.mixins import with_mixin
+from qarl.generation import exact, vllm_compat
+from qarl.quant.kernels import install as install_kernels
+from qarl.quant.mixins import with_mixin, without_mixin
+from qarl.quant.ops import InputQuant, fake_quant_input
 
 PLAN_KEY = "qarl_input_quant"  # vLLM additional_config key: {HF layer name: InputQuant.as_dict()}
 LOAD_FORMAT = "qarl"
@@ -44,7 +45,7 @@ def _quantized_input_class(cls: type) -> type:
 def policy_names(model: nn.Module, engine_name: str) -> list[str]:
     """The Hugging Face layers an engine layer stands for: the parts of a fused layer, or itself."""
     parent, _, leaf = engine_name.rpartition(".")
-    parts = getattr(model, "packed_modules_mapping", {}).get(leaf)
+    parts = vllm_compat.packed_modules(model).get(leaf)
     return [f"{parent}.{p}" for p in parts] if parts else [engine_name]
 
 
@@ -52,11 +53,10 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
     """Give every engine linear layer whose input `plan` quantizes the quantized-input forward; returns
     how many. Fused parts must agree, and every planned layer must exist in the engine: both are
     checked before any layer changes."""
-    from vllm.model_executor.layers.linear import LinearBase
-
+    linear_layer = vllm_compat.linear_layer_class()
     chosen, covered = [], set()
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, linear_layer):
             continue
         parts = policy_names(model, name)
         specs = {plan.get(p) for p in parts}
@@ -84,7 +84,7 @@ def uninstall(model: nn.Module) -> None:
     """Back to vLLM's own layers (an eager engine changing format)."""
     for module in model.modules():
         if isinstance(module, QuantizedInput):
-            module.__class__ = type(module).__mro__[2]  # (QuantizedInputX, QuantizedInput, X, ...)
+            module.__class__ = without_mixin(type(module))  # QuantizedInputX -> X
             del module.input_quant, module.input_amax, module.input_pre_quant_scale
 
 
@@ -95,28 +95,18 @@ def plan_to_config(plan: dict[str, InputQuant]) -> dict:
 _registered = False
 
 
+def _after_load(model: nn.Module, extra: dict) -> None:
+    """What qarl's loader does once vLLM has loaded the weights: `install` the plan in the engine's
+    additional_config (`extra`), and the exact forward's kernels if it asks for them."""
+    install(model, {name: InputQuant(**spec) for name, spec in extra.get(PLAN_KEY, {}).items()})
+    if extra.get(exact.EXACT_KEY):
+        exact.install(model)
+
+
 def register_loader() -> None:
     """vLLM's default loader, then `install` from the plan in the engine's additional_config (idempotent)."""
-    import dataclasses
-
     global _registered
     if _registered:
         return
-
-    from vllm.model_executor.model_loader import register_model_loader
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    @register_model_loader(LOAD_FORMAT)
-    class QarlModelLoader(DefaultModelLoader):
-        def __init__(self, load_config):
-            super().__init__(dataclasses.replace(load_config, load_format="auto"))
-
-        def load_model(self, vllm_config, *args, **kwargs):
-            model = super().load_model(vllm_config, *args, **kwargs)
-            extra = vllm_config.additional_config or {}
-            install(model, {name: InputQuant(**spec) for name, spec in extra.get(PLAN_KEY, {}).items()})
-            if extra.get(exact.EXACT_KEY):
-                exact.install(model)
-            return model
-
+    vllm_compat.add_load_format(LOAD_FORMAT, _after_load)
     _registered = True

@@ -5,7 +5,7 @@ the policy's teacher-forced log-prob of it bit for bit, quantized or not (`polic
 
 What the engine runs in this mode (vLLM 0.26, Hopper):
   * `VLLM_BATCH_INVARIANT=1`: every linear layer and the LM head multiply with vLLM's persistent Triton
-    matmul (`linear_batch_invariant`: a fixed tiling, the bias added after); aten's log_softmax, softmax,
+    matmul (`vllm_compat.invariant_linear`: a fixed tiling, the bias added after); aten's log_softmax, softmax,
     mean and bmm become vLLM's row-wise Triton kernels, process-wide (so the policy gets them too);
     cuBLAS runs without split-K and TF32 is off; FlashAttention runs with one KV split.
   * RMSNorm: vLLM's batch-invariant Triton kernel (one program per row). With a residual, vLLM calls a
@@ -25,14 +25,13 @@ What the engine runs in this mode (vLLM 0.26, Hopper):
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qarl.generation import vllm_compat
 
 BLOCK_SIZE = 16  # tokens per KV-cache block, the engine's and the policy's attention layout
 EXACT_KEY = "qarl_exact_forward"  # vLLM additional_config key: the engine runs the exact kernels
@@ -43,45 +42,15 @@ def enable_batch_invariance() -> None:
     Triton kernels; cuBLAS settings without split-K, which cuBLAS reads once: call it early), with vLLM's v2
     model runner, whose sampler returns the log-probs `token_logprobs` computes. Before the engine starts
     (vLLM reads both variables then); idempotent, and checked: an engine started earlier in this process
-    has frozen vLLM's view of the environment, which is thawed first."""
-    import vllm.envs as envs
-
-    envs.disable_envs_cache()
-    os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
-
-    init_batch_invariance()
-    if not (envs.VLLM_BATCH_INVARIANT and envs.VLLM_USE_V2_MODEL_RUNNER):
+    has frozen vLLM's view of the environment, which is thawed first (`vllm_compat.enable_batch_invariance`)."""
+    if not vllm_compat.enable_batch_invariance():
         raise RuntimeError("policy.exact_forward: vLLM did not take VLLM_BATCH_INVARIANT=1 / VLLM_USE_V2_MODEL_RUNNER=1")
 
 
-KERNELS = {  # what the exact forward calls in vLLM (present in vllm 0.26)
-    "vllm.envs": ("disable_envs_cache",),
-    "vllm.model_executor.layers.batch_invariant": ("init_batch_invariance", "linear_batch_invariant",
-                                                   "rms_norm_batch_invariant"),
-    "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
-    "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
-    "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
-    "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding",),
-    "vllm._custom_ops": ("rotary_embedding",),
-}
-
-
 def missing_kernels() -> list[str]:
-    """The vLLM functions of KERNELS this installation lacks (an empty list: all there)."""
-    missing = []
-    for module, names in KERNELS.items():
-        try:
-            found = importlib.import_module(module)
-        except ImportError:
-            missing.append(module)
-            continue
-        missing += [f"{module}.{name}" for name in names if not hasattr(found, name)]
-    if "vllm._custom_ops" not in missing:
-        importlib.import_module("vllm._custom_ops")  # registers torch.ops._C
-        missing += [f"torch.ops._C.{op}" for op in ("rotary_embedding", "silu_and_mul") if not hasattr(torch.ops._C, op)]
-    return missing
+    """The vLLM functions the exact forward calls that this installation lacks (`vllm_compat.KERNELS`; an empty
+    list: all there)."""
+    return vllm_compat.missing_kernels()
 
 
 def engine_options(eager: bool) -> dict:
@@ -95,9 +64,7 @@ def engine_options(eager: bool) -> dict:
 
 # -- the kernels both sides run ------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
-
-    return rms_norm_batch_invariant(x, weight, eps)
+    return vllm_compat.invariant_rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -108,28 +75,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
-    return linear_batch_invariant(x, weight, bias)
+    return vllm_compat.invariant_linear(x, weight, bias)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
            cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q and k ([tokens, heads * head_size]), on copies (vLLM's kernel
     writes in place)."""
-    from vllm import _custom_ops as ops
-
     q, k = q.contiguous().clone(), k.contiguous().clone()
-    ops.rotary_embedding(positions, q, k, head_size, cos_sin_cache, True)
+    vllm_compat.rotary_embedding_(positions, q, k, head_size, cos_sin_cache, True)
     return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:], vLLM's kernel."""
-    importlib.import_module("vllm._custom_ops")  # loads torch.ops._C
-
     out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
-    torch.ops._C.silu_and_mul(out, x.contiguous())
+    vllm_compat.silu_and_mul_(out, x.contiguous())
     return out
 
 
@@ -165,14 +126,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLa
     """Causal attention of packed sequences (q: [queries, heads, dim], k/v: [keys, kv heads, dim]; a
     sequence's queries are its last tokens) as the engine computes it: keys and values in a paged cache,
     FlashAttention 3 with one KV split."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
     caches = []
     for t in (k, v):
         cache = t.new_zeros((layout.blocks * BLOCK_SIZE,) + t.shape[1:])
         cache[layout.slots] = t
         caches.append(cache.view(layout.blocks, BLOCK_SIZE, *t.shape[1:]))
-    return flash_attn_varlen_func(
+    return vllm_compat.paged_flash_attention(
         q, caches[0], caches[1], max_seqlen_q=max(layout.query_lengths), cu_seqlens_q=layout.cu_seqlens_q,
         max_seqlen_k=max(layout.key_lengths), seqused_k=layout.seqused_k, softmax_scale=scale, causal=True,
         block_table=layout.block_table, fa_version=3, num_splits=1,
@@ -183,15 +142,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """log_softmax(logits / temperature)[token] of each row of [rows, vocab] logits in the compute dtype, as
     vLLM's sampler computes the log-prob it returns: the logits divided in place and stored back in their
     dtype (temperature other than 0 and 1), then its fused log-softmax-and-gather kernel."""
-    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
-    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
-
     logits = logits.contiguous().clone()
     rows = logits.shape[0]
     if temperature not in (0.0, 1.0):
-        apply_temperature(logits, torch.arange(rows, dtype=torch.int32, device=logits.device),
-                          torch.full((rows,), temperature, dtype=torch.float32, device=logits.device))
-    return compute_token_logprobs(logits, tokens[:, None])[:, 0]
+        vllm_compat.divide_by_temperature(logits, torch.arange(rows, dtype=torch.int32, device=logits.device),
+                                          torch.full((rows,), temperature, dtype=torch.float32, device=logits.device))
+    return vllm_compat.fused_token_logprobs(logits, tokens[:, None])[:, 0]
 
 
 def head_size(config) -> int:
@@ -211,43 +167,25 @@ def rope_theta(config) -> float | None:
 def rope_cache(config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The cos/sin table of the model's rotary embedding as vLLM builds it (its own class, made on `device`
     as the engine makes it on the GPU); the engine checks its own against it as it starts."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
-
-    size = head_size(config)
-    with torch.device(device), set_current_vllm_config(VllmConfig()):  # a CustomOp reads vLLM's (default) settings
-        rope = RotaryEmbedding(size, size, config.max_position_embeddings, rope_theta(config), True, dtype)
-    return rope.cos_sin_cache
+    return vllm_compat.rotary_cos_sin_cache(head_size(config), config.max_position_embeddings, rope_theta(config),
+                                            dtype, device)
 
 
 # -- the engine side ------------------------------------------------------------------------------------
 def install(model: nn.Module) -> None:
     """Make a vLLM model run the kernels above: RMSNorm as `rms_norm` / `add_rms_norm`, rotary embedding
     and SiLU x mul as their CUDA kernels, whatever vLLM's custom-op settings would pick."""
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
-
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module._forward_method = partial(_engine_norm, module)
-        elif isinstance(module, SiluAndMul):
-            module._forward_method = module.forward_cuda
-        elif type(module) is RotaryEmbedding:
-            module._forward_method = module.forward_cuda
+    vllm_compat.pin_exact_kernels(model, _engine_norm)
 
 
-def _engine_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """An engine RMSNorm's forward in exact mode (vLLM's signature: (x) or (x, residual))."""
-    weight, eps = norm.weight.data, norm.variance_epsilon
+def _engine_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """An engine RMSNorm's forward in exact mode: norm(x), or (norm(x + residual), x + residual)."""
     return rms_norm(x, weight, eps) if residual is None else add_rms_norm(x, residual, weight, eps)
 
 
 def check_engine(model: nn.Module, config, dtype: torch.dtype) -> None:
     """The engine's rotary table is the one the policy computes (`rope_cache`)."""
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
-
-    engine_cache = next(m for m in model.modules() if type(m) is RotaryEmbedding).cos_sin_cache
+    engine_cache = vllm_compat.engine_rotary_cos_sin_cache(model)
     if not torch.equal(engine_cache, rope_cache(config, dtype, engine_cache.device)):
         raise RuntimeError("policy.exact_forward: the engine's rotary cos/sin table differs from the one the policy "
                            "computes; this vLLM builds it another way")

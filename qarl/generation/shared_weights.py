@@ -30,8 +30,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from qarl.generation import vllm_compat
 from qarl.generation.engine_quant import policy_names
-from qarl.quant.weight_cache import written_from_master
+from qarl.quant.fastpath.weight_cache import written_from_master
 
 
 def engine_views(engine_model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor] | None:
@@ -142,11 +143,6 @@ class SharedWeights:
 def release_kv_cache() -> None:
     """vLLM's level-1 sleep without its weights: the KV cache's memory in vLLM's sleep-mode pool is unmapped
     and its content dropped, as that sleep drops it; the weights stay on the GPU, in use by the policy. The
-    worker's own `wake_up(tags=["kv_cache"])` maps it again and rebuilds what points into it."""
-    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
-
+    worker's own wake (`vllm_compat.wake_kv_cache`) maps it again and rebuilds what points into it."""
     torch.cuda.synchronize()
-    for data in CuMemAllocator.get_instance().pointer_to_data.values():
-        if data.tag == "kv_cache" and not data.is_asleep:
-            unmap_and_release(data.handle)
-            data.is_asleep = True
+    vllm_compat.release_kv_cache()

@@ -39,12 +39,14 @@ from qarl.config import ConfigError, GenerationConfig
 from qarl.distributed import world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
+from qarl.generation import vllm_compat
 from qarl.generation.adapters import EngineAdapters
 from qarl.generation.sampled_logprobs import SampledLogprobs
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
-from qarl.quant.input_quant import InputQuant, input_quant_plan, input_spec
+from qarl.quant.ops import InputQuant, input_quant_plan, input_spec
+from qarl.torch_compat import reset_dynamo, tensor_version
 
 
 @dataclass
@@ -71,18 +73,6 @@ class RefitTiming:
     @property
     def total_s(self) -> float:
         return self.weights_s + self.amax_s
-
-
-def _keep_cpu_weights_plain() -> None:
-    """On CPU, vLLM repacks linear and embedding weights into oneDNN handles after loading and frees
-    `layer.weight`; a later in-place refit would then write into nothing. Keep them as plain tensors
-    used through torch.nn.functional.linear (the same math, and the engine stays refittable)."""
-    from vllm.model_executor.layers import utils as vllm_layer_utils
-
-    def plain_linear(layer: nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
-
-    vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
 SLEEP_MODES = ("auto", "on", "off")
@@ -145,7 +135,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
         if not torch.cuda.is_available():
-            _keep_cpu_weights_plain()
+            vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.qlora = str(model_dir), cfg, dtype, seed, qlora
         self.exact = exact
@@ -190,9 +180,9 @@ class VLLMEngine:
             **extra,
         )
         self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, None
-        self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        runner = self._worker.model_runner
-        self.model: nn.Module = runner.get_model()
+        self._worker = vllm_compat.in_process_worker(self.llm)
+        runner = vllm_compat.worker_runner(self._worker)
+        self.model: nn.Module = vllm_compat.runner_model(runner)
         # the sampled tokens' log-probs are kept at the sampler, except in an exact engine, whose GPU tests ran with
         # vLLM returning them (None: vLLM returns them)
         self._sampled = None if self.exact else SampledLogprobs.attach(runner)
@@ -219,15 +209,13 @@ class VLLMEngine:
         self.wake()  # sleep-mode memory is given back mapped, as vLLM allocated it
         if self._shared is not None:
             self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
-        self.llm.llm_engine.engine_core.shutdown()
+        vllm_compat.shutdown_engine(self.llm)
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
-            from vllm.platforms import current_platform
-
-            torch._dynamo.reset()  # compiled code keeps guards on the engine's modules
-            type(current_platform)._global_graph_pool = None  # its graphs are gone: the next engine takes a new pool
+            reset_dynamo()  # compiled code keeps guards on the engine's modules
+            vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -306,7 +294,7 @@ class VLLMEngine:
             start = time.perf_counter()
             torch.cuda.empty_cache()
             if self._asleep == "kv_cache":
-                self._worker.wake_up(tags=["kv_cache"])  # vLLM's own wake of its KV cache (maps it, rebuilds its tables)
+                vllm_compat.wake_kv_cache(self._worker)  # vLLM's own wake of its KV cache (maps it, rebuilds its tables)
             else:
                 self.llm.wake_up()
             self._asleep = None
@@ -328,7 +316,7 @@ class VLLMEngine:
             if param.requires_grad or computed:
                 send.add(name)
                 continue
-            now[name] = (param.data_ptr(), param._version)
+            now[name] = (param.data_ptr(), tensor_version(param))
             if held.get(name) != now[name]:
                 send.add(name)
         self._held_from, self._held = weakref.ref(policy_model), now

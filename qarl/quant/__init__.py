@@ -1,8 +1,16 @@
-"""The ModelOpt seam: quantization formats, the policy's quantizers, and the NVFP4 CPU kernel."""
+"""The ModelOpt seam: quantization formats, the policy's quantizers, and qarl's fake-quant kernels.
+
+Layers, each importing only those below it: `modelopt_compat` (every private ModelOpt name) and `formats` ->
+`kernels` (CPU port, GPU kernels) -> `ops` (the input fake-quant op both sides call) -> `mixins` (class changes,
+change tracking) -> `fastpath` (weight cache, lean forward) -> `quantize` (insert, calibrate, fused amax, fold,
+state) -> `rollout_view`.
+"""
 
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.quantize import (
     FUSED_SIBLINGS,
+    calibrate,
+    check_trainable_format,
     folded_weights,
     load_quantizer_state,
     quantize_policy,
@@ -12,7 +20,9 @@ from qarl.quant.quantize import (
 __all__ = [
     "FUSED_SIBLINGS",
     "QuantFormat",
+    "calibrate",
     "check_generation_matches",
+    "check_trainable_format",
     "folded_weights",
     "load_quantizer_state",
     "quantize_policy",

@@ -1,4 +1,5 @@
-"""Quantization formats: a built-in ModelOpt config name or a YAML file, resolved to one ModelOpt config.
+"""Quantization formats: a built-in ModelOpt config name or a YAML file, resolved to one ModelOpt config;
+their calibration algorithms, block sizes, and what a format does to a model before any weights load.
 
 `policy.quant_cfg` and `policy.generation.quant_cfg` both go through `resolve_format`, so the two
 sides can be compared as resolved configs, not as spellings.
@@ -12,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from qarl.config import REPO_ROOT, ConfigError
+from qarl.quant import modelopt_compat
 
 NO_QUANT = {"", "none", "null", "bf16", "fp32", "false"}
 
@@ -46,10 +50,12 @@ class QuantFormat:
 
 def calibration_methods() -> list[str]:
     """ModelOpt's calibration algorithms by name: max, mse, awq_lite, awq_clip, smoothquant, gptq, ..."""
-    from modelopt.torch.quantization.mode import CalibrateModeRegistry
-
-    names = CalibrateModeRegistry._name2descriptor
+    names = modelopt_compat.calibration_mode_names()
     return sorted(n.removesuffix("_calibrate") for n in names if not n.startswith("_"))
+
+
+# Calibrations that smooth: an AWQ/SmoothQuant scale rescales the weights and multiplies the layer input.
+SMOOTHING_ALGORITHMS = ("awq_lite", "awq_clip", "awq_full", "smoothquant", "svdquant")
 
 
 def with_calibration(fmt: QuantFormat, method: str) -> QuantFormat:
@@ -132,6 +138,23 @@ def check_generation_matches(policy: QuantFormat | None, generation: QuantFormat
             "policy.generation.allow_quant_mismatch=true to run that experiment on purpose."
         )
 
+
+def block_size(quantizer: nn.Module) -> int | None:
+    """The block size of an enabled block quantizer along the input dimension (NVFP4: 16), else None."""
+    sizes = getattr(quantizer, "block_sizes", None) or {}
+    return sizes.get(-1) if quantizer.is_enabled else None
+
+
+def quantized_meta_model(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> nn.Module:
+    """The model on the meta device (no weights) with `fmt`'s quantizers inserted, uncalibrated: what a
+    format does to a model, seen before any weights load."""
+    import modelopt.torch.quantization as mtq
+
+    from qarl.models.checks import meta_model  # imports transformers
+
+    model = meta_model(model_dir, trust_remote_code)
+    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    return model
 
 
 def _plain(obj: Any) -> Any:

@@ -1,12 +1,17 @@
 """The one way qarl changes what a live module computes: its class gains a mixin (the weight cache on
 a weight quantizer, the lean forward on a quantized linear layer, LoRA on an adapted layer), so the
-module keeps its identity, attributes and state-dict names, and every hook and reference to it stays."""
+module keeps its identity, attributes and state-dict names, and every hook and reference to it stays.
+Quantizers that qarl's fast paths derive decisions from also track their own changes (`TracksQuantizerChanges`)."""
 
 from __future__ import annotations
 
 import torch
 
+from qarl.quant.modelopt_compat import AnnouncesAmaxWrites
+from qarl.torch_compat import AnnouncesStateRewrites
+
 _MADE: dict[tuple[type, type], type] = {}
+_BASES: dict[type, type] = {}  # a class `with_mixin` made -> the class it was made from
 
 
 def with_mixin(mixin: type, cls: type, prefix: str, namespace: dict) -> type:
@@ -19,28 +24,43 @@ def with_mixin(mixin: type, cls: type, prefix: str, namespace: dict) -> type:
         name = f"{prefix}{cls.__name__}"
         made = type(name, (mixin, cls), {"__module__": namespace["__name__"], "__qualname__": name})
         namespace[name] = _MADE[mixin, cls] = made
+        _BASES[made] = cls
     return _MADE[mixin, cls]
 
 
-def pre_quant_scale(quantizer) -> torch.Tensor | None:
-    """ModelOpt's `quantizer.pre_quant_scale` (AWQ / SmoothQuant's input scale), read from the module's
-    buffers: the property's `hasattr` costs an AttributeError through nn.Module's __getattr__ on every
-    quantizer without one, at every forward."""
-    scale = quantizer._buffers.get("_pre_quant_scale")
-    return scale if scale is not None and quantizer._enable_pre_quant_scale else None
+def without_mixin(cls: type) -> type:
+    """The class `with_mixin` made `cls` from (`Lora<Linear>` -> `Linear`): a live module given this class
+    back computes as it did before the mixin."""
+    return _BASES[cls]
 
 
-# Every tracked quantizer change in the process, counted (one cell, read at every lean linear forward):
-# a decision derived from quantizer state stays valid while this count is what it was.
-QUANTIZER_CHANGES = [0]
+def mix_in(module: torch.nn.Module, mixin: type, prefix: str, namespace: dict) -> None:
+    """Give the live `module` the mixin: its class becomes `with_mixin(mixin, type(module), prefix, namespace)`.
+    Every class change qarl.quant makes goes through here."""
+    module.__class__ = with_mixin(mixin, type(module), prefix, namespace)
+
+
+class ChangeCount:
+    """How many tracked quantizer changes this process has seen (`TracksQuantizerChanges` adds one for each):
+    a decision derived from quantizer state (a lean linear layer's `LinearPlan`) stays valid while `value` is
+    what it was when the decision was made. One count for the process, not one per model: a change anywhere
+    only makes every layer plan again. `value` is a slot, read at every lean linear forward."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+QUANTIZER_CHANGES = ChangeCount()
 
 _UNSET = object()
 
 
 def _unchanged(old: object, new: object) -> bool:
     """An attribute write that leaves the value as it was (ModelOpt's forward rewrites bookkeeping such as
-    `_input_dtype` or `_original_shape` at every call, with the same values). A tensor or a mutable container
-    is the same only as the same object: an equal new one (an empty hook table) is another object to watch."""
+    the input's dtype or shape at every call, with the same values). A tensor or a mutable container is the
+    same only as the same object: an equal new one (an empty hook table) is another object to watch."""
     if old is new:
         return True
     if type(old) is not type(new) or isinstance(new, (torch.Tensor, dict, list, set)):
@@ -51,19 +71,19 @@ def _unchanged(old: object, new: object) -> bool:
         return False
 
 
-class TracksQuantizerChanges:
+class TracksQuantizerChanges(AnnouncesStateRewrites, AnnouncesAmaxWrites):
     """Mixed into a ModelOpt quantizer class by qarl's fast paths (the weight cache, fast inputs, the lean
     linear forward's plans): every change of what the quantizer computes bumps `_qarl_generation` and the
     process-wide `QUANTIZER_CHANGES`, and calls `_qarl_changed` (what a fast path derived from the old state
     is dropped there). Changes are seen where they are made: any attribute written with a new value (the
-    switches `_disabled`, `_if_quant`, `_if_calib`, which ModelOpt also writes directly, a config
-    attribute, a buffer assigned, a class swapped), a buffer registered, deleted or replaced (`module.to`),
-    and ModelOpt's writes that bypass attributes (the amax setter and the tensor-parallel max-reduce write
-    through `.data` or in place, a state load). In-place writes of the amax buffer bump its version, which
-    the fast paths check as well. Not seen: writes past the attributes (into `__dict__`, `_buffers` or a config container
-    in place, `tensor.data = ...`), which nothing in qarl or in ModelOpt's paths that qarl runs makes. qarl's
-    own `_qarl_*` bookkeeping is no change, nor is `training` (`model.train()` / `eval()` write it on every
-    module; no quantizer reads it)."""
+    enable, quantize and calibrate switches, which ModelOpt also writes directly, a config attribute, a buffer
+    assigned, a class swapped), a buffer registered, deleted or replaced (`module.to`: `AnnouncesStateRewrites`),
+    and ModelOpt's writes that bypass attributes (the amax setter, `AnnouncesAmaxWrites`, and the
+    tensor-parallel max-reduce write through `.data` or in place; a state load). In-place writes of the amax
+    buffer bump its version, which the fast paths check as well. Not seen: writes past the attributes (into
+    `__dict__`, `_buffers` or a config container in place, `tensor.data = ...`), which nothing in qarl or in
+    ModelOpt's paths that qarl runs makes. qarl's own `_qarl_*` bookkeeping is no change, nor is `training`
+    (`model.train()` / `eval()` write it on every module; no quantizer reads it)."""
 
     _qarl_generation: int = 0
 
@@ -72,7 +92,7 @@ class TracksQuantizerChanges:
 
     def _qarl_bump(self) -> None:
         self._qarl_generation += 1
-        QUANTIZER_CHANGES[0] += 1
+        QUANTIZER_CHANGES.value += 1
         self._qarl_changed()
 
     def __setattr__(self, name: str, value) -> None:
@@ -95,21 +115,6 @@ class TracksQuantizerChanges:
         super().register_buffer(name, tensor, persistent)
         self._qarl_bump()
 
-    def _apply(self, fn, recurse: bool = True):
-        buffers = dict(self._buffers)
-        result = super()._apply(fn, recurse)
-        if any(self._buffers.get(name) is not buffer for name, buffer in buffers.items()):
-            self._qarl_bump()  # moved or cast: new amax tensors
-        return result
-
-    def _amax_setter_helper(self, value) -> None:
-        super()._amax_setter_helper(value)  # writes through .data: no version bump
-        self._qarl_bump()
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._qarl_bump()
-
     def sync_amax_across_distributed_group(self, parallel_group) -> None:
         super().sync_amax_across_distributed_group(parallel_group)  # an in-place all-reduce: no version bump
         self._qarl_bump()
@@ -117,4 +122,4 @@ class TracksQuantizerChanges:
 
 def track_changes(quantizer: torch.nn.Module) -> None:
     """Give `quantizer` (one that no fast path changes otherwise: an output quantizer) the tracking alone."""
-    quantizer.__class__ = with_mixin(TracksQuantizerChanges, type(quantizer), "Tracked", globals())
+    mix_in(quantizer, TracksQuantizerChanges, "Tracked", globals())

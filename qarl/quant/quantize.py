@@ -1,9 +1,8 @@
 """ModelOpt on the policy: insert fake quantizers, calibrate amax, share amax across fused siblings,
 fold weights for the rollout engine, and save/restore the quantizer state.
 
-Every ModelOpt call of the policy side lives here (the weight cache in weight_cache.py), so the rest
-of qarl sees three verbs:
-`quantize_policy`, `folded_weights`, `quantizer_state`/`load_quantizer_state`.
+The policy side's ModelOpt calls live here (its fast paths in qarl.quant.fastpath), so the rest of qarl
+sees three verbs: `quantize_policy`, `folded_weights`, `quantizer_state`/`load_quantizer_state`.
 """
 
 from __future__ import annotations
@@ -14,10 +13,12 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
-from qarl.quant.formats import QuantFormat
-from qarl.quant.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
-from qarl.quant.mixins import pre_quant_scale
-from qarl.quant.weight_cache import cache_kept, enable_weight_cache, invalidate
+from qarl.quant import kernels
+from qarl.quant.fastpath.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
+from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, invalidate
+from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, quantized_meta_model
+from qarl.quant.modelopt_compat import (is_static_block_quantizer, pass_through_bwd, pre_quant_scale, resmooth_fused,
+                                        to_static_block_quantizer)
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
 # siblings must share one per-tensor amax for their weights and one for their inputs: the fused
@@ -43,12 +44,6 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def block_size(quantizer: nn.Module) -> int | None:
-    """The block size of an enabled block quantizer along the input dimension (NVFP4: 16), else None."""
-    sizes = getattr(quantizer, "block_sizes", None) or {}
-    return sizes.get(-1) if quantizer.is_enabled else None
-
-
 def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
     """Every quantized layer's input width must be a multiple of the format's block size."""
     bad = []
@@ -69,9 +64,6 @@ def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
         )
 
 
-SMOOTHING_ALGORITHMS = ("awq_lite", "awq_clip", "awq_full", "smoothquant", "svdquant")
-
-
 def check_trainable_format(fmt: QuantFormat | None, key: str) -> None:
     """Formats a run can train and serve. A smoothing calibration (AWQ, SmoothQuant) rescales the weights
     and moves a per-channel scale into the input quantizer: master weights, checkpoints and exports would
@@ -82,18 +74,6 @@ def check_trainable_format(fmt: QuantFormat | None, key: str) -> None:
         raise ConfigError(f"{key} ({fmt.source}) calibrates with {method}, a smoothing algorithm that rewrites the "
                           "weights: it is for post-training quantization only (qarl matrix, qarl eval). Train with "
                           "max or mse calibration (algorithm: max in the quant config).")
-
-
-def quantized_meta_model(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> nn.Module:
-    """The model on the meta device (no weights) with `fmt`'s quantizers inserted, uncalibrated: what a
-    format does to a model, seen before any weights load."""
-    import modelopt.torch.quantization as mtq
-
-    from qarl.models.checks import meta_model
-
-    model = meta_model(model_dir, trust_remote_code)
-    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
-    return model
 
 
 def check_format_fits(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> None:
@@ -126,7 +106,7 @@ def quantizer_spec(quantizer: nn.Module | None) -> tuple | None:
     if quantizer is None or not quantizer.is_enabled:
         return None
     return (str(quantizer.num_bits), _canonical_blocks(quantizer.block_sizes), quantizer.axis, quantizer.unsigned,
-            quantizer.narrow_range, quantizer.fake_quant, getattr(quantizer, "_pass_through_bwd", None))
+            quantizer.narrow_range, quantizer.fake_quant, pass_through_bwd(quantizer))
 
 
 def _canonical_blocks(blocks: dict | None) -> str:
@@ -177,18 +157,15 @@ def quantize_policy(
 
     `calibration_batches` is called only after the cheap checks pass. Pass None when the amax will be
     loaded from a saved quantizer state instead. `weight_cache`: quantize each weight once per change
-    of the weights instead of at every forward (qarl/quant/weight_cache.py), and call the quantizers
+    of the weights instead of at every forward (qarl/quant/fastpath/weight_cache.py), and call the quantizers
     of each linear and attention layer, and each input quantizer's op, without ModelOpt's per-call
-    module machinery (lean_forward.py); same bits.
+    module machinery (fastpath/lean_forward.py); same bits.
     Off, the model runs ModelOpt's own path unchanged. `align`: a backend's step between inserting and
     calibrating that makes its quantizers the Hugging Face model's (`match_reference_quantizers`).
     """
     import modelopt.torch.quantization as mtq
 
-    from qarl.quant import gpu_kernels, nvfp4_cpu
-
-    nvfp4_cpu.install()
-    gpu_kernels.install()  # the same bits as ModelOpt's GPU kernels, fast (no-op without CUDA)
+    kernels.install()  # the same bits as ModelOpt's kernels: NVFP4 on CPU, fast on GPUs
     mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
     if align is not None:
         align(model)
@@ -242,14 +219,12 @@ def _fused_groups(model: nn.Module) -> Iterator[list[nn.Module]]:
 def share_fused_smoothing(model: nn.Module) -> int:
     """Give fused siblings one AWQ/SmoothQuant input scale (they read one input): the mean of theirs,
     each weight rescaled to keep its product with the input and its amax recollected, by ModelOpt's
-    own export step (`preprocess_linear_fusion`, resmooth only). Returns the groups changed."""
-    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
-
+    own export step (`modelopt_compat.resmooth_fused`). Returns the groups changed."""
     changed = 0
     for members in _fused_groups(model):
         scales = [getattr(m, "input_quantizer", None) for m in members]
         if all(q is not None and q.pre_quant_scale is not None for q in scales):
-            preprocess_linear_fusion(members, resmooth_only=True)
+            resmooth_fused(members)
             changed += 1
     return changed
 
@@ -316,7 +291,7 @@ def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         if module.amax is not None:
             state[name] = module.amax.detach().clone().contiguous()
-        if getattr(module, "_is_static_block_scale_quantizer", False) and module.global_amax is not None:
+        if is_static_block_quantizer(module) and module.global_amax is not None:
             state[name + GLOBAL_AMAX] = module.global_amax.detach().clone().contiguous()
     return state
 
@@ -324,8 +299,6 @@ def quantizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_quantizer_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Restore the state saved by `quantizer_state` into a model quantized with the same format (a
     static-block quantizer becomes one again, as ModelOpt's calibration made it)."""
-    from modelopt.torch.quantization.nn.modules.tensor_quantizer import StaticBlockScaleQuantizer
-
     quantizers = dict(model.named_modules())
     unknown = [n for n in state if n.removesuffix(GLOBAL_AMAX) not in quantizers]
     if unknown:
@@ -333,11 +306,11 @@ def load_quantizer_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     with cache_kept(model):
         for name, value in state.items():
             if name.endswith(GLOBAL_AMAX):
-                StaticBlockScaleQuantizer.from_tensor_quantizer(quantizers[name.removesuffix(GLOBAL_AMAX)], value)
+                to_static_block_quantizer(quantizers[name.removesuffix(GLOBAL_AMAX)], value)
             else:
                 quantizers[name].amax = value
     static = [n for n, q in _enabled_quantizers(model) if (q.block_sizes or {}).get("type") == "static"
-              and not getattr(q, "_is_static_block_scale_quantizer", False)]
+              and not is_static_block_quantizer(q)]
     if static:
         raise ConfigError(f"quantizer state has no global amax for the static-block quantizers {static[:3]}: it was "
                           "saved without one (by a qarl older than static NVFP4 support); recalibrate or retrain")

@@ -1,51 +1,40 @@
 """Fast GPU fake quantization (NVFP4, FP8 E4M3 per tensor), bit-identical to ModelOpt 0.47's GPU kernels.
 
-Why bit-identical: qarl keeps one numerical contract per format for training (ModelOpt's
-TensorQuantizer), rollout (the same quantizers inside vLLM) and export; qarl/quant/nvfp4_cpu.py is a
-bit-identical CPU port of the NVFP4 contract. These kernels only make the GPU side fast (ModelOpt's
-NVFP4 kernel takes ~120 us for a 4864x896 bf16 weight; the memory bound is ~6 us): every value is
-computed by the same fp32 operations, in the same order, as ModelOpt's own GPU code, so changing the
-kernel changes no bit. benchmarks/fake_quant_gpu_check.py checks that on a GPU.
+qarl keeps one numerical contract per format for training, rollout and export (nvfp4_cpu.py is the CPU port
+of NVFP4's). These kernels only make the GPU side fast: every value is computed by the same fp32 operations,
+in the same order, as ModelOpt's own GPU code, so they change no bit (benchmarks/fake_quant_gpu_check.py checks
+that on a GPU). Only the organisation differs: NVFP4 takes 32 blocks a program as a [32, 16] tile, computes the
+global scale in the kernel and needs one launch.
 
-NVFP4, replacing ModelOpt's Triton kernel ``fp4_fake_quant_block`` (behind the CUDA kernel of
-``tensorrt::dynamic_block_quantize_op`` on sm_89+). Blocks are 16 consecutive elements of the last
-dim (a ragged last block is zero-padded); fp32 throughout, the result cast to ``x.dtype`` (RNE):
+NVFP4, replacing ModelOpt's Triton NVFP4 kernel (behind the CUDA kernel of its block op,
+`modelopt_compat.dynamic_block_quantize`, on sm_89+). Blocks are 16 consecutive elements of the last dim (a
+ragged last block is zero-padded); fp32 throughout, the result cast to ``x.dtype`` (RNE):
 
-- ``g = fl32(amax * fl32(1/2688))``: ModelOpt computes ``amax.float() / (6 * 448)`` with torch,
-  whose CUDA tensor / Python-scalar division multiplies by the fp32 reciprocal. ``g <= 0`` -> 1e-12.
-  Here it is computed inside the kernel from the amax pointer: one launch, no host synchronisation.
-- ``s = fl32(e4m3(min(bmax / fl32(6 g), 448)) * g)`` (Triton's RNE cast to e4m3), ``s < 1e-5`` ->
-  1.0; ``r = |x| / s``. Both divisions are Triton's fp32 ``/`` (PTX div.full.f32, i.e.
-  ``a * rcp.approx(b)``, not IEEE), exactly as in ModelOpt's kernel.
+- ``g = fl32(amax * fl32(1/2688))`` (ModelOpt's CUDA tensor / Python-scalar division multiplies by the fp32
+  reciprocal); ``g <= 0`` -> 1e-12.
+- ``s = fl32(e4m3(min(bmax / fl32(6 g), 448)) * g)`` (Triton's RNE cast to e4m3), ``s < 1e-5`` -> 1.0;
+  ``r = |x| / s``. Both divisions are Triton's fp32 ``/`` (PTX div.full.f32: ``a * rcp.approx(b)``, not IEEE).
 - ``q`` = E2M1 magnitude by ModelOpt's thresholds (``<= .25`` -> 0, ``< .75`` -> .5, ``<= 1.25`` -> 1,
-  ``< 1.75`` -> 1.5, ``<= 2.5`` -> 2, ``< 3.5`` -> 3, ``<= 5`` -> 4, else 6); ``y = q * s``, and ``-y``
-  where ``x < 0``: Triton's unary minus, as in ModelOpt's kernel. Up to Triton 3.6 that is
-  ``0 - y``, so -0 becomes +0 (the contract nvfp4_cpu encodes); Triton builds with
-  triton-lang/triton#10270 negate with fneg instead, in both kernels alike.
+  ``< 1.75`` -> 1.5, ``<= 2.5`` -> 2, ``< 3.5`` -> 3, ``<= 5`` -> 4, else 6); ``y = q * s``, and ``-y`` where
+  ``x < 0``: Triton's unary minus. Up to Triton 3.6 that is ``0 - y``, so -0 becomes +0 (the contract nvfp4_cpu
+  encodes); Triton builds with triton-lang/triton#10270 negate with fneg instead, in both kernels alike.
 
-Only the organisation differs from ModelOpt's kernel: each program takes 32 blocks as a [32, 16]
-tile of the flat tensor (64 threads, one 16-byte vector load of bf16 each, the block max a row
-reduction), the global scale is computed in the kernel, and there is one launch. None of that changes
-an operation or its operands.
+FP8 E4M3 per tensor, replacing ModelOpt's CUDA extension ``fake_e4m3fy`` (behind the CUDA kernel of its scaled
+op, `modelopt_compat.scaled_quantize`, with num_bits 8, exponent_bits 4, scalar amax), built without
+--use_fast_math, so its divisions are IEEE (``tl.math.div_rn`` here):
 
-FP8 E4M3 per tensor, replacing ModelOpt's CUDA extension ``fake_e4m3fy`` (``scaled_e4m3_impl``
-behind the CUDA kernel of ``tensorrt::quantize_op`` with num_bits 8, exponent_bits 4, scalar amax).
-The extension is built without --use_fast_math, so its divisions are IEEE (``tl.math.div_rn`` here):
+- ``a = amax`` as fp32, ``a <= 2^-24`` -> 1; ``scale = 448 / a``, ``inv = 1 / scale``;
+- ``y = fl32(e4m3(x * scale)) * inv`` cast to ``x.dtype``; the e4m3 cast rounds to nearest even and saturates
+  to +-448 (``__nv_fp8_e4m3`` is SATFINITE; here an explicit NaN-preserving clamp).
+- Where the extension cannot be built ModelOpt falls back to ``fp8_eager``, whose ``448.0 / amax`` is torch's
+  ``amax.reciprocal() * 448``: ``eager=True`` reproduces that instead.
 
-- ``a = amax`` as fp32, ``a <= 2^-24`` -> 1; ``scale = 448 / a``, ``inv = 1 / scale`` (torch ops on
-  the device in ModelOpt, in-kernel here);
-- ``y = fl32(e4m3(x * scale)) * inv`` cast to ``x.dtype``; the e4m3 cast rounds to nearest even and
-  saturates to +-448 (``__nv_fp8_e4m3`` is SATFINITE; here an explicit NaN-preserving clamp).
-- Where the extension cannot be built ModelOpt falls back to ``fp8_eager``, whose ``448.0 / amax``
-  is torch's ``amax.reciprocal() * 448``: ``eager=True`` reproduces that instead.
+Launching: a forward that quantizes its layers' inputs waits on its host. The first launch of each
+specialization goes through Triton; the compiled function is then launched from C++ (launch.cpp, built once per
+machine, checked bit for bit against Triton's launch), or else by Triton's compiled-kernel runner.
 
-Launching: a forward that quantizes its layers' inputs waits on its host, so the launch is kept short.
-The first launch of each specialization goes through Triton; the compiled function is then launched
-from C++ (qarl/quant/launch.cpp, built once per machine; checked bit for bit against Triton's launch),
-or, where that cannot be built, by Triton's compiled-kernel runner.
-
-Not matched: NaN payloads (NaN stays NaN). Anything else ModelOpt's ops are called with (other
-formats, per-channel amax, fp64, CPU tensors, block_size != 16) goes to ModelOpt's implementation.
+Not matched: NaN payloads (NaN stays NaN). Anything else ModelOpt's ops are called with (other formats,
+per-channel amax, fp64, CPU tensors, block_size != 16) goes to ModelOpt's implementation.
 """
 
 from __future__ import annotations
@@ -59,13 +48,16 @@ from typing import Any
 
 import torch
 
-# Elements per program and warps; benchmarks/fake_quant_gpu_check.py --tune compares others. On an H100,
-# NVFP4 at 32 x 2 (8 elements a thread) tied 64 x 4 as the fastest, 3-6 % faster than 128 x 4 (16 a thread).
+from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, fp8_extension_missing, modelopt_dynamic_block_quantize,
+                                        modelopt_scaled_quantize, override_op_kernels, runs_triton_nvfp4)
+from qarl.torch_compat import destroy_library
+
+# Elements per program and warps: the fastest NVFP4 setting measured on an H100 (8 elements a thread);
+# benchmarks/fake_quant_gpu_check.py --tune compares others (benchmarks/results/gpu/README.md).
 NVFP4_BLOCKS_PER_PROGRAM, NVFP4_NUM_WARPS = 32, 2  # 16-element blocks: 512 elements
 FP8_BLOCK, FP8_NUM_WARPS = 2048, 4
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NVFP4_OP_ARGS = (4, 2, 8, 4)  # num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
 
 # Set by _kernels() on first use, so importing this module never imports triton. The kernels read
 # `tl` from these module globals: the Triton interpreter (TRITON_INTERPRET=1) only patches a
@@ -215,9 +207,9 @@ def _register(launcher: Any, compiled: Any, x: torch.Tensor, y: torch.Tensor, am
 
 @functools.cache
 def _extension() -> Any:
-    """qarl/quant/launch.cpp, compiled once per machine by torch's extension builder (20-35 s; ninja and
+    """qarl/quant/kernels/launch.cpp, compiled once per machine by torch's extension builder (ninja and
     a C++ compiler, which Triton needs too), or None with a warning where it cannot be built: the kernels
-    then launch through Triton's runner (the same bits, ~10 us more host time a call)."""
+    then launch through Triton's runner (the same bits, more host time a call)."""
     from pathlib import Path
 
     from torch.utils import cpp_extension
@@ -352,7 +344,6 @@ def available() -> bool:
 
 
 _LIB: torch.library.Library | None = None
-_MODELOPT: Any = None  # (tensor_quant, ModelOpt's Triton kernel module), set by install()
 
 
 def _takes(x: torch.Tensor) -> bool:
@@ -360,43 +351,31 @@ def _takes(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _DTYPES and x.dim() > 0
 
 
-def _modelopt_runs_triton_nvfp4() -> bool:
-    """ModelOpt's NVFP4 fake quant on CUDA runs its Triton kernel fp4_fake_quant_block (whose bits
-    nvfp4_kernel has) rather than its CUDA extension: read at every call, as ModelOpt reads it."""
-    tensor_quant, modelopt_triton = _MODELOPT
-    return (modelopt_triton.IS_AVAILABLE and hasattr(modelopt_triton, "fp4_fake_quant_block")
-            and not tensor_quant.DISABLE_TRITON_KERNEL)
-
-
 def _replaces_nvfp4(inputs: torch.Tensor, block_size: int, amax: torch.Tensor, args: tuple) -> bool:
-    """The installed `dynamic_block_quantize_op` runs `nvfp4_fake_quant_cuda` for these operands: where
-    ModelOpt would run its Triton kernel fp4_fake_quant_block, whose bits it has."""
-    return (args == _NVFP4_OP_ARGS
+    """The installed block op runs `nvfp4_fake_quant_cuda` for these operands: where ModelOpt would run its
+    Triton NVFP4 kernel (`modelopt_compat.runs_triton_nvfp4`), whose bits it has."""
+    return (args == NVFP4_OP_ARGS
             and block_size == 16  # ModelOpt's Triton path ignores block_size: leave others to it
-            and amax.is_cuda and _takes(inputs) and _modelopt_runs_triton_nvfp4())
+            and amax.is_cuda and _takes(inputs) and runs_triton_nvfp4())
 
 
 def _replaces_fp8(inputs: torch.Tensor, amax: torch.Tensor, num_bits: int, exponent_bits: int) -> bool:
-    """The installed `quantize_op` runs `fp8_fake_quant_cuda` for these operands (per-tensor E4M3)."""
+    """The installed scaled op runs `fp8_fake_quant_cuda` for these operands (per-tensor E4M3)."""
     return (num_bits == 8 and exponent_bits == 4 and amax.numel() == 1 and _takes(inputs)
             and amax.device == inputs.device)
 
 
-def _fp8_eager() -> bool:
-    """ModelOpt's scaled_e4m3_impl runs its extension, or fp8_eager where the extension cannot be built."""
-    return _MODELOPT[0].get_cuda_ext_fp8(raise_if_failed=False) is None
-
-
 def fake_quant(x: torch.Tensor, amax: torch.Tensor, nvfp4: bool, block_size: int = 16) -> torch.Tensor | None:
-    """What the installed op computes for an NVFP4 (`dynamic_block_quantize_op` with E2M1 values and E4M3
-    block scales of `block_size`) or FP8 E4M3 (`quantize_op`) fake quantization of x, called without the
-    op's dispatch: 5-8 us less host time a call on an H100 host, for eager callers that quantize in every layer.
+    """What the installed op computes for an NVFP4 (the block op with E2M1 values and E4M3 block scales of
+    `block_size`) or FP8 E4M3 (the scaled op) fake quantization of x, called without the op's dispatch, for
+    eager callers that quantize in every layer. FP8 takes the bits of ModelOpt's extension, or of its eager
+    fallback where the extension is not built (`modelopt_compat.fp8_extension_missing`).
     None where the op would run ModelOpt's own implementation (not installed, other operands)."""
     if _LIB is None:
         return None
     if nvfp4:
-        return nvfp4_fake_quant_cuda(x, amax) if _replaces_nvfp4(x, block_size, amax, _NVFP4_OP_ARGS) else None
-    return fp8_fake_quant_cuda(x, amax, eager=_fp8_eager()) if _replaces_fp8(x, amax, 8, 4) else None
+        return nvfp4_fake_quant_cuda(x, amax) if _replaces_nvfp4(x, block_size, amax, NVFP4_OP_ARGS) else None
+    return fp8_fake_quant_cuda(x, amax, eager=fp8_extension_missing()) if _replaces_fp8(x, amax, 8, 4) else None
 
 
 class BoundFakeQuant:
@@ -424,10 +403,10 @@ class BoundFakeQuant:
         return BoundFakeQuant, (self.amax, self.nvfp4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _LIB is None or (self.nvfp4 and not _modelopt_runs_triton_nvfp4()):
+        if _LIB is None or (self.nvfp4 and not runs_triton_nvfp4()):
             return None
         if self.eager is None:
-            self.eager = not self.nvfp4 and _fp8_eager()
+            self.eager = not self.nvfp4 and fp8_extension_missing()
             self.launcher = (_launcher(True, NVFP4_BLOCKS_PER_PROGRAM, NVFP4_NUM_WARPS) if self.nvfp4
                              else _launcher(False, FP8_BLOCK, FP8_NUM_WARPS, self.eager))
         if self.launcher is not None and (y := self.launcher(x, self.amax)) is not None:
@@ -441,43 +420,32 @@ class BoundFakeQuant:
 def install() -> bool:
     """Route ModelOpt's NVFP4 and per-tensor FP8 fake quant on CUDA through these kernels (idempotent).
 
-    Overrides the CUDA kernels of the torch.library ops ModelOpt's autograd Functions call
-    (``tensorrt::dynamic_block_quantize_op`` for NVFP4, ``tensorrt::quantize_op`` for FP8: an op, so
-    no ModelOpt function is patched and no quant config changes). A call is taken only where
-    ModelOpt would run the kernel replaced here, with the same bits; every other call goes to
-    ModelOpt's own implementation. CPU kernels are untouched (nvfp4_cpu.install() handles NVFP4 on CPU).
+    Overrides the CUDA kernels of the two torch.library ops ModelOpt's autograd Functions call (the block op
+    for NVFP4, the scaled op for FP8: `modelopt_compat.override_op_kernels`, so no ModelOpt function is
+    patched and no quant config changes). A call is taken only where ModelOpt would run the kernel replaced
+    here, with the same bits; every other call goes to ModelOpt's own implementation. CPU kernels are
+    untouched (nvfp4_cpu.install() handles NVFP4 on CPU).
     Returns False (and does nothing) without CUDA sm_89+ or triton.
     """
-    global _LIB, _MODELOPT
+    global _LIB
     if _LIB is not None:
         return True
     if not available():
         return False
-    import modelopt.torch.kernels.quantization.gemm as modelopt_triton
-    from modelopt.torch.quantization import tensor_quant
-
-    _MODELOPT = (tensor_quant, modelopt_triton)
-    block_quantize = tensor_quant._dynamic_block_quantize_impl
-    quantize = tensor_quant._quantize_impl
 
     def dynamic_block_quantize_cuda(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits,
                                     scale_exponent_bits):
         args = (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
         if _replaces_nvfp4(inputs, block_size, amax, args):
             return nvfp4_fake_quant_cuda(inputs, amax)
-        return block_quantize(inputs, block_size, amax, *args)
+        return modelopt_dynamic_block_quantize(inputs, block_size, amax, *args)
 
     def quantize_cuda(inputs, amax, num_bits, exponent_bits, unsigned, narrow_range):
         if _replaces_fp8(inputs, amax, num_bits, exponent_bits):
-            return fp8_fake_quant_cuda(inputs, amax, eager=_fp8_eager())
-        return quantize(inputs, amax, num_bits, exponent_bits, unsigned, narrow_range)
+            return fp8_fake_quant_cuda(inputs, amax, eager=fp8_extension_missing())
+        return modelopt_scaled_quantize(inputs, amax, num_bits, exponent_bits, unsigned, narrow_range)
 
-    lib = torch.library.Library("tensorrt", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
-        lib.impl("dynamic_block_quantize_op", dynamic_block_quantize_cuda, "CUDA", allow_override=True)
-        lib.impl("quantize_op", quantize_cuda, "CUDA", allow_override=True)
-    _LIB = lib
+    _LIB = override_op_kernels("CUDA", dynamic_block_quantize=dynamic_block_quantize_cuda, quantize=quantize_cuda)
     return True
 
 
@@ -485,7 +453,7 @@ def uninstall() -> None:
     """Give the two ops' CUDA kernels back to ModelOpt (for comparisons; no-op if not installed)."""
     global _LIB
     if _LIB is not None:
-        _LIB._destroy()
+        destroy_library(_LIB)
         _LIB = None
 
 

@@ -1,13 +1,14 @@
-"""Input (activation) fake quantization for the rollout engine: ModelOpt's math as one op per layer.
+"""Input (activation) fake quantization, the one op both sides call: ModelOpt's math as one op per layer.
 
 The engine receives its weights already quantized-dequantized ("folded"), so what is left for it to
 quantize is the input of each layer in the activation formats (NVFP4 W4A4, FP8 W8A8). It does that
 without ModelOpt's module wrappers: `fake_quant_input` is what ModelOpt's `TensorQuantizer.forward`
 computes for an enabled, calibrated input quantizer of these two kinds, reduced to the one torch.library
-op it ends in (`tensorrt::dynamic_block_quantize_op` for NVFP4, `tensorrt::quantize_op` for FP8; the
-ops qarl's CPU port and GPU kernels implement). Being a single registered op with a shape-only fake
+op it ends in (ModelOpt's block op for NVFP4, its scaled op for FP8: `modelopt_compat.dynamic_block_quantize`
+and `scaled_quantize`, the ops qarl's kernels implement). Being a single registered op with a shape-only fake
 implementation, it traces into vLLM's compiled graph and runs inside a captured CUDA graph, reading
-the amax from a tensor that a refit overwrites in place.
+the amax from a tensor that a refit overwrites in place. The policy's fast paths call the same computation
+eagerly (`fake_quant_eager`, `bound_fake_quant`).
 
 Which layers quantize their input, and how, comes from ModelOpt itself: `input_quant_plan` quantizes a
 meta-device copy of the model with the format and reads each enabled input quantizer. Anything it
@@ -24,11 +25,12 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
-from qarl.quant import gpu_kernels
-from qarl.quant.formats import QuantFormat
+from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, quantized_meta_model
+from qarl.quant.kernels import gpu
+from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, amax_buffer, dynamic_block_quantize, is_dynamic, scaled_quantize,
+                                        uses_constant_amax)
 
 NVFP4, FP8 = "nvfp4", "fp8"
-_NVFP4_OP_ARGS = (4, 2, 8, 4)  # E2M1 values, E4M3 block scales: (num_bits, exponent_bits, scale bits, scale exponent)
 
 
 @dataclass(frozen=True)
@@ -55,39 +57,30 @@ def fake_quant_input(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant,
         x = x * pre_quant_scale
     x = x.contiguous()  # ModelOpt makes non-contiguous inputs contiguous before its kernels
     if spec.kind == NVFP4:
-        return torch.ops.tensorrt.dynamic_block_quantize_op(x, spec.block_size, amax, *_NVFP4_OP_ARGS)
-    return torch.ops.tensorrt.quantize_op(x, amax, 8, 4, False, False)
+        return dynamic_block_quantize(x, spec.block_size, amax, *NVFP4_OP_ARGS)
+    return scaled_quantize(x, amax, 8, 4, False, False)
 
 
 def fake_quant_eager(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant) -> torch.Tensor:
     """`fake_quant_input(x, amax, spec)` for eager callers (the policy's layer inputs and its weights'
     re-quantization): where the op would run qarl's GPU kernel, the kernel is called without the op's
-    dispatch (`gpu_kernels.fake_quant`): the same computation, 5-8 us less host time a call. The rollout
+    dispatch (`gpu.fake_quant`): the same computation, without the dispatch's host time. The rollout
     engine keeps the op, which its compiled graph traces."""
     if x.is_cuda:
-        quantized = gpu_kernels.fake_quant(x, amax, spec.kind == NVFP4, spec.block_size)
+        quantized = gpu.fake_quant(x, amax, spec.kind == NVFP4, spec.block_size)
         if quantized is not None:
             return quantized
     return fake_quant_input(x, amax, spec)
 
 
-def bound_fake_quant(amax: torch.Tensor | None, spec: InputQuant) -> gpu_kernels.BoundFakeQuant | None:
+def bound_fake_quant(amax: torch.Tensor | None, spec: InputQuant) -> gpu.BoundFakeQuant | None:
     """`fake_quant_eager(x, amax, spec)` with its amax and format settled, for a quantizer that calls it at
-    every forward (`gpu_kernels.BoundFakeQuant`: it returns None for an x the kernel does not take, and the
+    every forward (`gpu.BoundFakeQuant`: it returns None for an x the kernel does not take, and the
     caller then calls `fake_quant_eager`); None where no GPU kernel can serve: the amax not on a GPU, or
     NVFP4 blocks other than the kernel's 16."""
     if amax is None or not amax.is_cuda or amax.numel() != 1 or (spec.kind == NVFP4 and spec.block_size != 16):
         return None
-    return gpu_kernels.BoundFakeQuant(amax, spec.kind == NVFP4)
-
-
-def install_kernels() -> None:
-    """Register qarl's implementations of the two ops (the NVFP4 CPU port, the fast GPU kernels; the
-    same bits as ModelOpt's): idempotent, and needed before the first call in a process."""
-    from qarl.quant import nvfp4_cpu
-
-    nvfp4_cpu.install()
-    gpu_kernels.install()
+    return gpu.BoundFakeQuant(amax, spec.kind == NVFP4)
 
 
 def plain_spec(quantizer: nn.Module) -> InputQuant | None:
@@ -97,8 +90,8 @@ def plain_spec(quantizer: nn.Module) -> InputQuant | None:
     engine's inputs, the policy's inputs (`FastInputMixin`) and its weights (`WeightCacheMixin`) alike."""
     sizes = dict(quantizer.block_sizes or {})
     plain = (quantizer.fake_quant and quantizer.bias_calibrator is None and quantizer.backend is None
-             and not quantizer.rotate_is_enabled and not getattr(quantizer, "_use_constant_amax", False)
-             and not quantizer._dynamic and not quantizer.is_mx_format)
+             and not quantizer.rotate_is_enabled and not uses_constant_amax(quantizer)
+             and not is_dynamic(quantizer) and not quantizer.is_mx_format)
     if plain and quantizer.num_bits == (2, 1) and sizes.get("type") == "dynamic" and sizes.get("scale_bits") == (4, 3) \
             and set(sizes) <= {-1, "type", "scale_bits"} and sizes.get(-1):
         return InputQuant(NVFP4, block_size=int(sizes[-1]))
@@ -109,7 +102,7 @@ def plain_spec(quantizer: nn.Module) -> InputQuant | None:
 
 def calibrated_spec(quantizer: nn.Module) -> InputQuant | None:
     """`plain_spec` of a quantizer that holds its per-tensor amax (calibrated or loaded), else None."""
-    amax = quantizer._buffers.get("_amax")
+    amax = amax_buffer(quantizer)
     return plain_spec(quantizer) if amax is not None and amax.numel() == 1 else None
 
 
@@ -133,8 +126,6 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
     if fmt is None:
         return {}
     from modelopt.torch.quantization.nn import TensorQuantizer
-
-    from qarl.quant.quantize import SMOOTHING_ALGORITHMS, quantized_meta_model
 
     model = quantized_meta_model(model_dir, fmt, trust_remote_code)
     smoothing = fmt.calibration in SMOOTHING_ALGORITHMS

@@ -2,9 +2,8 @@
 (scales from each block's max, below) and the static one (calibrated per-block amax: ModelOpt's MSE
 and 4-over-6 formats, `static_nvfp4_fake_quant`).
 
-Contract (ModelOpt 0.47 ``fp4_fake_quant_block``, the Triton kernel behind
-``tensorrt::dynamic_block_quantize_op`` on sm_89+; checked bit for bit on an H100 by
-benchmarks/nvfp4_gpu_check.py):
+Contract (ModelOpt 0.47's Triton NVFP4 kernel, behind its block fake-quant op on sm_89+; checked bit for bit
+on an H100 by benchmarks/nvfp4_gpu_check.py):
 
 - fp32 arithmetic throughout; the result is cast to ``x.dtype`` (round to nearest even).
 - global scale ``g = fl32(amax * fl32(1/2688))`` (CUDA's tensor / scalar); ``g <= 0`` -> 1e-12.
@@ -24,9 +23,11 @@ benchmarks/nvfp4_gpu_check.py):
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, fake_quant_backward, modelopt_dynamic_block_quantize,
+                                        override_op_kernels, route_static_nvfp4, save_for_backward_if_needed)
 
 _E4M3_MAX = 448.0
 # fl32(1/2688) as a Python float: fp32 x this constant rounds once, whatever the backend.
@@ -126,8 +127,8 @@ def _tables(
     """Per-tensor constants: global scale g, rcp(6 g), and per E4M3 code the block scale and its rcp.
 
     A block scale is one of 127 values per tensor (an E4M3 code times g), so blocks look them up. All but g
-    depend on g's value alone and are kept per value (`_scale_tables`): emulating the 128 reciprocals takes
-    ~0.5 ms, most of a small tensor's quantization, and a calibrated amax stays the same from call to call.
+    depend on g's value alone and are kept per value (`_scale_tables`): emulating the 128 reciprocals is
+    most of a small tensor's quantization, and a calibrated amax stays the same from call to call.
     """
     g = _global_scale(amax).to(device)
     return (g, *_scale_tables(float(g), str(device)))
@@ -254,61 +255,39 @@ class _StaticNVFP4(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, amax, global_amax=None, quantize_block_scales=True, fp8_max=_E4M3_MAX, out_dtype=None,
                 pass_through_bwd=False):
-        from modelopt.torch.quantization.tensor_quant import _save_for_backward_if_needed
-
         if not quantize_block_scales:
             raise NotImplementedError("static NVFP4 on CPU: block scales are always E4M3 in the shipped formats")
-        _save_for_backward_if_needed(ctx, pass_through_bwd, x, amax)
+        save_for_backward_if_needed(ctx, pass_through_bwd, x, amax)
         out = static_nvfp4_fake_quant(x, static_block_scales(amax, global_amax, fp8_max))
         return out if out_dtype is None else out.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        from modelopt.torch.quantization.tensor_quant import _fake_quant_backward_function
-
-        return _fake_quant_backward_function(ctx, grad, num_args=7)
+        return fake_quant_backward(ctx, grad, num_args=7)
 
 
-_NVFP4_OP_ARGS = (4, 2, 8, 4)  # num_bits, exponent_bits, scale_num_bits, scale_exponent_bits
 _LIB: torch.library.Library | None = None
 
 
 def install() -> None:
     """Run ModelOpt's NVFP4 op on CPU tensors through nvfp4_fake_quant (idempotent).
 
-    Replaces the CPU kernel of ``tensorrt::dynamic_block_quantize_op`` (torch.library, with
-    ``allow_override``); other formats still go to ModelOpt's implementation, CUDA is untouched.
+    Replaces the CPU kernel of ModelOpt's block fake-quant op (`modelopt_compat.override_op_kernels`); other
+    formats still go to ModelOpt's implementation, CUDA is untouched. Static-scale NVFP4 (ModelOpt's MSE /
+    4-over-6 weight formats) of CPU tensors goes to `_StaticNVFP4`.
     """
     global _LIB
     if _LIB is not None:
         return
-    from modelopt.torch.quantization import tensor_quant  # defines the op and its kernels
 
     def cpu_kernel(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
         args = (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
-        if args != _NVFP4_OP_ARGS:
-            return tensor_quant._dynamic_block_quantize_impl(inputs, block_size, amax, *args)
+        if args != NVFP4_OP_ARGS:
+            return modelopt_dynamic_block_quantize(inputs, block_size, amax, *args)
         if block_size != 16:
             # ModelOpt's Triton kernel ignores block_size (always 16): no GPU behaviour to match.
             raise NotImplementedError(f"NVFP4 on CPU supports block_size 16 only, got {block_size}")
         return nvfp4_fake_quant(inputs, amax)
 
-    lib = torch.library.Library("tensorrt", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
-        lib.impl("dynamic_block_quantize_op", cpu_kernel, "CPU", allow_override=True)
-    _LIB = lib
-    _install_static()
-
-
-def _install_static() -> None:
-    """Static-scale NVFP4 (ModelOpt's MSE / 4-over-6 weight formats) on CPU tensors: ModelOpt's quantizer
-    calls a Triton-only function; CPU tensors go to `_StaticNVFP4`, CUDA tensors to ModelOpt unchanged."""
-    from modelopt.torch.quantization.nn.modules import tensor_quantizer
-
-    triton_only = tensor_quantizer.static_blockwise_fp4_fake_quant
-
-    def static_blockwise_fp4_fake_quant(x, *args):
-        return (triton_only if x.is_cuda else _StaticNVFP4.apply)(x, *args)
-
-    tensor_quantizer.static_blockwise_fp4_fake_quant = static_blockwise_fp4_fake_quant
+    _LIB = override_op_kernels("CPU", dynamic_block_quantize=cpu_kernel)
+    route_static_nvfp4(_StaticNVFP4.apply)

@@ -1,37 +1,22 @@
-"""A quantized linear layer's forward without ModelOpt's per-call module machinery.
+"""Quantized linear, embedding and attention forwards without ModelOpt's per-call module machinery.
 
-ModelOpt's QuantLinear forward reaches `F.linear` through a context manager, a dynamic `weight`
-attribute, an MRO scan for monkey-patched forwards and calls of disabled quantizers: about 60 us of
-Python per layer and call, measured on CPU, which on a GPU exceeds the matmul it wraps (a no-grad pass
-of a Qwen2.5-0.5B-shaped model took 2x the unquantized one with W4A16, whose weights were already
-cached). `lean_forward` makes the same calls in the same order, and nothing else:
+ModelOpt's QuantLinear forward reaches `F.linear` through a context manager, a dynamic `weight` attribute, an
+MRO scan for monkey-patched forwards and calls of disabled quantizers: Python that, on a GPU, can exceed the
+matmul it wraps. `lean_forward` makes the same calls in the same order, and nothing else:
 
     y = output_quantizer(F.linear(input_quantizer(x), weight_quantizer(W), b))
 
-skipping only quantizers that are disabled and neither scale nor rotate (for which ModelOpt returns the
-tensor unchanged), so the result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py
-checks both). Each layer decides that once per change (`LinearPlan`).
+skipping only quantizers that are disabled and neither scale nor rotate (for which ModelOpt returns the tensor
+unchanged), so the result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py checks
+both). Each layer decides that once per change (`LinearPlan`).
 
-The input quantizers of the activation formats (NVFP4 W4A4, FP8 W8A8) run at every forward, and
-ModelOpt's `TensorQuantizer.forward` spends ~100 us of Python per call to reach one torch op. A
-`FastInputMixin` quantizer calls that op directly (`qarl.quant.input_quant.fake_quant_input`, the op the
-rollout engine runs too, pinned to ModelOpt's forward bit for bit by tests/test_engine_quant.py; on a GPU
-the kernel the op would run, without its dispatch, bound once to the quantizer's amax: `BoundFakeQuant`,
-launched from C++ by qarl/quant/launch.cpp), with ModelOpt's straight-through gradient; any other
-state (calibrating, disabled, smoothing, another format) goes to ModelOpt's own forward. It is on every
-input quantizer of the model, Megatron's layers included, and the lean forward calls it without
-`Module.__call__` where no hook would run.
-
-ModelOpt also wraps every Hugging Face attention module for KV-cache / attention quantization, and its
-forward patches transformers' attention-function table, inspects the module's source module and calls
-four quantizers at every call, even when all four are disabled (every shipped format). `LeanAttention`
-calls the model's own attention forward whenever they are all disabled (and pass their tensors through
-unchanged): the same computation, since
-ModelOpt's path then ends in the same attention function with the same tensors. It also finds its
-submodules without ModelOpt's dynamic-module __getattr__.
-Installed by giving each plain linear layer a subclass of its own class (so deep copies and state
-dicts are unchanged); a layer with a patched forward (accelerate hooks, `_forward_pre_dm`) or a
-non-`TensorQuantizer` quantizer keeps ModelOpt's forward.
+A `FastInputMixin` input quantizer (NVFP4 W4A4, FP8 W8A8: called at every forward) calls the one op ModelOpt's
+forward ends in (`qarl.quant.ops`, the op the rollout engine runs too; on a GPU the kernel bound to its amax),
+with ModelOpt's straight-through gradient; any other state (calibrating, disabled, smoothing, another format)
+goes to ModelOpt's own forward. `LeanAttention` calls the model's own attention forward while ModelOpt's four
+attention quantizers are all disabled and pass their tensors through (every shipped format): the same
+computation. All are installed by mixing into each module's own class (`qarl.quant.mixins`), so deep copies and
+state dicts are unchanged; a layer with a patched forward or a non-`TensorQuantizer` quantizer keeps ModelOpt's.
 """
 
 from __future__ import annotations
@@ -42,19 +27,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module  # the process-wide hooks Module.__call__ runs
 
-from qarl.quant.gpu_kernels import BoundFakeQuant
-from qarl.quant.input_quant import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
-from qarl.quant.mixins import QUANTIZER_CHANGES, TracksQuantizerChanges, pre_quant_scale, track_changes, with_mixin
-from qarl.quant.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
+from qarl.quant.fastpath.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
+from qarl.quant.kernels.gpu import BoundFakeQuant
+from qarl.quant.mixins import QUANTIZER_CHANGES, TracksQuantizerChanges, mix_in, track_changes
+from qarl.quant.modelopt_compat import (AMAX_BUFFER, amax_buffer, forward_patched_before_conversion,
+                                        managed_attribute_names, pass_through_bwd, pre_quant_scale,
+                                        quant_attention_class, quant_embedding_class, quant_linear_class,
+                                        quantizer_enabled, quantizing)
+from qarl.quant.ops import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
+from qarl.torch_compat import global_hook_tables, hook_tables, tensor_version
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """ModelOpt's quantized linear math with `weight` in place of the layer's own parameter (LoRA's
     merged mode serves W + s B A through it). A layer without quantizers is a plain `F.linear`. The
-    quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its
-    dynamic-module __getattr__, ~10 us each on a GPU host."""
+    quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its slow
+    dynamic-module __getattr__."""
     quantizers = layer._modules
     output = F.linear(quantized_input(quantizers.get("input_quantizer"), input),
                       quantized_weight(quantizers.get("weight_quantizer"), weight), layer._parameters.get("bias"))
@@ -68,7 +57,7 @@ def quantized_input(quantizer: nn.Module | None, input: torch.Tensor) -> torch.T
     called at every layer of every forward)."""
     if quantizer is None:
         return input
-    if _enabled(quantizer):
+    if quantizer_enabled(quantizer):
         if isinstance(quantizer, FastInputMixin) and _no_hooks(quantizer):
             return quantizer.forward(input)
         return quantizer(input)
@@ -93,34 +82,20 @@ def quantized_output(quantizer: nn.Module | None, output: torch.Tensor) -> torch
     return output if quantizer is None or _is_identity(quantizer) else quantizer(output)
 
 
-def _enabled(quantizer: nn.Module) -> bool:
-    """`quantizer.is_enabled`, read from the instance where a TensorQuantizer keeps it (a container of
-    quantizers answers through its property)."""
-    disabled = quantizer.__dict__.get("_disabled")
-    return quantizer.is_enabled if disabled is None else not disabled
-
-
 def _is_identity(quantizer: nn.Module) -> bool:
     """ModelOpt's forward of `quantizer` returns its input as it is: disabled, and without the smoothing scale
     (AWQ, SmoothQuant) and rotation that it applies even when disabled. Such a quantizer is skipped."""
-    return (not _enabled(quantizer) and pre_quant_scale(quantizer) is None
+    return (not quantizer_enabled(quantizer) and pre_quant_scale(quantizer) is None
             and not getattr(quantizer, "rotate_is_enabled", False))
 
 
-# The process-wide hook tables `Module.__call__` reads; torch registers into them in place, never rebinds them.
-_GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
-                 torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
-
-
-def _hook_tables(module: nn.Module) -> tuple[dict, ...]:
-    """`module`'s own hook tables (forward and backward) that `Module.__call__` reads."""
-    return module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+_GLOBAL_HOOKS = global_hook_tables()  # the process-wide hook tables `Module.__call__` reads (updated in place)
 
 
 def _no_hooks(module: nn.Module) -> bool:
     """Calling `module` runs no hook (forward or backward, its own or process-wide): `Module.__call__` would
     call its forward and nothing else."""
-    return not (any(_hook_tables(module)) or any(_GLOBAL_HOOKS))
+    return not (any(hook_tables(module)) or any(_GLOBAL_HOOKS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,15 +105,14 @@ class LinearPlan:
     (`QUANTIZER_CHANGES`: every write that changes a tracked quantizer counts), a held weight's amax still
     its quantizer's and not written in place (what `WeightCacheMixin.holds` checks at every call), and no
     hook on a quantizer it calls or skips. A layer makes one per change instead of
-    asking its three quantizers ~20 questions at every call: on an H100 host those questions were 6 % of a
-    W4A16 no-grad pass of a Qwen2.5-0.5B-shaped model."""
+    asking its three quantizers ~20 questions at every call."""
 
     weight: torch.Tensor
     version: int
     changes: int
     amax: torch.Tensor  # a held weight's amax (`_NO_AMAX` otherwise), and its version then
     amax_version: int
-    buffers: dict[str, torch.Tensor]  # where `amax` must still be "_amax": the weight quantizer's buffers
+    buffers: dict[str, torch.Tensor]  # where `amax` must still be the amax buffer: the weight quantizer's buffers
     hooks: tuple[dict, ...]  # the hook tables whose entries would make this plan wrong
     lean: bool  # False: `quantized_linear` decides at every call (a state the plan does not cover)
     weight_fn: Callable[[torch.Tensor], torch.Tensor] | None  # None: the parameter as it is
@@ -147,7 +121,7 @@ class LinearPlan:
 
 with torch.inference_mode(False):  # an inference tensor keeps no version (an import under inference_mode)
     _NO_AMAX = torch.zeros(())  # never written: its version never moves
-_NO_BUFFERS = {"_amax": _NO_AMAX}
+_NO_BUFFERS = {AMAX_BUFFER: _NO_AMAX}
 
 
 def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
@@ -160,7 +134,7 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     quantizers = layer._modules
     weight_quantizer, input_quantizer, output_quantizer = (quantizers.get(name) for name in
                                                            ("weight_quantizer", "input_quantizer", "output_quantizer"))
-    key = (weight, weight._version, QUANTIZER_CHANGES[0])
+    key = (weight, tensor_version(weight), QUANTIZER_CHANGES.value)
     checks_each_call = LinearPlan(*key, _NO_AMAX, 0, _NO_BUFFERS, (), False, None, None)
     if not all(q is None or isinstance(q, TracksQuantizerChanges)
                for q in (weight_quantizer, input_quantizer, output_quantizer)):
@@ -169,23 +143,23 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     if weight_quantizer is not None:
         if isinstance(weight_quantizer, WeightCacheMixin) and weight_quantizer.holds(weight):
             amax, buffers = weight_quantizer._qarl_held.amax, weight_quantizer._buffers
-            hooks += _hook_tables(weight_quantizer)
-        elif _enabled(weight_quantizer):
+            hooks += hook_tables(weight_quantizer)
+        elif quantizer_enabled(weight_quantizer):
             weight_fn = weight_quantizer.forward
-            hooks += _hook_tables(weight_quantizer)
+            hooks += hook_tables(weight_quantizer)
         elif not _is_identity(weight_quantizer):
             return checks_each_call
     if input_quantizer is not None:
-        if _enabled(input_quantizer):
+        if quantizer_enabled(input_quantizer):
             if not isinstance(input_quantizer, FastInputMixin):
                 return checks_each_call
             input_fn = input_quantizer.forward
-            hooks += _hook_tables(input_quantizer)
+            hooks += hook_tables(input_quantizer)
         elif not _is_identity(input_quantizer):
             return checks_each_call
     if output_quantizer is not None and not _is_identity(output_quantizer) or any(hooks):
         return checks_each_call
-    return LinearPlan(*key, amax, amax._version, buffers, tuple(hooks), True, weight_fn, input_fn)
+    return LinearPlan(*key, amax, tensor_version(amax), buffers, tuple(hooks), True, weight_fn, input_fn)
 
 
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -193,9 +167,9 @@ def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     layer of every forward."""
     weight = self._parameters["weight"]
     plan = self.__dict__.get("_qarl_plan")
-    if (plan is None or plan.weight is not weight or plan.version != weight._version
-            or plan.changes != QUANTIZER_CHANGES[0] or plan.amax._version != plan.amax_version
-            or plan.buffers.get("_amax") is not plan.amax or any(plan.hooks)):
+    if (plan is None or plan.weight is not weight or plan.version != tensor_version(weight)
+            or plan.changes != QUANTIZER_CHANGES.value or tensor_version(plan.amax) != plan.amax_version
+            or plan.buffers.get(AMAX_BUFFER) is not plan.amax or any(plan.hooks)):
         plan = self.__dict__["_qarl_plan"] = plan_linear(self, weight)
     if not plan.lean:
         return quantized_linear(self, input, weight)
@@ -234,8 +208,8 @@ class LeanLinear:
 class LeanEmbedding:
     """Mixed into ModelOpt's quantized embedding class (see `enable_lean_forward`): its lookup from the
     table through the weight quantizer, then the output quantizer, as ModelOpt's forward computes it
-    (whose dynamic `weight` attribute and context manager cost ~40 us a call on CPU, for quantizers that
-    every shipped format leaves disabled)."""
+    (without its dynamic `weight` attribute and context manager, for quantizers that every shipped format
+    leaves disabled)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         quantizers = self._modules
@@ -249,20 +223,18 @@ def enable_lean_forward(model: nn.Module) -> int:
     A layer whose forward something else replaced, whose quantizer is a sequence of them, or an embedding
     that renormalizes its table in place (`max_norm`), keeps ModelOpt's forward."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
-    from modelopt.torch.quantization.nn.modules.quant_embedding import _QuantEmbedding
-    from modelopt.torch.quantization.nn.modules.quant_linear import _QuantLinear
 
-    kinds = ((_QuantLinear, nn.Linear, LeanLinear), (_QuantEmbedding, nn.Embedding, LeanEmbedding))
+    kinds = ((quant_linear_class(), nn.Linear, LeanLinear), (quant_embedding_class(), nn.Embedding, LeanEmbedding))
     count = 0
     for module in model.modules():
         quantizers = [getattr(module, q, None) for q in ("input_quantizer", "weight_quantizer", "output_quantizer")]
         for quant_cls, torch_cls, lean in kinds:
             plain = (isinstance(module, quant_cls) and isinstance(module, torch_cls)
                      and type(module).forward in (quant_cls.forward, lean.forward)
-                     and not hasattr(module, "_forward_pre_dm") and getattr(module, "max_norm", None) is None
+                     and not forward_patched_before_conversion(module) and getattr(module, "max_norm", None) is None
                      and all(isinstance(q, TensorQuantizer) and not isinstance(q, SequentialQuantizer) for q in quantizers))
             if plain:
-                module.__class__ = with_mixin(lean, type(module), "Lean", globals())
+                mix_in(module, lean, "Lean", globals())
                 if lean is LeanLinear and quantizers[2] is not None:
                     track_changes(quantizers[2])  # its plans skip the (disabled) output quantizer
                 count += 1
@@ -290,20 +262,20 @@ class SharedInput:
         """Every sibling holds an amax of the same value and quantizes the same way, gradient included."""
         key = []  # (generation, amax address, amax version) of each sibling: read at every take
         for member in self.members:
-            amax = member._buffers.get("_amax")
+            amax = amax_buffer(member)
             if amax is None:
                 return False  # a sibling never calibrated (or disabled before calibration): nothing to share
-            key.append((member._qarl_generation, amax.data_ptr(), amax._version))
+            key.append((member._qarl_generation, amax.data_ptr(), tensor_version(amax)))
         verified = self._verified
         if verified is None or verified[0] != key:
-            first, amax = self.members[0], self.members[0]._buffers["_amax"]
-            same = all(m._qarl_plan()[0] == first._qarl_plan()[0] and m._pass_through_bwd == first._pass_through_bwd
-                       and torch.equal(m._buffers["_amax"], amax) for m in self.members[1:])
+            first, amax = self.members[0], amax_buffer(self.members[0])
+            same = all(m._qarl_plan()[0] == first._qarl_plan()[0] and pass_through_bwd(m) == pass_through_bwd(first)
+                       and torch.equal(amax_buffer(m), amax) for m in self.members[1:])
             verified = self._verified = (key, same)
         return verified[1]
 
     def take(self, inputs: torch.Tensor, grad: bool) -> torch.Tensor | None:
-        if self.left == 0 or self.source is not inputs or self.version != inputs._version or self.grad != grad \
+        if self.left == 0 or self.source is not inputs or self.version != tensor_version(inputs) or self.grad != grad \
                 or not self._amax_equal():
             return None
         output = self.output
@@ -313,7 +285,7 @@ class SharedInput:
         return output
 
     def give(self, inputs: torch.Tensor, grad: bool, output: torch.Tensor) -> None:
-        self.source, self.version, self.grad, self.output = inputs, inputs._version, grad, output
+        self.source, self.version, self.grad, self.output = inputs, tensor_version(inputs), grad, output
         self.left = len(self.members) - 1
 
 
@@ -329,7 +301,7 @@ class FastInputMixin(TracksQuantizerChanges):
         one) and, with its amax on a GPU, the kernel bound to that amax; found again after any change
         of the quantizer (its generation) or of its amax tensor (`module.to(device)` replaces buffers)."""
         generation, held, spec, bound = self._qarl_fast
-        amax = self._buffers.get("_amax")
+        amax = amax_buffer(self)
         if generation != self._qarl_generation or held is not amax:
             spec = calibrated_spec(self)
             bound = bound_fake_quant(amax, spec) if spec is not None else None
@@ -338,7 +310,7 @@ class FastInputMixin(TracksQuantizerChanges):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         spec, bound = self._qarl_plan()
-        if (spec is None or self._disabled or not self._if_quant or self._if_calib or type(inputs) is not torch.Tensor
+        if (spec is None or not quantizing(self) or type(inputs) is not torch.Tensor
                 or pre_quant_scale(self) is not None or torch.compiler.is_compiling()):
             return super().forward(inputs)
         grad = torch.is_grad_enabled() and inputs.requires_grad
@@ -347,10 +319,10 @@ class FastInputMixin(TracksQuantizerChanges):
             return output
         quantized = bound(inputs) if bound is not None else None  # the kernel reads x's memory, outside autograd
         if quantized is None:
-            quantized = fake_quant_eager(inputs.detach(), self._buffers["_amax"].to(inputs.device), spec)
+            quantized = fake_quant_eager(inputs.detach(), amax_buffer(self).to(inputs.device), spec)
         output = quantized
         if grad:
-            amax = None if self._pass_through_bwd else self._buffers["_amax"].to(inputs.device)
+            amax = None if pass_through_bwd(self) else amax_buffer(self).to(inputs.device)
             output = StraightThrough.apply(inputs, quantized, amax)
         if shared is not None:
             shared.give(inputs, grad, output)
@@ -362,7 +334,7 @@ def enable_fast_inputs(model: nn.Module, fused_groups: Iterable[list[nn.Module]]
     group of fused sibling layers (`fused_groups`: q/k/v, gate/up) one `SharedInput`; returns how many."""
     count = 0
     for quantizer in single_quantizers(model, "input_quantizer"):
-        quantizer.__class__ = with_mixin(FastInputMixin, type(quantizer), "Fast", globals())
+        mix_in(quantizer, FastInputMixin, "Fast", globals())
         count += 1
     for members in fused_groups:
         quantizers = [getattr(m, "input_quantizer", None) for m in members]
@@ -391,7 +363,7 @@ class LeanAttention:
 
     def __getattr__(self, name: str):
         """A submodule (`self.q_proj` in the attention's forward) straight from `_modules`: ModelOpt's
-        dynamic-module lookup builds a set of its hyperparameter names at every access, ~5 us each, and
+        dynamic-module lookup builds a set of its hyperparameter names at every access, and
         has no dynamic attribute of these names (checked where this is installed)."""
         module = self.__dict__.get("_modules", {}).get(name)
         return module if module is not None else super().__getattr__(name)
@@ -399,16 +371,14 @@ class LeanAttention:
 
 def enable_lean_attention(model: nn.Module) -> int:
     """Give every ModelOpt-wrapped Hugging Face attention module the lean forward; returns how many."""
-    from modelopt.torch.quantization.plugins.huggingface import _QuantAttention
-
+    attention_cls = quant_attention_class()
     count = 0
     for module in model.modules():
-        if isinstance(module, _QuantAttention) and type(module).forward in (_QuantAttention.forward, LeanAttention.forward):
-            manager = module._get_dm_attribute_manager()
-            if set(module._modules) & (manager.hp_keys() | manager.da_keys() | manager.attr_keys()):
+        if isinstance(module, attention_cls) and type(module).forward in (attention_cls.forward, LeanAttention.forward):
+            if set(module._modules) & managed_attribute_names(module):
                 continue  # a submodule name ModelOpt also manages: leave its lookup alone
             original = module.get_original_cls_by_level(level=0)
-            module.__class__ = with_mixin(LeanAttention, type(module), "Lean", globals())
+            mix_in(module, LeanAttention, "Lean", globals())
             module.__dict__["_qarl_attention_cls"] = original
             count += 1
     return count

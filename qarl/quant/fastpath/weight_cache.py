@@ -1,49 +1,31 @@
 """One fake quantization of each weight per change of the weights, shared by every pass that reads it.
 
-ModelOpt's weight quantizer quantizes its weight at every call: every training forward of every
-micro-batch, every no-grad pass (old / reference log-probs, evaluation) and the refit fold. A weight
-changes only when something writes it (an optimizer step, a checkpoint load, the master -> compute
-copy of mixed precision), and its amax only when calibration or a state load sets it. A cached weight
-quantizer keeps its last output and quantizes again only after one of them changed, which it sees by
-itself, without any caller remembering to tell it:
+ModelOpt's weight quantizer quantizes its weight at every call (every micro-batch, every no-grad pass, the
+refit fold). A cached weight quantizer (`WeightCacheMixin`) keeps its last output and quantizes again only after
+the weight or the quantizer changed, which it sees by itself, without any caller remembering to tell it:
 
-* every optimizer step anywhere (torch's global step hook) counts as a change of a trainable weight:
-  fused optimizer kernels write parameters without bumping their version counters (seen with
-  AdamW(fused=True)); a frozen weight (requires_grad=False: LoRA's base) is in no optimizer, so only
-  the writes below change it, and it is quantized once for the whole run;
-* any other write into the weight bumps the tensor's version counter (in-place ops: `copy_`,
-  `load_state_dict`, `mul_`), and a replaced weight (`module.to(...)`) is another storage;
-* amax changes go through ModelOpt's setter, which writes through `.data` (invisible to version
-  counters) and bumps a generation (`qarl.quant.mixins.TracksQuantizerChanges` overrides it), as do the
-  max-reduce across tensor-parallel ranks (an in-place all-reduce, also invisible), state-dict loads,
-  and any attribute of the quantizer written with a new value (its switches, its config, a buffer); any
-  other in-place write of the amax buffer bumps its version.
-Writes through `.data` (`p.data.copy_(x)`) bypass version counters: call `invalidate(model)` after
-such a write (what the weight holds then is taken as the weight). In qarl only AWQ's smoothing
-(ModelOpt, inside `calibrate`) writes weights that way, and `calibrate` invalidates after it. ModelOpt's
-`fold_weight` (not used by qarl) writes the folded weight that way and then disables the quantizer, which
+* an optimizer step anywhere (torch's global post-step hook, `count_optimizer_steps`) changes every trainable
+  weight: fused optimizer kernels write parameters without bumping their version counters. A frozen weight
+  (LoRA's base) is in no optimizer and changes only by the writes below;
+* any other write into the weight bumps its version counter, and a replaced weight is another tensor;
+* the quantizer's own changes (amax, switches, config) are tracked by `qarl.quant.mixins.TracksQuantizerChanges`.
+Writes through `.data` bypass all of these: call `invalidate(model)` after one (`calibrate` does, after AWQ's
+smoothing). ModelOpt's `fold_weight` (not used by qarl) writes that way and then disables the quantizer, which
 gives a held weight its master back over the fold: fold a model built from the masters instead.
 
-Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward computes it, or for
-the shipped formats the op that forward ends in, with the same arguments), so a cached forward equals an
-uncached one bit for bit. Gradients reach the weight through
-`StraightThrough`, whose backward is ModelOpt's straight-through estimator: the identity with
-`pass_through_bwd` (every shipped format), else the gradient zeroed where |w| > amax.
+Numerics: the cached tensor IS ModelOpt's output (the quantizer's own forward, or for the shipped formats the op
+that forward ends in, with the same arguments), so a cached forward equals an uncached one bit for bit; gradients
+reach the weight through `StraightThrough`, ModelOpt's straight-through estimator (the identity with
+`pass_through_bwd`, every shipped format; else zero where |w| > amax).
 
-Mixed precision (bf16/fp16 compute, fp32 masters in the optimizer) goes one step further: the compute
-weights are a derived copy anyway, rewritten from the masters after every step, so `copy_masters`
-writes each quantized layer's weight as its quantized value (`WeightCacheMixin.hold`). The parameter
-then IS the cache: the forward, every no-grad pass and the refit fold read it as a plain parameter, with
-no straight-through node (the gradient w.r.t. a parameter holding Q(w) is the straight-through gradient
-wherever it passes through, which every shipped format does), no second copy in memory, and the weights
-are quantized at the step instead of at the first forward after it. Checkpoints and exports read the
-masters. Anything that changes what the quantizer computes gives the parameter its unquantized value
-back at once (the quantizer then caches as above until the next step); any other write ends the hold.
+Mixed precision (fp32 masters, bf16/fp16 compute weights rewritten from them after every step) goes further:
+`copy_masters` writes each quantized layer's weight as its quantized value (`WeightCacheMixin.hold`), so the
+parameter IS the cache: no second copy, no straight-through node (the gradient w.r.t. a parameter holding Q(w) is
+the straight-through gradient wherever it passes through). Anything that changes the quantizer gives the
+parameter its unquantized value back; checkpoints and exports read the masters.
 
-Memory: one quantized copy of each quantized weight in the weight's dtype (`cache_bytes`), none for the
-held weights of mixed precision; `policy.quant_weight_cache=false` turns all of it off. Tensors derived
-from weights (`derived`: the exact forward's fused q/k/v and gate/up weights) are kept by the same rules,
-and freed at every optimizer step.
+`derived` keeps tensors computed from weights (the exact forward's fused q/k/v and gate/up) by the same rules,
+freed at every optimizer step. `policy.quant_weight_cache=false` runs without any of this.
 """
 
 from __future__ import annotations
@@ -58,11 +40,14 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from qarl.quant.input_quant import calibrated_spec, fake_quant_eager
-from qarl.quant.mixins import TracksQuantizerChanges, pre_quant_scale, with_mixin
+from qarl.quant.mixins import TracksQuantizerChanges, mix_in
+from qarl.quant.modelopt_compat import (amax_buffer, amax_tensor, clipping_amax, has_pre_quant_scale_buffer,
+                                        pass_through_bwd, pre_quant_scale, quantizing)
+from qarl.quant.ops import calibrated_spec, fake_quant_eager
+from qarl.torch_compat import tensor_version
 
-
-_optimizer_steps = 0
+_optimizer_steps = 0  # optimizer steps since `count_optimizer_steps`
+_counting_steps = False
 # id -> the compute-dtype copies `copy_masters` writes (by id: a WeakSet would compare tensors with ==)
 _from_masters: dict[int, weakref.ref] = {}
 _derived_owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that keep `derived` tensors
@@ -77,7 +62,13 @@ def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
     _derived_owners.clear()
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+def count_optimizer_steps() -> None:
+    """Count every optimizer step of the process from now on (torch's global post-step hook, registered once),
+    for `tensor_key`; called by `enable_weight_cache` and `derived`, which key tensors by it."""
+    global _counting_steps
+    if not _counting_steps:
+        register_optimizer_step_post_hook(_count_optimizer_step)
+        _counting_steps = True
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -85,12 +76,14 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
     far for a trainable tensor (fused optimizers bump no version), its identity, address, version, dtype and
     shape."""
     steps = _optimizer_steps if tensor.requires_grad else None  # a frozen weight is in no optimizer
-    return (steps, id(tensor), tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
+    return (steps, id(tensor), tensor.data_ptr(), tensor_version(tensor), tensor.dtype, tuple(tensor.shape))
 
 
 def derived(owner: nn.Module, name: str, sources: list[torch.Tensor], make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`make()`, a tensor computed from `sources` alone (without autograd history), kept on `owner` under `name`
     until one of them changes (`tensor_key`), the next optimizer step, or `invalidate`."""
+    if not _counting_steps:
+        count_optimizer_steps()
     kept = owner.__dict__.setdefault(DERIVED, {})
     key = tuple(tensor_key(t) for t in sources)
     entry = kept.get(name)
@@ -146,19 +139,20 @@ class WeightCacheMixin(TracksQuantizerChanges):
         calibration pass, no smoothing scale, rotation or bias, no tracing. A computed weight (LoRA's
         merged W + s B A) is a new tensor at every forward, so it is quantized afresh each time. Read
         at every forward, so what only the config changes is checked once per generation."""
-        return (type(inputs) is nn.Parameter and not self._disabled and self._if_quant and not self._if_calib
+        return (type(inputs) is nn.Parameter and quantizing(self)
                 and pre_quant_scale(self) is None and self._qarl_configured() and not torch.compiler.is_compiling())
 
     def _qarl_configured(self) -> bool:
         generation, plain = self._qarl_config
         if generation != self._qarl_generation:
-            plain = self._fake_quant and not self.rotate_is_enabled and self.__dict__.get("_bias") is None
+            plain = self.fake_quant and not self.rotate_is_enabled and self.bias is None
             self._qarl_config = (self._qarl_generation, plain)
         return plain
 
     def _qarl_cache_key(self, inputs: torch.Tensor) -> tuple:
-        amax = getattr(self, "_amax", None)
-        return (*tensor_key(inputs), self._qarl_generation, None if amax is None else (amax.data_ptr(), amax._version))
+        amax = amax_tensor(self)
+        return (*tensor_key(inputs), self._qarl_generation,
+                None if amax is None else (amax.data_ptr(), tensor_version(amax)))
 
     def holds(self, weight: torch.Tensor) -> bool:
         """`weight` is the parameter this quantizer holds, unchanged since, and the quantizer still computes
@@ -167,11 +161,9 @@ class WeightCacheMixin(TracksQuantizerChanges):
         writes into the weight or the amax buffer, a new amax buffer, the calibration and quant switches,
         a smoothing scale."""
         held = self._qarl_held
-        return (held is not None and weight is held.weight and weight._version == held.version
-                and held.generation == self._qarl_generation and held.amax._version == held.amax_version
-                and self._buffers.get("_amax") is held.amax
-                and not self._disabled and self._if_quant and not self._if_calib
-                and "_pre_quant_scale" not in self._buffers)
+        return (held is not None and weight is held.weight and tensor_version(weight) == held.version
+                and held.generation == self._qarl_generation and tensor_version(held.amax) == held.amax_version
+                and amax_buffer(self) is held.amax and quantizing(self) and not has_pre_quant_scale_buffer(self))
 
     def hold(self, weight: nn.Parameter, master: torch.Tensor) -> bool:
         """Quantize `weight` (just written from `master`, the optimizer's wider copy) in place: from now on
@@ -183,19 +175,20 @@ class WeightCacheMixin(TracksQuantizerChanges):
         Anything that later changes what this quantizer computes (amax, format, a disable) writes the
         master back unquantized at once, and the quantizer caches again until the next step; another write
         into the parameter (a state load) just ends the hold."""
-        if not (self._qarl_cacheable(weight) and self._pass_through_bwd and calibrated_spec(self) is not None):
+        if not (self._qarl_cacheable(weight) and pass_through_bwd(self) and calibrated_spec(self) is not None):
             return False
-        amax = self._amax
+        amax = amax_buffer(self)
         with torch.no_grad():
             weight.copy_(self._qarl_quantize(weight.detach()))
         self._qarl_key, self._qarl_value = None, None
-        self._qarl_held = _Held(weight, master, weight._version, amax, amax._version, self._qarl_generation)
+        self._qarl_held = _Held(weight, master, tensor_version(weight), amax, tensor_version(amax),
+                                self._qarl_generation)
         return True
 
     def _qarl_release(self) -> None:
         """End a hold; the parameter gets its unquantized value back unless something else wrote it since."""
         held, self._qarl_held = self._qarl_held, None
-        if held is not None and held.weight._version == held.version:
+        if held is not None and tensor_version(held.weight) == held.version:
             with torch.no_grad():
                 held.weight.copy_(held.master)
 
@@ -214,20 +207,20 @@ class WeightCacheMixin(TracksQuantizerChanges):
                 self._qarl_value = self._qarl_quantize(inputs.detach())
             self._qarl_key = key
         if torch.is_grad_enabled() and inputs.requires_grad:
-            amax = None if self._pass_through_bwd else self._get_amax(inputs)
+            amax = None if pass_through_bwd(self) else clipping_amax(self, inputs)
             return StraightThrough.apply(inputs, self._qarl_value, amax)
         return self._qarl_value
 
     def _qarl_quantize(self, weight: torch.Tensor) -> torch.Tensor:
         """ModelOpt's output for this weight. For the shipped formats (NVFP4 dynamic blocks, FP8 per
         tensor, static amax) that is the torch op its forward ends in (`plain_spec`), called here directly
-        with the same arguments (`fake_quant_eager`), which skips ~150 us of per-call Python (the
+        with the same arguments (`fake_quant_eager`), without the forward's per-call Python (the
         re-quantization after every optimizer step pays it once per weight); anything else goes through
         the quantizer's own forward."""
         spec = calibrated_spec(self)
         if spec is None:
             return super().forward(weight)
-        return fake_quant_eager(weight, self._amax.to(weight.device), spec)
+        return fake_quant_eager(weight, amax_buffer(self).to(weight.device), spec)
 
     def qarl_invalidate(self) -> None:
         """The weight was written behind its version counter (`.data`): what it holds now is the weight (the
@@ -255,11 +248,6 @@ def _aliases(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
     return tensor.data_ptr() == weight.data_ptr() and tensor.shape == weight.shape and tensor.dtype == weight.dtype
 
 
-def _cached_class(cls: type) -> type:
-    """`Cached<Quantizer>`: the quantizer's class with the cache mixed in."""
-    return with_mixin(WeightCacheMixin, cls, "Cached", globals())
-
-
 def single_quantizers(model: nn.Module, role: str = "weight_quantizer") -> Iterator[nn.Module]:
     """Every layer's `role` quantizer that is one TensorQuantizer (not a sequence of them)."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
@@ -272,10 +260,11 @@ def single_quantizers(model: nn.Module, role: str = "weight_quantizer") -> Itera
 
 def enable_weight_cache(model: nn.Module) -> int:
     """Give every (single) weight quantizer of `model` the cache; returns how many. State dict names
-    and contents are unchanged: only the class of each quantizer gains the mixin."""
+    and contents are unchanged: only the class of each quantizer gains the mixin (`Cached<Quantizer>`)."""
+    count_optimizer_steps()
     count = 0
     for quantizer in single_quantizers(model):
-        quantizer.__class__ = _cached_class(type(quantizer))
+        mix_in(quantizer, WeightCacheMixin, "Cached", globals())
         quantizer.qarl_invalidate()
         count += 1
     return count
@@ -284,12 +273,12 @@ def enable_weight_cache(model: nn.Module) -> int:
 @contextlib.contextmanager
 def cache_kept(model: nn.Module) -> Iterator[None]:
     """Keep the cache on quantizers whose class ModelOpt swaps inside the block (its MSE / 4-over-6
-    calibration and `StaticBlockScaleQuantizer.from_tensor_quantizer` turn a weight quantizer into a
+    calibration and `modelopt_compat.to_static_block_quantizer` turn a weight quantizer into a
     static-block quantizer, dropping the mixin); their cached values are dropped either way."""
     cached = [q for q in single_quantizers(model) if isinstance(q, WeightCacheMixin)]
     yield
     for quantizer in cached:
-        quantizer.__class__ = _cached_class(type(quantizer))
+        mix_in(quantizer, WeightCacheMixin, "Cached", globals())
         quantizer.qarl_invalidate()
 
 

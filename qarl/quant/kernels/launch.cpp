@@ -1,11 +1,11 @@
-// qarl's fake-quant kernel launcher: one call of qarl/quant/gpu_kernels.py's NVFP4 or FP8 Triton kernel
+// qarl's fake-quant kernel launcher: one call of qarl/quant/kernels/gpu.py's NVFP4 or FP8 Triton kernel
 // from C++, for the policy's input quantizers, which launch one in every layer of every forward.
 //
 // Why C++: a launch-bound forward waits on its host, and a launch through Python (argument checks, the
-// output's allocation, the grid and integer arguments, the specialization lookup, the driver call) cost
-// ~22-26 us of host time on an H100 host, an aten op ~12 us. Here the same steps are a few C++ lines.
+// output's allocation, the grid and integer arguments, the specialization lookup, the driver call) costs
+// more host time than an aten op. Here the same steps are a few C++ lines.
 //
-// What it launches is decided in Python: gpu_kernels._launch launches each specialization through
+// What it launches is decided in Python: gpu._launch launches each specialization through
 // Triton first, then registers Triton's compiled function here (`add`) and checks this launcher's
 // output against Triton's bit for bit. A call whose specialization is not registered, or that this
 // launcher does not take (not a CUDA tensor of a handled dtype, an amax on another device, a pointer
@@ -135,7 +135,7 @@ class Launcher {
   }
 
  private:
-  // The arguments gpu_kernels._nvfp4 / _fp8 pass, and a key holding everything gpu_kernels._launch keys
+  // The arguments gpu._nvfp4 / _fp8 pass, and a key holding everything gpu._launch keys
   // Triton's specialization on for this kernel and launch options: the device, x's and amax's dtypes (the
   // output has x's), and each integer's divisibility by 16 and width (a value of 1, which Triton
   // specializes away, is not taken). Pointer alignment is checked at the call (aligned ones only).

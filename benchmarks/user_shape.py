@@ -1,0 +1,107 @@
+"""A user's model at a user's length, made locally: real shapes with random weights and the embedded tokenizer (the
+model samples ids the tokenizer decodes to ''; fine for memory and speed).
+
+    python benchmarks/user_shape.py make DIR --shape qwen3-1.7b     # 28 x 2048, vocabulary 151,936 (bf16, on a GPU)
+    python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
+    python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
+
+`benchmarks/gpu_runs.sh user_shape` (and `user_shape_long`, `user_shape_qad`) run the shipped recipe on the
+Qwen3-1.7B shape with `benchmarks/recipes/user_shape_*.yaml`. `spread` is their reward: random models never answer
+right, and a reward without spread trains nothing (every advantage is 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+SHAPES = {
+    # Qwen3-1.7B's layers: 28 x hidden 2048, MLP 6144, 16 / 8 heads of 128, q/k norms, tied embeddings
+    "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    # a user's directory small enough for the CPU machine, with the real vocabulary
+    "qwen2-2l-151k": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2),
+}
+VOCAB = 151_936
+H100_BF16_DENSE_FLOPS = 989e12
+
+_draws = [0]
+
+
+def spread(completions: list[str], answers: list[str]) -> list[float]:
+    """A reward with spread for models that never answer right: uniform in [0, 1), a function of the call count."""
+    _draws[0] += 1
+    rng = random.Random(_draws[0])
+    return [rng.random() for _ in completions]
+
+
+def make(out: Path, shape: str) -> Path:
+    """A model directory of `shape`, random weights (seed 0) in bf16, with the embedded tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from qarl.models.tiny import build_tokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    tokenizer = build_tokenizer()
+    config = config_class(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=40_960, rope_theta=1e6,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, **spec)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = model_class(config).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters")
+    return out
+
+
+def report(run_dir: Path) -> dict[str, float]:
+    """Medians over a run's steps after the first (which warms up allocators and graphs)."""
+    from qarl.memory import ModelShape
+
+    config = (run_dir / "config.yaml").read_text()
+    model_dir = next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.strip().startswith("model_name:"))
+    params = ModelShape.of(model_dir).params
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "perf/step_s" in line]
+    steady = rows[1:] or rows
+    med = lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)  # noqa: E731
+    out = {"steps": len(rows), "step_s": med("perf/step_s"), "rollout_s": med("perf/rollout_s"),
+           "train_s": med("perf/train_s"), "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
+           "train_tokens_per_s": med("perf/train_tokens_per_s"), "completion_mean_length": med("completion/mean_length")}
+    out["train_mfu"] = 6 * params * out["train_tokens_per_s"] / H100_BF16_DENSE_FLOPS
+    for key in ("memory/update_peak_gib", "memory/planned_update_gib", "perf/torch_peak_update_gib",
+                "perf/gpu_mem_after_rollout_gib", "perf/gpu_mem_after_update_gib", "mismatch/kl"):
+        if any(key in r for r in steady):
+            out[key] = max(r[key] for r in steady if key in r) if "gib" in key else med(key)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    made = sub.add_parser("make")
+    made.add_argument("out", type=Path)
+    made.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    shown = sub.add_parser("report")
+    shown.add_argument("runs", type=Path, nargs="+")
+    args = parser.parse_args()
+    if args.command == "make":
+        make(args.out, args.shape)
+    else:
+        for run in args.runs:
+            print(run.name, json.dumps({k: round(v, 4) for k, v in report(run).items()}))
+
+
+if __name__ == "__main__":
+    main()

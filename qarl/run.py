@@ -1,0 +1,309 @@
+"""What both training loops share, top to bottom:
+
+    start_run:    checks -> task -> run directory -> policy (resumed from the newest complete checkpoint, or built
+                  fresh: warm start, quantize, calibrate) -> the loop's frozen model -> optimizer
+    start_engine: the vLLM engine in the rollout format
+    run_steps:    sync the engine (weights + amax), then for each step:
+                    evaluation (every eval.every) -> the step's prompts -> rollout -> the loop's rewards
+                    -> engine asleep -> the loop's update -> engine awake -> refit -> metrics row -> checkpoint
+                  then the final evaluation, plot, summary.
+
+A loop (qarl/train.py: GRPO, qarl/distill.py: QAD) brings its own checks, its frozen model (the KL reference, the
+teacher) and its `Steps` (evaluation, rewards, update); nothing here asks which loop runs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from omegaconf import OmegaConf
+
+from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
+                             trainer_state)
+from qarl.config import RecipeConfig, to_dict
+from qarl.generation import Completion, RefitTiming, VLLMEngine, runs_eager, sleeps_between_rollouts
+from qarl.lora import check_lora
+from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
+from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
+                          report_run)
+from qarl.models.resolve import cache_dir, resolve_model_dir
+from qarl.optim import NonFiniteGuard, PolicyOptimizer
+from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
+from qarl.quant import check_generation_matches, resolve_format
+from qarl.quant.ops import input_quant_plan
+from qarl.quant.quantize import check_trainable_format
+from qarl.rewards import WeightedRewards
+from qarl.seeds import derived_seed
+from qarl.tasks import Problem, Task, build_task
+from qarl.warm_start import fingerprint, warm_start
+
+
+# -- the step-0 policy and the checks before it -----------------------------------------------------
+def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
+    """The step-0 model directory: the base model, warm-started if asked (cached, so a resumed run,
+    a baseline and a distillation teacher all find the very model the policy started from)."""
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    if cfg.warm_start.enabled:
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir())
+    return model_dir
+
+
+def _warm_start_seed(cfg: RecipeConfig) -> int:
+    return cfg.run.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
+
+
+def initial_model_key(cfg: RecipeConfig, task: Task) -> str:
+    """What identifies the step-0 model without making it: the warm start's cache key, or the base's path.
+    Two recipes with one key start from one model."""
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    if not cfg.warm_start.enabled:
+        return str(Path(model_dir).resolve())
+    return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg))
+
+
+def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True) -> Policy:
+    """The step-0 policy: the initial model, quantized and calibrated (`trainable`: with master weights).
+    Deterministic, so the KL reference is this policy built again."""
+    calibration = task.calibration_texts(cfg.policy.quant_calib_size)
+    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=trainable)
+
+
+def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task) -> Policy:
+    """A checkpoint's policy, trainable. A LoRA adapter must sit on the very base this recipe starts from."""
+    base = initial_model_dir(cfg, task) if cfg.policy.lora.mode != "none" else None
+    return load_policy_checkpoint(checkpoint, cfg.policy, trainable=True, base_dir=base)
+
+
+def check_run_settings(cfg: RecipeConfig) -> None:
+    """What every training loop checks before anything loads: precision, the backend, trainable quant formats and
+    the rollout's against the policy's, rewards, metric loggers, colocation, LoRA settings against the model's
+    layers."""
+    check_precision(cfg.policy)
+    check_backend(cfg.policy)
+    policy_format, rollout_format = resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg)
+    check_trainable_format(policy_format, "policy.quant_cfg")
+    check_trainable_format(rollout_format, "policy.generation.quant_cfg")
+    check_generation_matches(policy_format, rollout_format, cfg.policy.generation.allow_quant_mismatch)
+    WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    check_loggers(cfg.run.loggers)
+    sleeps_between_rollouts(cfg.policy.generation)
+    runs_eager(cfg.policy.generation, qlora=cfg.policy.lora.mode == "qlora")
+    input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
+    if cfg.policy.lora.mode != "none":
+        check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
+
+
+@dataclass
+class Run:
+    """What a loop's steps run on, made once by `start_run`."""
+
+    cfg: RecipeConfig
+    task: Task
+    dir: Path
+    rewards: WeightedRewards
+    policy: Policy
+    frozen: Any  # the loop's frozen model (GRPO: the KL reference or None; QAD: the teacher)
+    optimizer: PolicyOptimizer
+    checkpoint: Path | None  # the checkpoint the run resumed from
+    start_step: int
+    memory: MemoryPlan
+
+
+def longest_prompt_tokens(cfg: RecipeConfig, task: Task) -> int:
+    """The longest training prompt in the policy's tokens (the memory plan's rows are this + max_new_tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.policy.model_name),
+                                              trust_remote_code=cfg.policy.trust_remote_code)
+    return max(len(ids) for ids in tokenizer([p.prompt for p in task.train]).input_ids)
+
+
+FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the loop's frozen model, for the plan
+
+
+def planned(cfg: RecipeConfig, task: Task, frozen_model: FrozenShape) -> tuple[RecipeConfig, MemoryPlan]:
+    """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided."""
+    shape = ModelShape.of(resolve_model_dir(cfg.policy.model_name), cfg.policy.trust_remote_code)
+    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(cfg, task), frozen_model(cfg, shape))
+    print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
+    return cfg, memory
+
+
+def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda policy, task: None,
+              checks: Callable[[RecipeConfig], None] = lambda cfg: None,
+              frozen_model: FrozenShape = lambda cfg, shape: None) -> Run:
+    """Everything cheap is checked (`check_run_settings`, then the loop's `checks`, then the memory plan with the
+    loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory, the policy (resumed from the newest
+    complete checkpoint, or built fresh), the loop's `frozen(policy, task)` model, and the optimizer (with its state,
+    when resumed)."""
+    check_run_settings(cfg)
+    checks(cfg)
+    task = build_task(cfg.task, cfg.run.seed)
+    cfg, memory = planned(cfg, task, frozen_model)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
+    t = cfg.trainer
+    checkpoint = latest_checkpoint(run_dir) if t.resume else None
+    torch.manual_seed(cfg.run.seed)
+    policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
+    companion = frozen(policy, task)
+    policy.start_noise(t.steps, cfg.run.seed)
+    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
+    optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
+    start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
+    policy.model.eval()
+    rewards = WeightedRewards.from_specs(t.rewards, t.reward_error)
+    return Run(cfg, task, run_dir, rewards, policy, companion, optimizer, checkpoint, start_step, memory)
+
+
+def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
+    """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
+    cfg = run.cfg
+    fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
+    return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
+                      qlora=cfg.policy.lora.mode == "qlora", exact=cfg.policy.exact_forward)
+
+
+# -- a step's prompts and rollout ----------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """One step's samples, flattened prompt-major: completion i belongs to problem i // G."""
+
+    problems: list[Problem]
+    completions: list[Completion]
+    texts: list[str]
+    seconds: float
+
+    @property
+    def answers(self) -> list[str]:
+        """The reference answer of each completion's problem."""
+        per_problem = len(self.completions) // len(self.problems)
+        return [p.answer for p in self.problems for _ in range(per_problem)]
+
+
+def step_problems(task: Task, step: int, count: int, seed: int) -> list[Problem]:
+    """The prompts of a step: consecutive slices of per-epoch shuffles, a pure function of the step
+    (so a resumed run reads exactly the prompts the uninterrupted run would have read)."""
+    out = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, index = divmod(position, len(task.train))
+        order = list(range(len(task.train)))
+        random.Random(derived_seed(seed, epoch)).shuffle(order)
+        out.append(task.train[order[index]])
+    return out
+
+
+def rollout_seed(cfg: RecipeConfig, step: int) -> int:
+    """The engine's sampling seed for a step: one position per completion the run has drawn before it."""
+    return derived_seed(cfg.run.seed, step * cfg.trainer.batch_size)
+
+
+def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_generations: int, seed: int) -> Rollout:
+    start = time.perf_counter()
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
+    completions = engine.generate(prompts, num_samples=num_generations, seed=seed)
+    texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    return Rollout(problems, completions, texts, time.perf_counter() - start)
+
+
+def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
+                               refit: RefitTiming, done: float, sleep_wake_s: float) -> dict[str, float]:
+    """The per-step completion statistics and timings. `perf/train_s` runs from the engine's sleep to its wake-up;
+    `perf/sleep_wake_s` is the part of it those two took."""
+    generated = sum(len(c.token_ids) for c in batch.completions)
+    return {"completion/mean_length": generated / len(batch.completions),
+            "completion/truncated_frac": sum(c.truncated for c in batch.completions) / len(batch.completions),
+            "perf/rollout_tokens_per_s": generated / max(batch.seconds, 1e-9), "perf/rollout_s": batch.seconds,
+            "perf/train_s": refit_start - train_start, "perf/sleep_wake_s": sleep_wake_s, "perf/refit_s": refit.total_s,
+            "perf/refit_bytes": float(refit.bytes), "perf/refit_shared_bytes": float(refit.shared_bytes),
+            "perf/step_s": done - step_start}
+
+
+# -- the step skeleton ---------------------------------------------------------------------------------------
+class Steps(Protocol):
+    """What a loop adds to the step skeleton."""
+
+    label: str  # the progress bar's
+    panels: list[tuple[str, str]]  # metrics.png's panels
+    summary: Callable[[list[dict[str, Any]]], str] | None  # what report_run prints beyond its own summary
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics (every eval.every steps and at the end)."""
+
+    def judge(self, batch: Rollout) -> dict[str, float]:
+        """The rollout's rewards (and what the update needs of them), before the engine sleeps; their metrics."""
+
+    def update(self, step: int, batch: Rollout) -> dict[str, float]:
+        """The optimizer step(s) on the rollout; their metrics."""
+
+
+def update_or_name_the_knob(steps: Steps, step: int, batch: Rollout, memory: MemoryPlan) -> dict[str, float]:
+    """The loop's update; out of memory, an error naming the settings that lower the update's peak (the checkpoints
+    written so far stay whole: each is written atomically)."""
+    try:
+        return steps.update(step, batch)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"out of memory in the update of step {step} ({memory.tokens_per_micro_batch} tokens a micro-batch; "
+            f"the plan: {memory.describe()}): lower trainer.micro_batch_size or policy.logprob_chunk_tokens, or set "
+            f"policy.gradient_checkpointing=on; resume from the last checkpoint with trainer.resume=true. ({e})") from e
+
+
+def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, float] | None = None) -> Path:
+    """Sync the engine to the policy, run the steps from `run.start_step`, evaluate at the end. `first_row` joins
+    step 0's metrics row."""
+    cfg, policy, t = run.cfg, run.policy, run.cfg.trainer
+    prompts_per_step = t.batch_size // t.num_generations
+    step_state = policy.prepare_step(run.start_step)
+    engine.refit(policy.rollout_model())
+    metrics = MetricsLog(run.dir / "metrics.jsonl", resume_step=run.start_step if run.checkpoint else None,
+                         loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
+    bar = progress_bar(range(run.start_step, t.steps), steps.label)
+    progress = ProgressFigures()
+    for step in bar:
+        step_start = time.perf_counter()
+        row: dict[str, float | int | None] = {"step": step, **step_state, **((first_row or {}) if step == 0 else {})}
+        if step % cfg.eval.every == 0:
+            row.update(steps.evaluate())
+
+        problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
+        batch = rollout(engine, policy, problems, t.num_generations, seed=rollout_seed(cfg, step))
+        judged = steps.judge(batch)
+
+        rollout_memory = device_memory_gib("rollout")
+        train_start = time.perf_counter()
+        free = free_device_bytes()
+        engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
+        released = free_device_bytes() - free
+        update = update_or_name_the_knob(steps, step, batch, run.memory)
+        memory = {**rollout_memory, **device_memory_gib("update", released),
+                  "memory/planned_update_gib": run.memory.update / GiB}
+        engine.wake()
+        refit_start = time.perf_counter()
+        step_state = policy.prepare_step(step + 1)
+        refit = engine.refit(policy.rollout_model())
+        done = time.perf_counter()
+
+        row.update({**judged, **update, **memory, **rollout_and_timing_metrics(
+            batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
+            "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0) / max(refit_start - train_start, 1e-9)})
+        metrics.write(row)
+        bar.set_postfix_str(progress.update(row))
+        guard(update.get("train/nonfinite", 0) > 0, step)
+        if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
+            save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
+                            keep=cfg.checkpoint.keep)
+
+    metrics.write({"step": t.steps, **steps.evaluate()})
+    metrics.close()
+    report_run(run.dir, steps.panels, steps.summary)
+    return run.dir
+

@@ -1,0 +1,200 @@
+"""Teacher-forced scoring: the log-prob (and entropy) each completion token had under a model, given everything
+before it. Both loops, parity, evaluation and the benchmarks score completions through here.
+
+The vocabulary is never held whole for a micro-batch: the model's body gives the final hidden state that predicts
+each completion token, and the head (logits), the log-softmax, the picked log-prob and the entropy run over chunks
+of `chunk_tokens` of those states at a time; with grad, each chunk keeps only its input and is recomputed in the
+backward. A [tokens, vocab] fp32 tensor then exists for one chunk at a time, not for the micro-batch. Models that
+give logits only (the Megatron backend) are scored from their full logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from qarl.generation import Completion
+
+CHUNK_TOKENS = 512  # policy.logprob_chunk_tokens' default: at a 152k vocabulary, ~1.5 GB of fp32 [chunk, vocab] tensors
+
+
+@dataclass
+class MicroBatch:
+    """Completions scored (and trained on) together; `rows` are their indices in the step's batch."""
+
+    rows: list[int]
+    completions: list[Completion]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [c.prompt_ids for c in self.completions]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [c.token_ids for c in self.completions]
+
+    def engine_logprobs(self, device: torch.device) -> torch.Tensor:
+        """The engine's log-prob of each sampled token, [rows, longest completion], 0 past a completion's end."""
+        width = max(len(c.token_ids) for c in self.completions)
+        return torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in self.completions], device=device)
+
+
+def micro_batches(completions: list[Completion], rows: list[int], size: int) -> list[MicroBatch]:
+    """`rows` of `completions`, `size` at a time, in order."""
+    return [MicroBatch(rows[s : s + size], [completions[i] for i in rows[s : s + size]])
+            for s in range(0, len(rows), size)]
+
+
+@dataclass
+class TokenScores:
+    """Per completion token, padded to [batch, longest completion]: log-prob, entropy, and a 0/1 mask."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class TeacherForced:
+    """Right-padded rows of prompt + completion, and where each completion token is predicted: `positions[i, j]`,
+    the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1."""
+
+    ids: torch.Tensor  # [batch, width]
+    attention: torch.Tensor  # [batch, width]
+    positions: torch.Tensor  # [batch, longest completion]
+    targets: torch.Tensor  # [batch, longest completion]
+    mask: torch.Tensor  # [batch, longest completion]
+
+
+def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                   device: torch.device) -> TeacherForced:
+    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
+    longest = max(len(c) for c in completions)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros_like(ids)
+    # index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j
+    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
+    mask = torch.zeros((batch, longest), device=device)
+    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
+        attention[i, : len(p) + len(c)] = 1
+        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
+        mask[i, : len(c)] = 1
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
+    return TeacherForced(ids, attention, positions, targets, mask)
+
+
+def completion_logits(
+    model: PreTrainedModel, prompts: list[list[int]], completions: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits that predict each completion token, [batch, longest completion, vocab] (the whole
+    vocabulary in memory: for models without hidden states and for small checks), with the completion tokens and a
+    0/1 mask of the same [batch, longest completion] shape."""
+    rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
+    logits = model(input_ids=rows.ids, attention_mask=rows.attention).logits
+    return logits.gather(1, rows.positions[..., None].expand(-1, -1, logits.shape[-1])), rows.targets, rows.mask
+
+
+@dataclass
+class CompletionStates:
+    """The final hidden state that predicts each completion token (the masked tokens only, row-major), the head that
+    turns states into logits, the tokens, and the [batch, longest completion] mask they scatter back into."""
+
+    states: torch.Tensor  # [tokens, hidden]
+    head: Callable[[torch.Tensor], torch.Tensor]
+    targets: torch.Tensor  # [tokens]
+    mask: torch.Tensor  # [batch, longest completion]
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[tokens] -> [batch, longest completion], 0 at padding (with grad)."""
+        return values.new_zeros(self.mask.shape).masked_scatter(self.mask.bool(), values)
+
+
+def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The model's decoder (ids -> final hidden states) and head (states -> logits), when its logits are exactly
+    head(decoder(ids)): a transformers causal LM's, or the exact forward's own (`qarl_body_and_head`); None for a
+    model that gives only logits (the Megatron backend) or that changes them after the head (soft-capping, logit
+    scaling)."""
+    own = getattr(model, "qarl_body_and_head", None)
+    if own is not None:
+        return own()
+    if hasattr(model, "qarl_token_logprobs"):
+        return None
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    config = getattr(model, "config", None)
+    if get_decoder is None or get_head is None or any(
+            getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def completion_states(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]],
+                      pad_id: int) -> CompletionStates | None:
+    """The decoder's final states at the positions that predict completion tokens; None where `body_and_head` is."""
+    parts = body_and_head(model)
+    if parts is None:
+        return None
+    decoder, head = parts
+    rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
+    hidden = decoder(input_ids=rows.ids, attention_mask=rows.attention, use_cache=False).last_hidden_state
+    keep = rows.mask.bool()
+    states = hidden.gather(1, rows.positions[..., None].expand(-1, -1, hidden.shape[-1]))[keep]
+    return CompletionStates(states, head, rows.targets[keep], rows.mask)
+
+
+def in_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], chunk_tokens: int, *tokens: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+    """fn over `chunk_tokens` rows of the [tokens, ...] inputs at a time, outputs concatenated. With grad, a chunk
+    keeps only its inputs and runs again in the backward, so one chunk's intermediates exist at a time."""
+    outputs = []
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tokens)
+    for start in range(0, tokens[0].shape[0], chunk_tokens):
+        part = [t[start : start + chunk_tokens] for t in tokens]
+        outputs.append(checkpoint(fn, *part, use_reentrant=False) if grad else fn(*part))
+    return tuple(torch.cat(pieces) for pieces in zip(*outputs))
+
+
+def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, entropy) under logits / temperature, in fp32; `pick` is a model's own kernel for
+    the picked log-prob (the exact forward's `qarl_token_logprobs`). The entropy is a metric, without grad: a graph
+    for it would keep [tokens, vocabulary] tensors that no backward ever frees."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    picked = pick(logits, targets, temperature) if pick is not None else log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return picked, entropy
+
+
+def score_completions(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> TokenScores:
+    """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
+
+    Computed in fp32 from logits / temperature, the same distribution the engine samples from, `chunk_tokens`
+    completion tokens at a time; a model with the exact forward picks each token's log-prob with the engine's own
+    kernel (`qarl_token_logprobs`, qarl/backends/exact_forward.py). Carries grad when grad is enabled.
+    """
+    found = completion_states(model, prompts, completions, pad_id)
+    if found is None:
+        logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
+        picked, entropy = token_scores(logits, targets, temperature, getattr(model, "qarl_token_logprobs", None))
+        return TokenScores(logprobs=picked * mask, entropy=entropy * mask, mask=mask)
+    pick = getattr(model, "qarl_token_logprobs", None)
+    picked, entropy = in_chunks(lambda states, targets: token_scores(found.head(states), targets, temperature, pick),
+                                chunk_tokens, found.states, found.targets)
+    return TokenScores(logprobs=found.scatter(picked), entropy=found.scatter(entropy), mask=found.mask)

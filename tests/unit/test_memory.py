@@ -1,0 +1,71 @@
+"""The memory plan: decided from shapes before anything loads; what cannot fit is refused naming the knob."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qarl.config import ConfigError, PolicyConfig, RecipeConfig, load_recipe
+from qarl.memory import GiB, FrozenModel, ModelShape, plan, plan_memory
+
+# Qwen3-1.7B's shape (parameters counted with tied embeddings)
+QWEN3_1P7B = ModelShape(params=1_720_574_976, layers=28, hidden=2048, intermediate=6144, vocab=151_936,
+                        attention_width=(16 + 2 * 8) * 128)
+
+
+def user_recipe(**trainer) -> RecipeConfig:
+    cfg = load_recipe("recipes/qa_grpo_qwen3_1p7b.yaml", [], RecipeConfig)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+
+
+def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_needed(monkeypatch):
+    cfg = user_recipe()
+    off, on = (plan(cfg, QWEN3_1P7B, 100, checkpointing) for checkpointing in (False, True))
+    assert on.activations * 10 < off.activations and on.update < off.update
+    assert on.resident == off.resident and on.tokens_per_micro_batch == 8 * 1124
+
+    # a device with room for the update without checkpointing: auto leaves it off
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (off.update + GiB, 0))
+    decided, found = plan_memory(cfg, QWEN3_1P7B, 100)
+    assert decided.policy.gradient_checkpointing == "off" and not found.checkpointing
+    # one with room only with it: auto turns it on, "off" is refused naming the knob and the largest micro-batch
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (on.update + GiB, 0))
+    decided, found = plan_memory(cfg, QWEN3_1P7B, 100)
+    assert decided.policy.gradient_checkpointing == "on" and found.checkpointing
+    off_cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, gradient_checkpointing="off"))
+    with pytest.raises(ConfigError, match=r"does not fit.*trainer.micro_batch_size=\d \(the largest that fits\).*"
+                                          r"policy.gradient_checkpointing=on"):
+        plan_memory(off_cfg, QWEN3_1P7B, 100)
+
+
+def test_a_run_whose_state_cannot_fit_is_refused_naming_what_to_change(monkeypatch):
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (20 * GiB, 10 * GiB))
+    with pytest.raises(ConfigError, match="gpu_memory_utilization.*policy.lora.mode=qlora"):
+        plan_memory(user_recipe(), QWEN3_1P7B, 100)
+
+
+def test_the_vocabulary_chunk_and_a_teacher_count():
+    cfg = user_recipe()
+    small = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, logprob_chunk_tokens=64))
+    assert plan(small, QWEN3_1P7B, 100, False).update < plan(cfg, QWEN3_1P7B, 100, False).update
+    teacher = plan(cfg, QWEN3_1P7B, 100, False, FrozenModel("teacher", QWEN3_1P7B, "bfloat16"))
+    assert teacher.resident["teacher"] == QWEN3_1P7B.params * 2
+    assert teacher.update_parts["vocabulary chunk"] == 2 * plan(cfg, QWEN3_1P7B, 100, False).update_parts["vocabulary chunk"]
+
+
+def test_shape_is_read_from_the_model_directory(tiny_dir):
+    shape = ModelShape.of(tiny_dir)
+    assert (shape.layers, shape.hidden, shape.vocab) == (2, 128, 128) and shape.params > 0
+
+
+@pytest.mark.parametrize("value, expected", [("on", "on"), (True, "on"), (False, "off"), ("auto", "auto")])
+def test_gradient_checkpointing_accepts_yaml_booleans(value, expected):
+    assert PolicyConfig(gradient_checkpointing=value).gradient_checkpointing == expected
+
+
+def test_bad_memory_settings_are_refused_as_the_recipe_loads():
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        PolicyConfig(gradient_checkpointing="sometimes")
+    with pytest.raises(ConfigError, match="logprob_chunk_tokens"):
+        PolicyConfig(logprob_chunk_tokens=0)
