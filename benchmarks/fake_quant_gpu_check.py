@@ -1,4 +1,4 @@
-"""qarl's GPU fake-quant kernels (qarl/quant/gpu_kernels.py) against ModelOpt's own GPU paths: bits and time.
+"""qarl's GPU fake-quant kernels (qarl/quant/kernels/gpu.py) against ModelOpt's own GPU paths: bits and time.
 
     python benchmarks/fake_quant_gpu_check.py [--out FILE.md] [--seed 0] [--tune]
 

@@ -8,9 +8,9 @@ time), like qarl's scoring passes. A forward pre-hook on q_proj, o_proj, gate_pr
 every layer (96 calls a forward, where the activation formats quantize) runs one of:
   * nothing (no hook) and a hook returning its input: the baseline and the hook's own cost;
   * `x * 2`: one aten op (an allocation and a launch);
-  * qarl's FP8 / NVFP4 fake quant through its Python entry (`gpu_kernels.fp8_fake_quant_cuda`,
+  * qarl's FP8 / NVFP4 fake quant through its Python entry (`kernels.gpu.fp8_fake_quant_cuda`,
     `nvfp4_fake_quant_cuda`: Triton's launcher at the first call of a specialization, then the C++
-    launcher of qarl/quant/launch.cpp), and the C++ launcher alone (what a bound input quantizer calls);
+    launcher of qarl/quant/kernels/launch.cpp), and the C++ launcher alone (what a bound input quantizer calls);
   * the same kernels through Triton's launcher at every call (`kernel[grid](...)`).
 Forwards of all variants are interleaved in rounds; each ratio is the median of the same round's
 ratios to the baseline. Also times each call in a loop over 16 inputs. Needs torch, triton and

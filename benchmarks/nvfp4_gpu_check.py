@@ -31,7 +31,7 @@ INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float
 
 
 def load_nvfp4_cpu():
-    """Load qarl/quant/nvfp4_cpu.py by path: the rest of qarl (vLLM, ...) is not needed here."""
+    """Load qarl/quant/kernels/nvfp4_cpu.py by path: the rest of qarl (vLLM, ...) is not needed here."""
     spec = importlib.util.spec_from_file_location("nvfp4_cpu", ROOT / "qarl/quant/kernels/nvfp4_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -2,7 +2,7 @@
 
 The static kernel (``static_blockwise_fp4_fake_quant``: calibrated per-block amax, used by ModelOpt's
 MSE-calibrated and 4-over-6 NVFP4 formats) runs only through Triton on CUDA; qarl runs it on CPU with
-``qarl.quant.nvfp4_cpu._StaticNVFP4`` (installed into ModelOpt's TensorQuantizer by ``install()``).
+``qarl.quant.kernels.nvfp4_cpu._StaticNVFP4`` (installed into ModelOpt's TensorQuantizer by ``install()``).
 Needs a CUDA GPU and nvidia-modelopt:
 
     python benchmarks/nvfp4_static_gpu_check.py --out benchmarks/results/nvfp4_static_gpu_check.md
@@ -88,7 +88,7 @@ def main() -> None:
         f"- {n_cases} cases, {total} elements in {time.perf_counter() - start:.0f} s: **{bad} output elements and "
         f"{scale_bad} block scales differ**.",
         "- reference: `modelopt.torch.quantization.tensor_quant.static_blockwise_fp4_fake_quant` on CUDA; "
-        "qarl: `qarl.quant.nvfp4_cpu._StaticNVFP4` on CPU (what ModelOpt's TensorQuantizer calls there after "
+        "qarl: `qarl.quant.kernels.nvfp4_cpu._StaticNVFP4` on CPU (what ModelOpt's TensorQuantizer calls there after "
         "`install()`); scales: ModelOpt's `compute_fp4_scales` on CUDA vs `static_block_scales` on CPU.",
     ]
     if lines:

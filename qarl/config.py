@@ -110,7 +110,7 @@ class PolicyConfig:
     quant_sequence_length: int = 64
     # Quantize each weight once per change of the weights instead of at every forward, and skip ModelOpt's
     # per-call machinery (same bits; with master weights each compute weight holds its quantized value, else
-    # one quantized copy of each quantized weight is cached; see qarl/quant/weight_cache.py). false: ModelOpt's
+    # one quantized copy of each quantized weight is cached; see qarl/quant/fastpath/weight_cache.py). false: ModelOpt's
     # own path, unchanged.
     quant_weight_cache: bool = True
     # Run the policy's forward with the rollout engine's own kernels, in its order and layout (GPU: Hopper,
@@ -119,7 +119,8 @@ class PolicyConfig:
     exact_forward: bool = False
     # Log-probs, entropy and the QAD KL come from the final hidden states this many completion tokens at a time (the
     # head, the log-softmax, the KL), each chunk recomputed in the backward: a [tokens, vocabulary] fp32 tensor
-    # exists for one chunk, never for the whole micro-batch (qarl/scoring.py).
+    # exists for one chunk, never for the whole micro-batch (qarl/scoring.py). 0: the whole vocabulary at once (the
+    # path before chunking, for comparisons; split chunks differ from it within fp32 rounding).
     logprob_chunk_tokens: int = 512
     # Activation checkpointing of the decoder layers during the update: "off", "on", or "auto" (on only when the
     # memory plan finds the update does not fit without it; qarl/memory.py). The STE gradients are unchanged.
@@ -134,8 +135,9 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         """Settings that cannot run, and those the exact forward cannot serve, refused as the recipe loads (what
         the machine and the model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
-        if self.logprob_chunk_tokens < 1:
-            raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens} must be at least 1")
+        if self.logprob_chunk_tokens < 0:
+            raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens}: use a count of tokens, or 0 "
+                              "for the whole vocabulary at once")
         # YAML reads a bare on/off as a boolean: both spellings are accepted
         self.gradient_checkpointing = {"true": "on", "false": "off"}.get(str(self.gradient_checkpointing).lower(),
                                                                         str(self.gradient_checkpointing))
@@ -212,6 +214,10 @@ class TrainerConfig:
     batch_size: int = 64  # completions per step; num_generations must divide it
     num_generations: int = 8
     micro_batch_size: int = 64
+    # > 0: micro-batches by tokens instead of rows: as many completions as fit in this many prompt + completion
+    # tokens, packed back to back without padding (micro_batch_size is then not used; qarl/scoring.py). The loss
+    # normalizations are unchanged (bnpo stays a token mean within each micro-batch).
+    max_tokens_per_micro_batch: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

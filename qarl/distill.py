@@ -1,6 +1,6 @@
 """QAD: on-policy quantization-aware distillation, top to bottom.
 
-    recipe -> checks (settings; teacher and student tokenizers match; teacher + student + engine fit)
+    recipe -> checks (settings; teacher and student tokenizers match; the memory plan: teacher + student + engine fit)
     -> student: the fake-quantized policy (warm start, quantize, calibrate | resume from a checkpoint)
     -> teacher: full precision, frozen (default: the student's own starting point, unquantized)
     -> vLLM engine: the teacher's held-out accuracy once (engine unquantized), then the student's
@@ -38,7 +38,7 @@ from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
 from qarl.memory import FrozenModel, ModelShape
-from qarl.models.checks import parameter_count, tokenizer_differences, vocab_width
+from qarl.models.checks import tokenizer_differences
 from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import build_policy, DTYPES, Policy
@@ -48,20 +48,19 @@ from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, Task
 
-GiB = 2**30
 WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
 LR_SCHEDULES = ("constant", "cosine")
-MEMORY_MARGIN = 0.1  # of the available memory, left for activations and allocator slack
 EVAL_SEED_OFFSET = 2**30  # the held-out samples' seed position: apart from every rollout's
 
 
 # -- checks before anything heavy ------------------------------------------------------------------
 def check_distill_config(cfg: RecipeConfig) -> None:
     t = cfg.trainer
-    if t.steps < 1 or t.micro_batch_size < 1 or t.num_generations < 1:
-        raise ConfigError("trainer.steps, trainer.micro_batch_size and trainer.num_generations must be >= 1")
+    if t.steps < 1 or t.micro_batch_size < 1 or t.num_generations < 1 or t.max_tokens_per_micro_batch < 0:
+        raise ConfigError("trainer.steps, trainer.micro_batch_size and trainer.num_generations must be >= 1, "
+                          "trainer.max_tokens_per_micro_batch >= 0")
     if t.batch_size % t.num_generations:
         raise ConfigError(f"trainer.batch_size={t.batch_size} is not divisible by trainer.num_generations="
                           f"{t.num_generations}")
@@ -93,49 +92,6 @@ def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool
         raise ConfigError(f"teacher.model_name ({teacher_dir}) does not share the student's tokenizer "
                           f"(policy.model_name: {student_dir}): {'; '.join(problems)}. Distillation compares the "
                           "two next-token distributions token by token; choose a teacher of the student's model family.")
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def check_memory(cfg: RecipeConfig, student_dir: str, teacher_dir: str) -> dict[str, float]:
-    """Teacher weights + student training state + the engine's share + the loss's logits tensors must
-    fit in the memory available now (GPU: torch.cuda.mem_get_info; CPU: psutil), minus a margin.
-    Returns the estimate in GiB; raises a ConfigError naming the settings to change."""
-    t, gen = cfg.trainer, cfg.policy.generation
-    student_params = parameter_count(student_dir, cfg.policy.trust_remote_code)
-    teacher_params = (student_params if teacher_dir == student_dir
-                      else parameter_count(teacher_dir, cfg.teacher.trust_remote_code))
-    vocab = vocab_width(student_dir, cfg.policy.trust_remote_code)
-    need = {
-        "teacher": teacher_params * _dtype_bytes(cfg.teacher.dtype),
-        # the compute-dtype model and its grads; master weights, their grads and AdamW's two moments
-        "student": student_params * (4 * _dtype_bytes(cfg.policy.master_dtype) + (
-            2 * _dtype_bytes(cfg.policy.dtype) if cfg.policy.dtype != cfg.policy.master_dtype else 0)),
-        # one micro-batch's fp32 [tokens, vocab] tensors: both models' logits, log-softmaxes, the KL terms, a grad
-        "loss": 6 * t.micro_batch_size * gen.max_model_len * vocab * 4,
-    }
-    if torch.cuda.is_available():
-        available, total = torch.cuda.mem_get_info()
-        need["engine"] = gen.gpu_memory_utilization * total
-        engine_knob = f"policy.generation.gpu_memory_utilization ({gen.gpu_memory_utilization} of {total / GiB:.1f} GiB)"
-    else:
-        import psutil
-
-        available = psutil.virtual_memory().available
-        need["engine"] = student_params * _dtype_bytes(cfg.policy.dtype) + max(1.0, gen.kv_cache_gib) * GiB
-        engine_knob = f"policy.generation.kv_cache_gib ({gen.kv_cache_gib})"
-    estimate = {k: v / GiB for k, v in need.items()}
-    if sum(need.values()) > (1 - MEMORY_MARGIN) * available:
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in estimate.items())
-        raise ConfigError(
-            f"the teacher does not fit alongside the student and the engine: need ~{sum(estimate.values()):.1f} GiB "
-            f"({parts}; teacher {cfg.teacher.model_name} = {teacher_params / 1e9:.2f}B params in {cfg.teacher.dtype}) "
-            f"but {available / GiB:.1f} GiB is available ({1 - MEMORY_MARGIN:.0%} usable). Change teacher.dtype "
-            f"(e.g. bfloat16), choose a smaller teacher.model_name, lower {engine_knob}, or lower "
-            f"trainer.micro_batch_size / policy.generation.max_model_len for the loss tensors.")
-    return estimate
 
 
 # -- the teacher -----------------------------------------------------------------------------------
@@ -173,13 +129,15 @@ class PairScores:
 
 
 def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: list[Completion], pad_id: int,
-               temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS) -> PairScores:
-    """Both models score the same sequences, `chunk_tokens` completion tokens at a time (qarl/scoring.py); grad flows
-    through the student only."""
+               temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS, pack: bool = False) -> PairScores:
+    """Both models score the same sequences (packed without padding if `pack`), `chunk_tokens` completion tokens at
+    a time (qarl/scoring.py); grad flows through the student only."""
     prompts, tokens = [c.prompt_ids for c in completions], [c.token_ids for c in completions]
-    found = completion_states(student, prompts, tokens, pad_id)
-    with torch.no_grad():
-        teacher_found = completion_states(teacher, prompts, tokens, pad_id)
+    found = teacher_found = None
+    if chunk_tokens > 0:
+        found = completion_states(student, prompts, tokens, pad_id, pack)
+        with torch.no_grad():
+            teacher_found = completion_states(teacher, prompts, tokens, pad_id, pack)
     if found is None or teacher_found is None:  # a model that gives logits only: the whole vocabulary at once
         student_logits, targets, mask = completion_logits(student, prompts, tokens, pad_id)
         with torch.no_grad():
@@ -234,9 +192,11 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     for group in optimizer.param_groups:
         group["lr"] = lr
     # this process's micro-batches (data parallel), each weighted for the whole step
-    for mb in student.local_share(micro_batches(comps, list(range(len(comps))), t.micro_batch_size)):
+    every = micro_batches(comps, list(range(len(comps))), t.micro_batch_size, t.max_tokens_per_micro_batch)
+    for mb in student.local_share(every):
         scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
-                            cfg.policy.generation.temperature, cfg.distill.top_k, cfg.policy.logprob_chunk_tokens)
+                            cfg.policy.generation.temperature, cfg.distill.top_k, cfg.policy.logprob_chunk_tokens,
+                            pack=t.max_tokens_per_micro_batch > 0)
         optimizer.backward(scores.kl.sum() / total_tokens)
         engine_lp = mb.engine_logprobs(scores.mask.device)
         delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
@@ -279,8 +239,7 @@ def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: l
 def distill(cfg: RecipeConfig) -> Path:
     check_distill_config(cfg)
     run = start_run(cfg, frozen=lambda student, task: load_teacher(cfg, task), checks=check_teacher,
-                    frozen_model=lambda cfg, shape: FrozenModel("teacher", ModelShape.of(
-                        teacher_source(cfg), cfg.teacher.trust_remote_code), cfg.teacher.dtype))
+                    frozen_model=teacher_memory)
     # The engine: the teacher's own accuracy first (unquantized), then the student's format.
     rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
     teacher_first = run.start_step == 0 and cfg.distill.eval_teacher_accuracy
@@ -299,12 +258,16 @@ def distill(cfg: RecipeConfig) -> Path:
 
 
 def check_teacher(cfg: RecipeConfig) -> None:
-    """Before anything loads: the teacher shares the student's tokenizer, and teacher + student + engine fit."""
+    """Before anything loads: the teacher shares the student's tokenizer (whether teacher + student + engine fit is
+    the memory plan's question: `teacher_memory`)."""
     student_source, source = resolve_model_dir(cfg.policy.model_name), teacher_source(cfg)
     if source != student_source:
         check_tokenizers(student_source, source, cfg.teacher.trust_remote_code or cfg.policy.trust_remote_code)
-    memory = check_memory(cfg, student_source, source)
-    print(f"QAD memory estimate (GiB): {', '.join(f'{k} {v:.2f}' for k, v in memory.items())}")
+
+
+def teacher_memory(cfg: RecipeConfig, student: ModelShape) -> FrozenModel:
+    """The teacher in the memory plan: its weights in teacher.dtype, its logits chunked beside the student's."""
+    return FrozenModel("teacher", ModelShape.of(teacher_source(cfg), cfg.teacher.trust_remote_code), cfg.teacher.dtype)
 
 
 class QADSteps:

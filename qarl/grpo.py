@@ -31,6 +31,9 @@ def check_trainer_config(cfg: TrainerConfig) -> None:
             raise ConfigError(f"trainer.{key}={value!r}; choose one of {allowed}")
     if cfg.num_iterations < 1 or cfg.micro_batch_size < 1 or cfg.steps < 1:
         raise ConfigError("trainer.num_iterations, trainer.micro_batch_size and trainer.steps must be >= 1")
+    if cfg.max_tokens_per_micro_batch < 0:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch}: use 0 (micro-batches "
+                          "of trainer.micro_batch_size rows) or a number of tokens")
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, float]:

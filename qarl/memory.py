@@ -21,8 +21,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
 from qarl.config import ConfigError, RecipeConfig
+from qarl.generation import sleeps_between_rollouts
+from qarl.models.checks import load_pretrained, parameter_count
 
 GiB = 2**30
 CHECKPOINTING = ("off", "on", "auto")
@@ -43,9 +46,6 @@ class ModelShape:
 
     @classmethod
     def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ModelShape":
-        from qarl.models.checks import load_pretrained, parameter_count
-        from transformers import AutoConfig
-
         config = load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -122,8 +122,11 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     `micro_batch_size` rows (default: the recipe's) of at most `longest_prompt` + max_new_tokens tokens each."""
     p, t, gen = cfg.policy, cfg.trainer, cfg.policy.generation
     compute, master = _bytes(p.dtype), _bytes(p.master_dtype)
-    rows = micro_batch_size or t.micro_batch_size
-    tokens = rows * min(longest_prompt + gen.max_new_tokens, gen.max_model_len)
+    row = min(longest_prompt + gen.max_new_tokens, gen.max_model_len)
+    if t.max_tokens_per_micro_batch > 0 and micro_batch_size is None:  # by tokens (a longer row goes alone)
+        tokens = max(t.max_tokens_per_micro_batch, row)
+    else:
+        tokens = (micro_batch_size or t.micro_batch_size) * row
     if p.lora.mode != "none":  # a frozen base; the adapters are small
         resident = {"weights": shape.params * compute}
         gradients, step = 0, 0
@@ -141,7 +144,8 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
         activations = tokens * (shape.layers * shape.hidden * compute + layer)
     else:
         activations = tokens * shape.layers * layer
-    vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * min(p.logprob_chunk_tokens, tokens) * shape.vocab * 4
+    chunk = min(p.logprob_chunk_tokens, tokens) if p.logprob_chunk_tokens > 0 else tokens
+    vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * chunk * shape.vocab * 4
     forward_backward = gradients + activations + VOCAB_CHUNK_TENSORS * vocab_chunks + tokens * shape.hidden * 4
     update_parts = ({"gradients": gradients, "activations": activations,
                      "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
@@ -150,8 +154,6 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     # the engine's memory while it runs: its share of the GPU (weights it shares with the policy are in it already);
     # on CPU its KV cache and its own weights. Awake during the update where it does not sleep.
     engine = share if torch.cuda.is_available() else share + shape.params * compute
-    from qarl.generation import sleeps_between_rollouts
-
     if not sleeps_between_rollouts(gen):
         update_parts["engine (awake)"] = engine
     return MemoryPlan(resident, update_parts, engine, available, checkpointing, tokens, activations)
@@ -175,14 +177,26 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
              failed: MemoryPlan) -> str:
     """Why the run cannot fit, and the setting to change: the largest micro-batch that fits, else what else to try."""
     head = f"the run does not fit in memory: {failed.describe()}. "
+    if frozen is not None and frozen.name == "teacher":
+        head += ("Change teacher.dtype (e.g. bfloat16) or choose a smaller teacher.model_name "
+                 f"({frozen.shape.params / 1e9:.2f}B parameters in {frozen.dtype}). ")
     if failed.rollout > failed.available:
-        return head + ("The policy's state and the engine's share do not fit together: lower "
-                       "policy.generation.gpu_memory_utilization, train adapters (policy.lora.mode=qlora), or use a "
-                       "smaller model.")
-    fitting = [rows for rows in range(cfg.trainer.micro_batch_size - 1, 0, -1)
-               if plan(cfg, shape, longest_prompt, failed.checkpointing, frozen, micro_batch_size=rows).fits()]
+        engine_knob = ("policy.generation.gpu_memory_utilization" if torch.cuda.is_available()
+                       else "policy.generation.kv_cache_gib")
+        return head + (f"The policy's state and the engine's share do not fit together: lower {engine_knob}, train "
+                       "adapters (policy.lora.mode=qlora), or use a smaller model.")
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget > 0:  # micro-batches by tokens: the largest budget that fits, in steps of 1,024 tokens
+        fitting = [tokens for tokens in range(budget - budget % 1024, 0, -1024)
+                   if plan(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=tokens)),
+                           shape, longest_prompt, failed.checkpointing, frozen).fits()]
+        knob = "trainer.max_tokens_per_micro_batch"
+    else:
+        fitting = [rows for rows in range(cfg.trainer.micro_batch_size - 1, 0, -1)
+                   if plan(cfg, shape, longest_prompt, failed.checkpointing, frozen, micro_batch_size=rows).fits()]
+        knob = "trainer.micro_batch_size"
     if fitting:
-        hint = f"set trainer.micro_batch_size={fitting[0]} (the largest that fits)"
+        hint = f"set {knob}={fitting[0]} (the largest that fits)"
     else:
         hint = ("no micro-batch fits: lower policy.generation.max_new_tokens or policy.logprob_chunk_tokens, or "
                 "train adapters (policy.lora.mode=qlora)")

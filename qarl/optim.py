@@ -7,7 +7,7 @@ all use, so the policy computes with exactly the weights vLLM receives, and ever
 embeddings, the head) runs in the compute dtype on both sides. The optimizer updates the fp32 masters
 (AdamW state in fp32) and copies them, rounded, into the model after each step; updates far below a
 bf16 ulp accumulate in the master instead of being rounded away. A quantized layer's compute weight is
-then fake-quantized in place (`qarl.quant.weight_cache.copy_masters`): the model holds exactly what its
+then fake-quantized in place (`qarl.quant.fastpath.weight_cache.copy_masters`): the model holds exactly what its
 forward and the engine use, quantized once per step. When master and compute dtype are equal the
 model's parameters are the masters (the weight cache quantizes them once per step) and this is plain
 AdamW with gradient clipping.

@@ -43,10 +43,20 @@ class MicroBatch:
         return torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in self.completions], device=device)
 
 
-def micro_batches(completions: list[Completion], rows: list[int], size: int) -> list[MicroBatch]:
-    """`rows` of `completions`, `size` at a time, in order."""
-    return [MicroBatch(rows[s : s + size], [completions[i] for i in rows[s : s + size]])
-            for s in range(0, len(rows), size)]
+def micro_batches(completions: list[Completion], rows: list[int], size: int, max_tokens: int = 0) -> list[MicroBatch]:
+    """`rows` of `completions` in order, `size` at a time; with `max_tokens` > 0, as many as fit in that many prompt +
+    completion tokens instead (a longer row alone)."""
+    groups: list[list[int]] = []
+    used = 0
+    for i in rows:
+        tokens = len(completions[i].prompt_ids) + len(completions[i].token_ids)
+        full = used + tokens > max_tokens if max_tokens > 0 else len(groups[-1]) >= size if groups else True
+        if not groups or full:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += tokens
+    return [MicroBatch(group, [completions[i] for i in group]) for group in groups]
 
 
 @dataclass
@@ -61,13 +71,39 @@ class TokenScores:
 @dataclass
 class TeacherForced:
     """Right-padded rows of prompt + completion, and where each completion token is predicted: `positions[i, j]`,
-    the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1."""
+    the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1.
+    Packed (`position_ids` set): one row of every sequence back to back, no padding, positions restarting at 0 for
+    each sequence (the attention then stays within each sequence); `positions` index that row."""
 
-    ids: torch.Tensor  # [batch, width]
-    attention: torch.Tensor  # [batch, width]
+    ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
+    attention: torch.Tensor | None  # [batch, width]; None packed
     positions: torch.Tensor  # [batch, longest completion]
     targets: torch.Tensor  # [batch, longest completion]
     mask: torch.Tensor  # [batch, longest completion]
+    position_ids: torch.Tensor | None = None  # [1, total tokens] packed
+
+    def decoder_inputs(self) -> dict[str, torch.Tensor]:
+        if self.position_ids is not None:
+            return {"input_ids": self.ids, "position_ids": self.position_ids}
+        return {"input_ids": self.ids, "attention_mask": self.attention}
+
+
+def packed(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device) -> TeacherForced:
+    """The sequences back to back in one row (no padding), each with positions from 0."""
+    longest = max(len(c) for c in completions)
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    starts = torch.tensor([0] + [len(q) for q in sequences], device=device).cumsum(0)[:-1]
+    ids = torch.tensor([t for q in sequences for t in q], device=device)[None]
+    position_ids = torch.cat([torch.arange(len(q), device=device) for q in sequences])[None]
+    j = torch.arange(longest, device=device)
+    lengths = torch.tensor([len(c) for c in completions], device=device)
+    mask = (j[None] < lengths[:, None]).float()
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    positions = (starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=ids.shape[1] - 1)
+    targets = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
+    for i, c in enumerate(completions):
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
+    return TeacherForced(ids, None, positions, targets, mask, position_ids)
 
 
 def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
@@ -137,16 +173,23 @@ def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
 
 
 def completion_states(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]],
-                      pad_id: int) -> CompletionStates | None:
-    """The decoder's final states at the positions that predict completion tokens; None where `body_and_head` is."""
+                      pad_id: int, pack: bool = False) -> CompletionStates | None:
+    """The decoder's final states at the positions that predict completion tokens; None where `body_and_head` is.
+    `pack`: the sequences go through the decoder back to back without padding (not for the exact forward, which
+    packs its rows itself)."""
     parts = body_and_head(model)
     if parts is None:
         return None
     decoder, head = parts
-    rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
-    hidden = decoder(input_ids=rows.ids, attention_mask=rows.attention, use_cache=False).last_hidden_state
+    device = next(model.parameters()).device
+    pack = pack and not hasattr(model, "qarl_body_and_head")
+    rows = (packed if pack else teacher_forced)(prompts, completions, pad_id, device)
+    hidden = decoder(**rows.decoder_inputs(), use_cache=False).last_hidden_state
     keep = rows.mask.bool()
-    states = hidden.gather(1, rows.positions[..., None].expand(-1, -1, hidden.shape[-1]))[keep]
+    if pack:
+        states = hidden[0][rows.positions[keep]]
+    else:
+        states = hidden.gather(1, rows.positions[..., None].expand(-1, -1, hidden.shape[-1]))[keep]
     return CompletionStates(states, head, rows.targets[keep], rows.mask)
 
 
@@ -182,14 +225,16 @@ def score_completions(
     pad_id: int,
     temperature: float = 1.0,
     chunk_tokens: int = CHUNK_TOKENS,
+    pack: bool = False,
 ) -> TokenScores:
     """Teacher-forced log-prob (and entropy) of each completion token given everything before it.
 
     Computed in fp32 from logits / temperature, the same distribution the engine samples from, `chunk_tokens`
-    completion tokens at a time; a model with the exact forward picks each token's log-prob with the engine's own
+    completion tokens at a time (0: the whole vocabulary at once), the sequences packed without padding if `pack`
+    (within fp32 rounding of the padded rows); a model with the exact forward picks each token's log-prob with the engine's own
     kernel (`qarl_token_logprobs`, qarl/backends/exact_forward.py). Carries grad when grad is enabled.
     """
-    found = completion_states(model, prompts, completions, pad_id)
+    found = completion_states(model, prompts, completions, pad_id, pack) if chunk_tokens > 0 else None
     if found is None:
         logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
         picked, entropy = token_scores(logits, targets, temperature, getattr(model, "qarl_token_logprobs", None))

@@ -1,4 +1,4 @@
-"""The engine's input quantization (qarl/quant/input_quant.py, qarl/generation/engine_quant.py): one op per
+"""The engine's input quantization (qarl/quant/ops.py, qarl/generation/engine_quant.py): one op per
 layer that must compute exactly what the policy's ModelOpt input quantizer computes, the plan read from
 ModelOpt's own quantizers, and the engine modes (eager / CUDA graphs) with their refusals."""
 

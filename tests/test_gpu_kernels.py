@@ -1,4 +1,4 @@
-"""qarl's GPU fake-quant kernels (qarl/quant/gpu_kernels.py): bit for bit against ModelOpt's own GPU
+"""qarl's GPU fake-quant kernels (qarl/quant/kernels/gpu.py): bit for bit against ModelOpt's own GPU
 paths, and through ModelOpt's TensorQuantizer after install() (outputs and STE gradients).
 
 The GPU tests skip without CUDA sm_89+ and triton. Two tests run anywhere: install() is a no-op

@@ -1,4 +1,4 @@
-"""The fake-quant weight cache (qarl/quant/weight_cache.py) on real ModelOpt quantizers: the same bits
+"""The fake-quant weight cache (qarl/quant/fastpath/weight_cache.py) on real ModelOpt quantizers: the same bits
 and the same gradients as ModelOpt's uncached path, one quantization per change of the weights, and
 every way the weights or amax change invalidates it."""
 

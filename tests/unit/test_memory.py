@@ -41,7 +41,7 @@ def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_neede
 
 def test_a_run_whose_state_cannot_fit_is_refused_naming_what_to_change(monkeypatch):
     monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (20 * GiB, 10 * GiB))
-    with pytest.raises(ConfigError, match="gpu_memory_utilization.*policy.lora.mode=qlora"):
+    with pytest.raises(ConfigError, match="(gpu_memory_utilization|kv_cache_gib).*policy.lora.mode=qlora"):
         plan_memory(user_recipe(), QWEN3_1P7B, 100)
 
 
@@ -68,4 +68,4 @@ def test_bad_memory_settings_are_refused_as_the_recipe_loads():
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         PolicyConfig(gradient_checkpointing="sometimes")
     with pytest.raises(ConfigError, match="logprob_chunk_tokens"):
-        PolicyConfig(logprob_chunk_tokens=0)
+        PolicyConfig(logprob_chunk_tokens=-1)

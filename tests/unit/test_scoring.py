@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qarl.config import LoraConfig
+from qarl.config import LoraConfig, TrainerConfig
 from qarl.distill import score_pair
 from qarl.generation import Completion
+from qarl.grpo import grpo_loss, sequence_weights
 from qarl.lora import AdapterDisabled
-from qarl.scoring import completion_logits, score_completions, token_scores
+from qarl.scoring import completion_logits, micro_batches, score_completions, token_scores
 from tests.conftest import tiny_policy
 
 FORMATS = ["none", "quant_configs/nvfp4_w4a4.yaml"]
@@ -101,3 +102,36 @@ def test_a_lora_reference_is_scored_in_chunks_with_its_adapters_off(task, tiny_d
     torch.testing.assert_close(chunked, _full_vocabulary(reference, prompts, completions, pad, 1.0)[0], rtol=0, atol=5e-6)
     adapted = score_completions(policy.model, prompts, completions, pad, 1.0, chunk_tokens=5).logprobs
     assert (adapted - chunked).abs().max() > 1e-3
+
+
+def test_micro_batches_by_tokens_fill_a_budget_in_order():
+    comps = [Completion([1] * 3, [2] * n, [0.0] * n, "stop") for n in (5, 1, 9, 2, 20, 3)]  # 8, 4, 12, 5, 23, 6 tokens
+    by_rows = micro_batches(comps, [0, 1, 2, 3, 4, 5], size=4)
+    assert [mb.rows for mb in by_rows] == [[0, 1, 2, 3], [4, 5]]
+    by_tokens = micro_batches(comps, [0, 1, 2, 3, 4, 5], size=4, max_tokens=16)
+    assert [mb.rows for mb in by_tokens] == [[0, 1], [2], [3], [4], [5]]  # 8+4 fit 16; 12+5 do not; 23 alone
+    assert [mb.rows for mb in micro_batches(comps, [1, 3, 5, 0], size=1, max_tokens=16)] == [[1, 3, 5], [0]]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_packed_sequences_give_the_padded_loss_and_gradients(task, tiny_dir, loss_type, level):
+    """Packed without padding (one row, positions restarting per sequence): the same log-probs within fp32 rounding,
+    so every loss type (and GSPO's sequence-level ratio) and its gradients are the padded path's."""
+    policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", calib_size=16, trainable=True)
+    prompts, completions = _batch(policy, task)
+    pad = policy.tokenizer.pad_token_id
+    cfg = TrainerConfig(loss_type=loss_type, importance_sampling_level=level)
+    advantages = torch.linspace(-1.0, 1.0, len(prompts))
+    losses, grads = {}, {}
+    for pack in (False, True):
+        scores = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=6, pack=pack)
+        old = scores.logprobs.detach() + 0.01  # a policy that moved since the rollout: ratios away from 1
+        lengths = [len(c) for c in completions]
+        weights = sequence_weights(scores.mask, loss_type, len(prompts), max(lengths), sum(lengths), 1)
+        terms = grpo_loss(scores.logprobs, old, old, None, advantages, scores.mask, weights, cfg)
+        terms.loss.backward()
+        losses[pack], grads[pack] = terms.loss.detach(), _grads(policy.model)
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -135,3 +135,29 @@ def test_modelopt_private_names_are_imported_only_in_the_fence():
                 if private or any(part.startswith("_") for part in node.module.split(".")):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {private}")
     assert not offenders, offenders
+
+
+def test_an_untested_version_is_refused_naming_both_and_the_escape_hatch(monkeypatch):
+    from qarl.torch_compat import require_tested_version
+
+    require_tested_version("lib", "1.0", True, "1.0")  # a tested version passes
+    monkeypatch.delenv("QARL_ALLOW_UNTESTED_VERSIONS", raising=False)
+    with pytest.raises(ImportError, match=r"lib, checked against 1\.0; 2\.0 is installed.*QARL_ALLOW_UNTESTED_VERSIONS=1"):
+        require_tested_version("lib", "2.0", False, "1.0")
+    monkeypatch.setenv("QARL_ALLOW_UNTESTED_VERSIONS", "1")
+    with pytest.warns(RuntimeWarning, match="Running anyway"):
+        require_tested_version("lib", "2.0", False, "1.0")
+
+
+def test_vllm_is_checked_at_first_use(monkeypatch):
+    import vllm
+
+    from qarl.generation import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "_checked_version", None)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv("QARL_ALLOW_UNTESTED_VERSIONS", raising=False)
+    with pytest.raises(ImportError, match=r"vLLM.*0\.99\.0 is installed"):
+        vllm_compat.in_process_worker(object())
+    monkeypatch.setattr(vllm, "__version__", next(iter(vllm_compat.TESTED_VERSIONS)) + "+cpu")
+    assert vllm_compat.check_version().startswith(next(iter(vllm_compat.TESTED_VERSIONS)))
