@@ -1,16 +1,20 @@
-"""Shared fixtures. vLLM engines are expensive (~30 s to start and warm up on 2 cores), so one engine
-on the embedded tiny model serves every test that needs one; each test sets its format and refits."""
+"""Shared fixtures and helpers of every tier (tests/unit, tests/integration, tests/e2e). vLLM engines are expensive
+(~30 s to start and warm up on 2 cores), so one engine on the embedded tiny model serves every test that needs one;
+each test sets its format and refits. The training loops' end-to-end runs are made once a session (`loop_runs`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from qarl.config import GenerationConfig, PolicyConfig
+from qarl.config import GenerationConfig, LoraConfig, PolicyConfig
 from qarl.models.resolve import resolve_model_dir
 from qarl.policy import build_policy
 from qarl.scoring import score_completions
 from qarl.tasks import ArithmeticTask
+from tests.loops import Runs
 
 FORMATS = ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]
 
@@ -40,6 +44,62 @@ def answer_loss(policy, task, scale: float = 1.0) -> torch.Tensor:
     prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
     answers = [tok(p.answer).input_ids for p in task.train[:8]]
     return -score_completions(policy.model, prompts, answers, tok.pad_token_id).logprobs.sum() * scale
+
+
+W4A16 = "quant_configs/nvfp4_a16.yaml"
+
+
+def lora_policy(task, tiny_dir, mode: str, quant_cfg: str = W4A16, random_b: bool = True, **lora):
+    """A trainable tiny policy with LoRA adapters (`mode`: qlora or merged); `random_b`: B drawn at random, not 0 as
+    at init, so the adapters matter."""
+    from qarl.lora import lora_layers
+
+    policy = tiny_policy(task, tiny_dir, quant_cfg, trainable=True, lora=LoraConfig(mode=mode, **lora))
+    if random_b:
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for _, layer in lora_layers(policy.model):
+                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+    return policy
+
+
+def eval_logits(policy, task) -> torch.Tensor:
+    """The policy's logits on 4 held-out prompts, padded to one batch."""
+    ids = policy.tokenizer([p.prompt for p in task.eval[:4]], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return policy.model(**ids).logits
+
+
+def small_model(tmp_path: Path, family: str) -> str:
+    """A random 2-layer Llama (untied head) or Qwen3 (q/k norms, head_dim != hidden / heads), saved as safetensors."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    config = (LlamaConfig(**common, tie_word_embeddings=False) if family == "llama"
+              else Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1, so a norm in the wrong place shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path / family
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, tiny_dir) -> dict[str, str]:
+    """Model directories of the three families the Megatron converter knows: Qwen2 (the tiny model), Llama, Qwen3."""
+    tmp = tmp_path_factory.mktemp("families")
+    return {"qwen2": tiny_dir, "llama": small_model(tmp, "llama"), "qwen3": small_model(tmp, "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def loop_runs(tmp_path_factory) -> Runs:
+    """Each training loop's end-to-end runs (tests/loops.py), made on first use, once a session."""
+    return Runs(tmp_path_factory.mktemp)
 
 
 @pytest.fixture(scope="session")

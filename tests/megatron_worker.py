@@ -1,4 +1,4 @@
-"""One torch.distributed process of a Megatron-backend test (run by torchrun from tests/test_megatron.py):
+"""One torch.distributed process of a Megatron-backend test (run by torchrun from tests/integration/test_megatron.py):
 for each format, build the Megatron model from a Hugging Face directory at the given TP, quantize and
 calibrate it, and write from rank 0 what the test compares with the HF backend: logits, folded weights,
 gradients of a log-likelihood loss and quantizer state by Hugging Face name (`<out>/<format>.safetensors`)."""
@@ -18,7 +18,7 @@ from qarl.quant import resolve_format
 def train_step(model, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
     """One optimizer step of a policy-gradient loss: completions (the last 8 tokens of each row) scored by
     qarl's own `score_completions`, weighted by fixed advantages. The same function trains the HF backend in
-    tests/test_megatron.py."""
+    tests/integration/test_megatron.py."""
     from qarl.scoring import score_completions
 
     prompts, completions = [row[:16].tolist() for row in ids], [row[16:].tolist() for row in ids]

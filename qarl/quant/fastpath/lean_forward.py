@@ -7,8 +7,8 @@ matmul it wraps. `lean_forward` makes the same calls in the same order, and noth
     y = output_quantizer(F.linear(input_quantizer(x), weight_quantizer(W), b))
 
 skipping only quantizers that are disabled and neither scale nor rotate (for which ModelOpt returns the tensor
-unchanged), so the result and the gradients are ModelOpt's bit for bit (tests/test_weight_cache.py checks
-both). Each layer decides that once per change (`LinearPlan`).
+unchanged), so the result and the gradients are ModelOpt's bit for bit (tests/unit/test_weight_cache.py
+checks both). Each layer decides that once per change (`LinearPlan`).
 
 A `FastInputMixin` input quantizer (NVFP4 W4A4, FP8 W8A8: called at every forward) calls the one op ModelOpt's
 forward ends in (`qarl.quant.ops`, the op the rollout engine runs too; on a GPU the kernel bound to its amax),

@@ -2,7 +2,7 @@
 references whose gradients the exact forward's backward pass uses compute the math of vLLM's kernels
 (its rotary embedding, causal attention per sequence); the gradients written out equal autograd's
 gradients of those references; `EngineOp`'s plumbing. Bit equality with the engine is a GPU matter:
-tests/test_gpu_exact.py."""
+tests/integration/test_gpu_exact.py."""
 
 from __future__ import annotations
 

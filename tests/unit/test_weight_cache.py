@@ -16,7 +16,7 @@ from qarl.quant.quantize import quantized_linears, share_fused_amax
 from qarl.quant.fastpath.lean_forward import FastInputMixin, LeanAttention, lean_forward, plan_linear, quantized_linear
 from qarl.quant.fastpath.weight_cache import WeightCacheMixin, cache_bytes, invalidate
 
-from .conftest import FORMATS, answer_loss, tiny_policy
+from tests.conftest import FORMATS, answer_loss, tiny_policy
 
 
 def _policy(task, tiny_dir, fmt: str, cache: bool = True, **overrides):

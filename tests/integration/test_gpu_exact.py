@@ -2,7 +2,7 @@
 equals the policy's bit for bit, in every format and compute dtype, eager and with CUDA graphs; the
 kernels it rests on give each row the same bits whatever else is in the batch; each kernel computes what
 its gradient reference computes, and whole-model gradients are within 5 % of the default path's (weight-only
-formats). Skipped without such a GPU (CPU refusals and references: tests/test_exact_forward.py)."""
+formats). Skipped without such a GPU (CPU refusals and references: tests/unit/test_exact_forward.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from qarl.config import GenerationConfig
 
-from .conftest import answer_loss, tiny_policy
+from tests.conftest import answer_loss, tiny_policy
 
 hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper, reason="needs a Hopper GPU (FlashAttention 3)")]

@@ -9,7 +9,7 @@ import torch
 
 from qarl.config import GenerationConfig
 
-from .conftest import check_kept_logprobs
+from tests.conftest import check_kept_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -12,7 +12,7 @@ from qarl.scoring import score_completions
 from qarl.quant import FUSED_SIBLINGS, folded_weights, load_quantizer_state, quantizer_state, resolve_format
 from qarl.quant.quantize import quantize_policy
 
-from .conftest import FORMATS
+from tests.conftest import FORMATS
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -13,7 +13,7 @@ import torch
 from qarl.config import GenerationConfig
 from qarl.optim import PolicyOptimizer
 
-from .conftest import answer_loss, tiny_policy
+from tests.conftest import answer_loss, tiny_policy
 
 W4A16 = "quant_configs/nvfp4_a16.yaml"
 W4A4 = "quant_configs/nvfp4_w4a4.yaml"

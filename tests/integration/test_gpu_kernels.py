@@ -20,7 +20,7 @@ import torch
 from qarl.quant.kernels import gpu as gk
 from qarl.quant import resolve_format
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NVFP4_OP_ARGS = (4, 2, 8, 4)

@@ -41,13 +41,13 @@ def short(completions, answers):
 
 
 def test_reward_that_raises_errors_by_default_and_scores_zero_if_asked():
-    strict = WeightedRewards.from_specs([RewardSpec("tests.test_rewards:flaky")])
+    strict = WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:flaky")])
     with pytest.raises(RewardError, match="flaky.*cannot parse.*reward_error=zero"):
         strict(["1", "boom"], ["1", "1"])
-    lenient = WeightedRewards.from_specs([RewardSpec("tests.test_rewards:flaky")], on_error="zero")
+    lenient = WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:flaky")], on_error="zero")
     assert lenient(["1", "boom", "2"], ["1", "1", "1"])[0] == [1.0, 0.0, 1.0]  # only the bad sample gets 0
 
 
 def test_reward_of_wrong_length_is_an_error():
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
-        WeightedRewards.from_specs([RewardSpec("tests.test_rewards:short")])(["1", "2"], ["1", "2"])
+        WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:short")])(["1", "2"], ["1", "2"])

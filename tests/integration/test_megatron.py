@@ -1,6 +1,6 @@
-"""The Megatron backend: the HF <-> Megatron converter round trip, its refusals, and real megatron-core
-models in real torch.distributed processes (gloo on CPU, TP=1 and TP=2, launched by torchrun) against
-the HF backend: logits, folded weights and amax, unquantized and in every shipped format."""
+"""The Megatron backend: real megatron-core models in real torch.distributed processes (gloo on CPU, TP=1 and TP=2,
+launched by torchrun) against the HF backend: logits, folded weights and amax, unquantized and in every shipped
+format. The converter alone (round trip, shapes, refusals): tests/unit/test_convert.py."""
 
 from __future__ import annotations
 
@@ -12,100 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM
 
-from qarl.backends.convert import GPTShape, check_parallel, gpt_shape, hf_modules, megatron_names, \
-    megatron_shards, read_hf_config, unshard
-from qarl.config import ConfigError
 from qarl.quant import folded_weights, quantize_policy, quantizer_state, resolve_format
+from tests.conftest import FORMATS
 
-from .conftest import FORMATS
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def small_model(tmp_path: Path, family: str) -> str:
-    """A random 2-layer Llama (untied head) or Qwen3 (q/k norms, head_dim != hidden / heads), saved as safetensors."""
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-    config = (LlamaConfig(**common, tie_word_embeddings=False) if family == "llama"
-              else Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms away from 1, so a norm in the wrong place shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    out = tmp_path / family
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory, tiny_dir) -> dict[str, str]:
-    tmp = tmp_path_factory.mktemp("families")
-    return {"qwen2": tiny_dir, "llama": small_model(tmp, "llama"), "qwen3": small_model(tmp, "qwen3")}
-
-
-# -- the converter, no Megatron needed ------------------------------------------------------------
-
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_converter_round_trip(families, family, tp):
-    """Shard every tensor for every TP rank, gather back: the Hugging Face checkpoint, bit for bit."""
-    model_dir = families[family]
-    shape = gpt_shape(read_hf_config(model_dir))
-    hf = {k: v for k, v in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items()}
-    per_rank = [dict(megatron_shards(shape, tp, r, hf.__getitem__)) for r in range(tp)]
-    assert list(per_rank[0]) == megatron_names(shape)
-    back = dict(kv for name in megatron_names(shape) for kv in unshard(name, [s[name] for s in per_rank], shape))
-    expected = {k: v for k, v in hf.items() if not (shape.tied and k == "lm_head.weight")}
-    assert back.keys() == expected.keys()
-    assert all(torch.equal(back[k], expected[k]) for k in expected)
-    if tp == 2:  # a rank holds whole query groups: q heads of the group, then its k and v
-        q_rows = shape.heads_per_group * shape.head_dim
-        first = per_rank[1]["decoder.layers.0.self_attention.linear_qkv.weight"][: q_rows + 2 * shape.head_dim]
-        g = shape.groups // 2  # the first group rank 1 holds
-        assert torch.equal(first[:q_rows], hf["model.layers.0.self_attn.q_proj.weight"][g * q_rows:(g + 1) * q_rows])
-        assert torch.equal(first[q_rows:q_rows + shape.head_dim],
-                           hf["model.layers.0.self_attn.k_proj.weight"][g * shape.head_dim:(g + 1) * shape.head_dim])
-
-
-def test_converter_shapes(families):
-    llama, qwen3, qwen2 = (gpt_shape(read_hf_config(families[f])) for f in ("llama", "qwen3", "qwen2"))
-    assert (llama.qkv_bias, llama.qk_norm, llama.tied) == (False, False, False)
-    assert (qwen2.qkv_bias, qwen2.qk_norm, qwen2.tied) == (True, False, True)
-    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
-    assert hf_modules("decoder.layers.1.self_attention.linear_qkv") == [
-        f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
-    assert hf_modules("decoder.layers.0.mlp.linear_fc1") == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
-    assert hf_modules("output_layer") == ["lm_head"]
-
-
-def test_converter_refusals(tiny_dir):
-    config = read_hf_config(tiny_dir)
-    with pytest.raises(ConfigError, match="model families.*'gpt2'"):
-        gpt_shape({**config, "model_type": "gpt2"})
-    with pytest.raises(ConfigError, match="rope_scaling"):
-        gpt_shape({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ConfigError, match="rope_parameters"):
-        gpt_shape({**config, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}})
-    with pytest.raises(ConfigError, match="hidden_act=gelu"):
-        gpt_shape({**config, "hidden_act": "gelu"})
-    shape = gpt_shape(config)  # 4 heads, 2 query groups, vocab 128, MLP 384
-    with pytest.raises(ConfigError, match="does not divide the model's query groups"):
-        check_parallel(shape, 4)
-    with pytest.raises(ConfigError, match="vocabulary size 129"):
-        check_parallel(GPTShape(**{**shape.__dict__, "vocab": 129}), 2)
-    with pytest.raises(ConfigError, match="block size 16 does not divide the sharded input width of down_proj"):
-        check_parallel(GPTShape(**{**shape.__dict__, "ffn": 96, "groups": 4}), 4, block_size=16)
-    check_parallel(shape, 2, block_size=16)
-    # the model builder checks before torch.distributed or Megatron start
-    from qarl.backends.megatron import build_megatron_model
-
-    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide"):
-        build_megatron_model(tiny_dir, 4, torch.float32, torch.device("cpu"), fmt=resolve_format(FORMATS[0]))
-    assert not torch.distributed.is_initialized()
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------
@@ -276,7 +188,7 @@ def test_megatron_tp2_trains_as_hf_backend(trained_runs, tiny_dir, fmt):
     the weight cache invalidated by each step): the TP=2 Megatron model's master weights follow the HF
     backend's to 1/1000 of an update on average (FP8 W8A8: 1/20), and its NVFP4 folded weights are the HF
     backend's but for rare roundings (FP8's 8-bit grid turns those last-bit differences into a few % of values)."""
-    from .megatron_worker import train_step
+    from tests.megatron_worker import train_step
 
     run = trained_runs[fmt]
     ids = run["ids"]

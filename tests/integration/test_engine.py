@@ -16,7 +16,7 @@ from qarl.parity import measure
 from qarl.scoring import score_completions
 from qarl.quant import folded_weights
 
-from .conftest import FORMATS, check_kept_logprobs
+from tests.conftest import FORMATS, check_kept_logprobs
 
 
 def _prompts(policy, task, n=16):

@@ -12,7 +12,7 @@ from qarl.generation.vllm_engine import runs_eager
 from qarl.quant import resolve_format
 from qarl.quant.ops import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
 
-from .conftest import tiny_policy
+from tests.conftest import tiny_policy
 
 ACTIVATION_FORMATS = ["nvfp4_w4a4", "fp8_w8a8"]
 

@@ -51,8 +51,8 @@ def test_shared_weights_stay_through_sleep_and_a_step_reaches_the_graphs(tiny_di
     from qarl.generation import VLLMEngine
     from qarl.parity import measure
 
-    from .conftest import answer_loss
-    from .test_shared_weights import _copied_refit, _greedy, _in_engine, _trainable
+    from tests.conftest import answer_loss
+    from tests.integration.test_shared_weights import _copied_refit, _greedy, _in_engine, _trainable
 
     policy, optimizer = _trainable(task, tiny_dir, fmt)
     engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "bfloat16", 0,

@@ -19,7 +19,7 @@ from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint, load_t
 from qarl.config import ConfigError, PolicyConfig
 from qarl.metrics import read_metrics
 
-from .test_train import _deterministic, _train_cmd, kill_after_first_checkpoint
+from tests.loops import GRPO, QAD, deterministic, kill_after_first_checkpoint
 
 MEGATRON = ["policy.backend=megatron"]
 # a KL term (the step-0 reference is rebuilt on resume) and two micro-batches per step (one per data-parallel rank)
@@ -29,7 +29,7 @@ BETA = ["trainer.beta=0.04", "trainer.micro_batch_size=8"]
 def two_processes(run_dir: Path, tp: int = 2, *extra: str) -> list[str]:
     """`qarl train` under torchrun, two processes (the vLLM engine spans both): the Megatron policy at TP=2, or
     at TP=1 and two data-parallel ranks."""
-    command = _train_cmd(run_dir, *MEGATRON, *BETA, f"policy.tensor_parallel_size={tp}", *extra)
+    command = GRPO.command(run_dir, *MEGATRON, *BETA, f"policy.tensor_parallel_size={tp}", *extra)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command[1:]]
 
 
@@ -43,10 +43,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     processes at TP=1), and a mixed-precision Megatron run (bf16 compute, fp32 masters)."""
     root = tmp_path_factory.mktemp("megatron_train")
     out = {"hf": root / "hf", "tp2": root / "tp2", "dp2": root / "dp2", "mixed": root / "mixed"}
-    run(_train_cmd(out["hf"], *BETA))
+    run(GRPO.command(out["hf"], *BETA))
     run(two_processes(out["tp2"]))
     run(two_processes(out["dp2"], 1))
-    run(_train_cmd(out["mixed"], *MEGATRON, "policy.dtype=bfloat16"))
+    run(GRPO.command(out["mixed"], *MEGATRON, "policy.dtype=bfloat16"))
     return out
 
 
@@ -90,7 +90,7 @@ def test_megatron_tp2_resume_after_sigkill_reproduces_the_uninterrupted_run(runs
     every_step = ["checkpoint.every=1", "checkpoint.keep=1"]
     kill_after_first_checkpoint(two_processes(run_dir, 2, *every_step), run_dir)
     run(two_processes(run_dir, 2, *every_step, "trainer.resume=true"))
-    assert _deterministic(read_metrics(run_dir / "metrics.jsonl")) == _deterministic(
+    assert deterministic(read_metrics(run_dir / "metrics.jsonl")) == deterministic(
         read_metrics(runs["tp2"] / "metrics.jsonl"))
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step_4"]
 
@@ -100,25 +100,12 @@ def test_a_resume_in_another_parallel_layout_is_refused(runs, task, tiny_dir):
     (here: the TP=2 run's rank-0 state into the HF backend's optimizer; TP=2 into TP=1 x DP=2 alike)."""
     from qarl.optim import PolicyOptimizer
 
-    from .conftest import tiny_policy
+    from tests.conftest import tiny_policy
 
     state = torch.load(complete_checkpoints(runs["tp2"])[-1] / "trainer_state.pt", weights_only=True)
     policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", trainable=True)
     with pytest.raises(ConfigError, match="other shapes"):
         PolicyOptimizer(policy, 1e-4, 0.0, 1.0).load_state_dict(state["optimizer"])
-
-
-def test_what_the_loops_cannot_run_under_torchrun_is_refused(monkeypatch):
-    """Before anything loads: the HF backend in several processes, an engine TP other than the processes'."""
-    from qarl.config import GenerationConfig
-    from qarl.policy import check_backend
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="torchrun started 2"):
-        check_backend(PolicyConfig())
-    generation = GenerationConfig(quant_cfg=PolicyConfig().quant_cfg, tensor_parallel_size=4)
-    with pytest.raises(ConfigError, match="generation.tensor_parallel_size=4"):
-        check_backend(PolicyConfig(backend="megatron", tensor_parallel_size=2, generation=generation))
 
 
 def test_megatron_mixed_precision_checkpoint_holds_fp32_masters(runs):
@@ -143,13 +130,11 @@ def test_qad_runs_on_the_megatron_backend(tmp_path):
     from qarl.tasks import build_task
     from qarl.run import initial_policy
 
-    from .test_distill import COMMAND, SMALL
-
-    run(COMMAND + [f"run.dir={tmp_path}", *SMALL, *MEGATRON])
+    run(QAD.command(tmp_path, *MEGATRON))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[0].get("eval/teacher_accuracy") is not None
     assert all(abs(r["mismatch/kl"]) < 1e-4 for r in rows if r.get("mismatch/kl") is not None)
-    cfg = load_recipe(COMMAND[-1], [f"run.dir={tmp_path}", *SMALL], RecipeConfig)
+    cfg = load_recipe(QAD.recipe, [f"run.dir={tmp_path}", *QAD.small], RecipeConfig)
     hf = initial_policy(cfg, build_task(cfg.task, cfg.run.seed))  # the HF backend, calibrated as QAD calibrates
     checkpoint = complete_checkpoints(tmp_path)[-1]
     assert checkpoint_format(checkpoint).name == hf.format.name

@@ -1,0 +1,38 @@
+"""QAD's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a qarl checkpoint serves as a teacher,
+and QAD trains a QLoRA adapter over the frozen quantized student. What QAD shares with GRPO (a few steps, exact
+resume after SIGKILL): tests/e2e/test_loops.py; its loss and input checks: tests/unit/test_distill_loss.py,
+tests/unit/test_loop_checks.py."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+from qarl.config import RecipeConfig, load_recipe
+from qarl.distill import teacher_source
+from qarl.metrics import read_metrics
+from tests.loops import QAD
+
+
+def test_a_qarl_checkpoint_is_a_teacher(loop_runs, tmp_path):
+    run_dir = loop_runs.resumed(QAD)
+    cfg = load_recipe(QAD.recipe, [f"run.dir={tmp_path / 'run'}", f"teacher.model_name={run_dir}"], RecipeConfig)
+    assert teacher_source(cfg) == str(run_dir / "checkpoints" / "step_3" / "policy")
+
+
+def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
+    """QAD with policy.lora: only the adapter learns (the checkpoint is an adapter on the warm-started
+    base), the engine serves it (mismatch at the floor), and the KL is finite at every step."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "qlora"  # in a subprocess, as the other runs: an engine torn down in-process breaks later ones
+    subprocess.run(QAD.command(run, "policy.lora.mode=qlora", "trainer.lr=3.0e-3", "checkpoint.every=3"),
+                   check=True, timeout=600)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[:3]:
+        assert math.isfinite(r["distill/kl"]) and abs(r["mismatch/kl"]) < 1e-4
+    checkpoint = run / "checkpoints" / "step_3"
+    assert (checkpoint / "lora.json").is_file() and not (checkpoint / "policy").exists()
+    adapter = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0

@@ -1,0 +1,37 @@
+"""QA-GRPO's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a reward that raises stops the run
+and keeps its checkpoints, and `qarl eval` of a run reports what the run evaluated. What GRPO shares with QAD (a few
+steps, exact resume after SIGKILL): tests/e2e/test_loops.py; its input checks: tests/unit/test_loop_checks.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
+from qarl.config import PolicyConfig
+from qarl.metrics import read_metrics
+from tests.loops import GRPO
+
+
+def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
+    run_dir = tmp_path / "raises"
+    env = {**os.environ, "QARL_TEST_RAISE_AFTER_CALLS": "3"}
+    proc = subprocess.run(GRPO.command(run_dir, "trainer.rewards=[{name: tests.rewards_for_tests:raises_later}]"),
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "raises_later" in proc.stderr and "reward_error=zero" in proc.stderr
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["step_2"]
+    load_policy_checkpoint(run_dir, PolicyConfig())  # intact and loadable
+
+
+def test_eval_reports_quantized_and_unquantized_accuracy(loop_runs):
+    uninterrupted = loop_runs.uninterrupted(GRPO)
+    out = subprocess.run([sys.executable, "-m", "qarl", "eval", str(uninterrupted)], check=True, capture_output=True,
+                         text=True, timeout=600).stdout
+    result = json.loads(out)
+    assert result["format"] == "nvfp4_a16" and result["num_prompts"] == 16
+    assert 0.0 <= result["quantized"] <= 1.0 and 0.0 <= result["unquantized"] <= 1.0
+    final = read_metrics(uninterrupted / "metrics.jsonl")[-1]
+    assert result["quantized"] == final["eval/accuracy"]  # the same greedy evaluation as the training run's
