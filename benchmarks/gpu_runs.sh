@@ -26,7 +26,7 @@
 #             the 0.5B model, bf16 and fp16, eager and with CUDA graphs
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
 #   exact_cost  the policy's forward + backward with the exact forward on against off (benchmarks/exact_step_time.py)
-#   exact_tests  the GPU tests of the exact forward (tests/test_gpu_exact.py)
+#   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
@@ -86,7 +86,7 @@ case "$stage" in
     python3 benchmarks/fake_quant_gpu_check.py --out "$out/fake_quant_gpu_check.md" 2>&1 | tail -40
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15
     # the weight cache against ModelOpt's uncached path, and the quantized policy, on the GPU's kernels
-    python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_quantize.py 2>&1 | tail -5
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_quantize.py 2>&1 | tail -5
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time.md" 2>&1 | grep -v -i warn | tail -12
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_nocache.md" 2>&1 | grep -v -i warn | tail -12
     python3 benchmarks/gpu_scoring_floor.py --out "$out/gpu_scoring_floor.md" 2>&1 | grep -v -i warn | tail -8
@@ -150,8 +150,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     ;;
   graphs)
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_engine_quant.py \
-      tests/test_gpu_colocation.py 2>&1 | tail -6
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_graphs.py tests/unit/test_engine_quant.py \
+      tests/integration/test_gpu_colocation.py 2>&1 | tail -6
     ;;
   rollout)
     python3 benchmarks/gpu_rollout.py --repeats 3 --out "$out/gpu_rollout_interleaved.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
@@ -165,7 +165,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     ;;
   exact)
-    python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_exact.py -k kernels 2>&1 | grep -E "^E |assert|passed|failed" | head -30
+    python3 -m pytest -q -p no:cacheprovider -x tests/integration/test_gpu_exact.py -k kernels 2>&1 | grep -E "^E |assert|passed|failed" | head -30
     for dtype in bfloat16 float16; do
       for eager in true false; do
         name="parity_exact_${dtype}_eager_$eager"
@@ -182,7 +182,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       --profile "$out/short" 2>&1 | grep -v -i warn | tail -3
     ;;
   exact_tests)
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exact.py 2>&1 | tail -30
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30
     ;;
   megatron)
     gpus=$(nvidia-smi -L | wc -l)
@@ -239,7 +239,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     grep "^== " "$out/profile_rollout.txt"
     ;;
   step_time)
-    python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_engine_quant.py 2>&1 | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_engine_quant.py 2>&1 | tail -3
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_shared_inputs.md" 2>&1 | grep -v -i warn | tail -8
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_held_nocache.md" 2>&1 | grep -v -i warn | tail -8
     ;;

@@ -139,9 +139,9 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
               checks: Callable[[RecipeConfig], None] = lambda cfg: None,
               frozen_model: FrozenShape = lambda cfg, shape: None) -> Run:
     """Everything cheap is checked (`check_run_settings`, then the loop's `checks`, then the memory plan with the
-    loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory, the policy (resumed from the newest
-    complete checkpoint, or built fresh), the loop's `frozen(policy, task)` model, and the optimizer (with its state,
-    when resumed)."""
+    loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory, the policy
+    (resumed from the newest complete checkpoint, or built fresh), the loop's `frozen(policy, task)` model, and the
+    optimizer (with its state, when resumed)."""
     check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
