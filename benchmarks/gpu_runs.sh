@@ -2,7 +2,7 @@
 # The GPU results of benchmarks/results/gpu_*.md, one stage per call of at most 10 minutes:
 #   bash benchmarks/gpu_runs.sh STAGE [OUT_DIR]
 # Stages, in order (later ones reuse the embedded 0.5B model, warm start and runs of earlier ones):
-#   kernels   fast fake-quant kernels vs ModelOpt's, bit for bit and timed; GPU tests; policy-side step time
+#   kernels   fast fake-quant kernels vs ModelOpt's, bit for bit and timed; GPU tests without an engine; policy-side step time
 #   parity    `qarl parity` on the embedded 0.5B model in bf16, fp16 and fp32
 #   grpo      the warm-start length that gives a low success rate (benchmarks/warm_start_sweep.py), then
 #             QA-GRPO NVFP4 W4A16 on the 0.5B model, bf16 compute + fp32 masters, colocated
@@ -84,9 +84,13 @@ case "$stage" in
   kernels)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
     python3 benchmarks/fake_quant_gpu_check.py --out "$out/fake_quant_gpu_check.md" 2>&1 | tail -40
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15
+    # the GPU tests without an engine (those with one: the graphs and exact_tests stages)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_gpu_kernels.py tests/unit/test_nvfp4_cpu.py \
+      2>&1 | tail -15
     # the weight cache against ModelOpt's uncached path, and the quantized policy, on the GPU's kernels
-    python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_quantize.py 2>&1 | tail -5
+    # (the GPU kit carries no `datasets`: the calibration-file test needs it)
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_quantize.py \
+      --deselect tests/unit/test_quantize.py::test_missing_calibration_data_is_an_error_before_loading_the_model 2>&1 | tail -5
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time.md" 2>&1 | grep -v -i warn | tail -12
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_nocache.md" 2>&1 | grep -v -i warn | tail -12
     python3 benchmarks/gpu_scoring_floor.py --out "$out/gpu_scoring_floor.md" 2>&1 | grep -v -i warn | tail -8

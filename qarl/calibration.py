@@ -17,11 +17,11 @@ def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str
     if source == "task":
         texts = task_texts
     else:
-        import datasets
-
         path = Path(source).expanduser()
         builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
         try:
+            import datasets
+
             if path.suffix in builders or path.exists():
                 if not path.is_file():
                     raise ConfigError(f"calibration data file not found: {source}")

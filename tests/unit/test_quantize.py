@@ -129,7 +129,7 @@ def test_awq_smoothing_is_shared_by_fused_siblings_and_served_as_the_forward_com
     assert all(s is not None for s in scales) and not torch.equal(scales[0], torch.ones_like(scales[0]))
     assert torch.equal(scales[0], scales[1]) and torch.equal(scales[0], scales[2])
     layer = policy.model.model.layers[1].mlp.down_proj
-    x = torch.randn(3, 5, layer.in_features)
+    x = torch.randn(3, 5, layer.in_features, device=layer.weight.device)
     folded = dict(folded_weights(policy.model))["model.layers.1.mlp.down_proj.weight"]
     with torch.no_grad():
         expected = layer(x)
