@@ -23,7 +23,7 @@ def main(overrides: list[str]) -> None:
     from qarl.optim import PolicyOptimizer
     from qarl.policy import build_policy
     from qarl.rewards import WeightedRewards
-    from qarl.tasks import build_task
+    from qarl.tasks import build_task, recipe_prompt_format
     from qarl.run import initial_policy, rollout, step_problems
     from qarl.train import policy_update
 
@@ -32,6 +32,7 @@ def main(overrides: list[str]) -> None:
     task = build_task(cfg.task, cfg.run.seed)
     rewards = WeightedRewards.from_specs(t.rewards)
     quantized = initial_policy(cfg, task)
+    prompts = recipe_prompt_format(cfg)
     plain = build_policy(cfg.policy, [], model_dir=quantized.model_dir, fmt=None)
     engine = VLLMEngine(quantized.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed)
     runs = {"QA-GRPO": quantized, "GRPO (unquantized)": plain}
@@ -43,7 +44,7 @@ def main(overrides: list[str]) -> None:
             engine.refit(policy.model)
             problems = step_problems(task, step, t.batch_size // t.num_generations, cfg.run.seed)
             start = time.perf_counter()
-            batch = rollout(engine, policy, problems, t.num_generations, seed=step)
+            batch = rollout(engine, prompts, problems, t.num_generations, seed=step)
             values, _ = rewards(batch.texts, [p.answer for p in problems for _ in range(t.num_generations)])
             advantages, _ = group_advantages(torch.tensor(values), t.num_generations, t.scale_rewards)
             trained = time.perf_counter()

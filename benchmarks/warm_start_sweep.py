@@ -5,7 +5,8 @@
 For each step count, runs the recipe's warm start (cached like a training run's, so the chosen one is
 reused by `qarl train RECIPE warm_start.steps=N`) and reports its greedy held-out accuracy, computed
 exactly without sampling: greedy decoding reproduces the answer iff, fed the answer, the model's argmax
-at every position is the next answer token and then end-of-sequence. The last line prints the smallest
+at every position is the next answer token and then the end of the answer
+(EOS, or the chat template's end of turn). The last line prints the smallest
 step count whose accuracy is at least --target (default 0.15), the setting to train from.
 """
 
@@ -17,18 +18,21 @@ import torch
 
 
 @torch.no_grad()
-def greedy_exact_match(model_dir: str, problems: list, device: torch.device) -> float:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def greedy_exact_match(model_dir: str, problems: list, chat, device: torch.device) -> float:
+    """`chat`: the recipe's task settings (how prompts are formatted and answers end)."""
+    from transformers import AutoModelForCausalLM
 
     from qarl.scoring import completion_logits
+    from qarl.tasks import model_prompt_format
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    formatting = model_prompt_format(model_dir, chat)
+    tokenizer = formatting.tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     hits = 0
     for start in range(0, len(problems), 100):
         rows = problems[start : start + 100]
-        prompts = [tokenizer(p.prompt).input_ids for p in rows]
-        answers = [tokenizer(p.answer).input_ids + [tokenizer.eos_token_id] for p in rows]
+        prompts = formatting.batch([p.prompt for p in rows])
+        answers = [formatting.answer_ids(p.answer) for p in rows]
         logits, targets, mask = completion_logits(model, prompts, answers, tokenizer.pad_token_id)
         hits += int(((logits.argmax(-1) == targets) | (mask == 0)).all(dim=1).sum())
     return hits / len(problems)
@@ -53,8 +57,8 @@ def main() -> None:
     print("| warm_start.steps | held-out greedy accuracy |\n|---|---|")
     for steps in sorted(args.steps):
         settings = type(cfg.warm_start)(**{**vars(cfg.warm_start), "steps": steps})
-        model_dir = warm_start(base, task.train, settings, cfg.run.seed, cache_dir())
-        accuracy = greedy_exact_match(model_dir, task.eval[: cfg.eval.num_prompts], default_device())
+        model_dir = warm_start(base, task.train, settings, cfg.run.seed, cache_dir(), cfg.task)
+        accuracy = greedy_exact_match(model_dir, task.eval[: cfg.eval.num_prompts], cfg.task, default_device())
         print(f"| {steps} | {accuracy:.3f} |", flush=True)
         if chosen is None and accuracy >= args.target:
             chosen = steps

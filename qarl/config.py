@@ -185,6 +185,12 @@ class TaskConfig:
     eval_data: str = ""
     prompt_column: str = "prompt"
     answer_column: str = "answer"
+    # prompts through the tokenizer's chat template (qarl/tasks/chat.py): auto = when the tokenizer has one
+    # (the embedded one does), on = required, off = raw text. The answer ends with the token the template closes
+    # a turn with (stop_token: that token's name, found from the template when empty).
+    chat_template: str = "auto"
+    system_prompt: str = ""
+    stop_token: str = ""
 
 
 @dataclass

@@ -158,7 +158,7 @@ def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, d
         raise ConfigError(f"model {missing[0]!r} does not exist")
     from qarl.quant import resolve_format
     from qarl.quant.quantize import check_format_fits
-    from qarl.tasks import build_task
+    from qarl.tasks import build_task, model_prompt_format
     from qarl.run import initial_model_dir
 
     task = build_task(cfg.task, cfg.run.seed)
@@ -167,8 +167,10 @@ def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, d
     for model_dir in dirs.values():
         for spec in FORMATS.values():
             check_format_fits(model_dir, resolve_format(spec), cfg.policy.trust_remote_code)
-    calibration = task.calibration_texts(cfg.policy.quant_calib_size)
-    report = {m: diagnose_model(cfg, d, calibration) for m, d in dirs.items()}
+    trust = cfg.policy.trust_remote_code
+    report = {m: diagnose_model(cfg, d, task.calibration_texts(cfg.policy.quant_calib_size,
+                                                               model_prompt_format(d, cfg.task, trust)))
+              for m, d in dirs.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnose.json").write_text(json.dumps(report, indent=1))
     (out / "diagnose.md").write_text(markdown(report) + "\n")

@@ -46,7 +46,7 @@ from qarl.quant import resolve_format
 from qarl.run import Rollout, Run, initial_model_dir, run_steps, start_engine, start_run
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
-from qarl.tasks import Problem, Task
+from qarl.tasks import Problem, PromptFormat, Task
 
 WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
@@ -220,12 +220,13 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
 
 
 @torch.no_grad()
-def teacher_kl(engine: VLLMEngine, student: Policy, teacher: Policy, problems: list[Problem], cfg: RecipeConfig) -> float:
+def teacher_kl(engine: VLLMEngine, prompts: PromptFormat, student: Policy, teacher: Policy, problems: list[Problem],
+               cfg: RecipeConfig) -> float:
     """Held-out reverse KL(student || teacher), full vocabulary, per token, on one sample per prompt
     from the quantized student at the training temperature. The same seed at every evaluation, so
     successive values differ by the student, not by the sampling noise."""
-    prompts = [student.tokenizer(p.prompt).input_ids for p in problems]
-    comps = [c for c in engine.generate(prompts, seed=derived_seed(cfg.run.seed, EVAL_SEED_OFFSET)) if c.token_ids]
+    comps = [c for c in engine.generate(prompts.batch([p.prompt for p in problems]), stop_token_ids=prompts.stop_ids,
+                                        seed=derived_seed(cfg.run.seed, EVAL_SEED_OFFSET)) if c.token_ids]
     kl, tokens = 0.0, 0.0
     for mb in micro_batches(comps, list(range(len(comps))), cfg.trainer.micro_batch_size):
         scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
@@ -250,7 +251,7 @@ def distill(cfg: RecipeConfig) -> Path:
         if same_architecture(teacher.model, run.policy.model):
             engine.refit(teacher.model)
             eval_problems = run.task.eval[: cfg.eval.num_prompts]
-            first_row["eval/teacher_accuracy"] = evaluate(engine, teacher, eval_problems, run.rewards).accuracy
+            first_row["eval/teacher_accuracy"] = evaluate(engine, run.prompts, eval_problems, run.rewards).accuracy
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine.set_quant_format(rollout_format)  # a graph engine restarts for it (once, after the teacher)
@@ -282,8 +283,9 @@ class QADSteps:
 
     def evaluate(self) -> dict[str, float]:
         student, teacher = self.run.policy, self.run.frozen
-        return {"eval/accuracy": evaluate(self.engine, student, self.eval_problems, self.run.rewards).accuracy,
-                "eval/teacher_kl": teacher_kl(self.engine, student, teacher, self.eval_problems, self.run.cfg)}
+        return {"eval/accuracy": evaluate(self.engine, self.run.prompts, self.eval_problems, self.run.rewards).accuracy,
+                "eval/teacher_kl": teacher_kl(self.engine, self.run.prompts, student, teacher, self.eval_problems,
+                                              self.run.cfg)}
 
     def judge(self, batch: Rollout) -> dict[str, float]:
         values, parts = self.run.rewards(batch.texts, batch.answers)  # rewards[0] is the verifier

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
 from qarl.generation import VLLMEngine
-from qarl.policy import build_policy, Policy
+from qarl.policy import build_policy
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
-from qarl.tasks import Problem, build_task
+from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
 
 
 @dataclass
@@ -41,12 +41,12 @@ class EvalResult:
                 "mean_length": sum(self.lengths) / n}
 
 
-def evaluate(engine: VLLMEngine, policy: Policy, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
-    """Greedy completions of `problems` from the engine (refitted by the caller), scored by the
-    first reward (the verifier)."""
-    prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
-    completions = engine.generate(prompts, greedy=True)
-    texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
+    """Greedy completions of `problems` from the engine (refitted by the caller), formatted by `prompts`, scored by
+    the first reward (the verifier)."""
+    completions = engine.generate(prompts.batch([p.prompt for p in problems]), greedy=True,
+                                  stop_token_ids=prompts.stop_ids)
+    texts = prompts.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     parser = ANSWER_PARSERS.get(rewards.verifier_name)
     return EvalResult(correct=rewards.verify(texts, [p.answer for p in problems]),
                       parsed=[parser(t) for t in texts] if parser is not None else None,
@@ -87,19 +87,20 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         if path.is_dir() and not (path / "config.json").is_file():
             raise ConfigError(f"{path} is neither a qarl checkpoint/run directory nor a Hugging Face model")
         fmt = resolve_format(cfg.policy.quant_cfg)
-        model_dir = str(path) if path.is_dir() else None
-        quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size), model_dir=model_dir)
-        model_dir = quantized.model_dir
-        plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
+        plain = build_policy(cfg.policy, [], model_dir=str(path) if path.is_dir() else None, fmt=None)
+        model_dir = plain.model_dir
+        calibration = task.calibration_texts(cfg.policy.quant_calib_size, prompt_format(plain.tokenizer, cfg.task))
+        quantized = build_policy(cfg.policy, calibration, model_dir=model_dir)
+    prompts = prompt_format(plain.tokenizer, cfg.task)
     qlora = getattr(plain.lora, "mode", "none") == "qlora"  # a checkpoint's own adapters, whatever the recipe says
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt, qlora=qlora)
     results = {}
     if fmt is not None:
         engine.refit(quantized.model)
-        results["quantized"] = evaluate(engine, quantized, problems, rewards).accuracy
+        results["quantized"] = evaluate(engine, prompts, problems, rewards).accuracy
         results["format"] = fmt.name
     engine.set_quant_format(None)
     engine.refit(plain.model)
-    results["unquantized"] = evaluate(engine, plain, problems, rewards).accuracy
+    results["unquantized"] = evaluate(engine, prompts, problems, rewards).accuracy
     results["num_prompts"] = len(problems)
     return results

@@ -96,6 +96,7 @@ class Plan:
 
     cfg: RecipeConfig
     problems: list
+    prompts: Any  # the PromptFormat every model is asked in (they share the base's tokenizer)
     calibration: list[str]
     models: dict[str, list[ModelSource]]  # "base" first
     precisions: list[Precision]
@@ -211,7 +212,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     from qarl.models.checks import tokenizer_differences
     from qarl.models.resolve import resolve_model_dir
     from qarl.quant.quantize import check_format_fits
-    from qarl.tasks import build_task
+    from qarl.tasks import build_task, model_prompt_format
     from qarl.run import initial_model_dir, initial_model_key
 
     m = cfg.matrix
@@ -263,10 +264,11 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     for precision in precisions:
         if precision.format is not None:
             check_format_fits(base_dir, precision.format, trust)
+    prompts = model_prompt_format(base_dir, cfg.task, trust)
     if warm:
         base = ModelSource(WARM_START, initial_model_dir(cfg, task))
-    return Plan(cfg, problems, task.calibration_texts(cfg.policy.quant_calib_size), {"base": [base], **models},
-                precisions, trained_precision)
+    return Plan(cfg, problems, prompts, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
+                {"base": [base], **models}, precisions, trained_precision)
 
 
 # -- evaluation --------------------------------------------------------------------------------------
@@ -307,7 +309,7 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
         engine.set_quant_format(fmt)  # the same format again changes nothing
         policy = _policy(plan, source, precision)
         engine.refit(policy.model)
-        results[name].setdefault(precision.name, []).append(evaluate(engine, policy, plan.problems, rewards))
+        results[name].setdefault(precision.name, []).append(evaluate(engine, plan.prompts, plan.problems, rewards))
     return results
 
 

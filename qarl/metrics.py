@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,34 @@ def device_memory_gib(phase: str, released: int = 0) -> dict[str, float]:
     torch.cuda.reset_peak_memory_stats()
     return {f"perf/gpu_mem_after_{phase}_gib": (total - free) / 2**30, f"perf/torch_peak_{phase}_gib": peak / 2**30,
             f"memory/{phase}_peak_gib": (peak - released) / 2**30}
+
+
+def storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view into a tensor already counted adds nothing)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def weight_memory(model: Any, optimizer: Any, engine_model: Any) -> dict[str, float]:
+    """What each side holds, measured from its tensors: the policy's weights (parameters, buffers and the weight
+    cache's quantized copies, adapters excluded), its adapters, the optimizer's (master weights when they are not
+    the parameters, AdamW's moments) and the rollout engine's weights. A tensor both sides share (one copy of the
+    rollout weights) counts on both; `perf/refit_shared_bytes` says how much is shared."""
+    from qarl.quant.fastpath.weight_cache import cached_weights
+
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    adapters = [t for n, t in named if "lora_" in n]
+    weights = [t for n, t in named if "lora_" not in n] + list(cached_weights(model))
+    state = [v for s in optimizer.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    masters = [] if optimizer.masters is optimizer.params else optimizer.masters
+    engine = list(engine_model.parameters()) + list(engine_model.buffers()) if engine_model is not None else []
+    return {"memory/policy_weight_bytes": float(storage_bytes(weights)),
+            "memory/adapter_bytes": float(storage_bytes(adapters)),
+            "memory/optimizer_bytes": float(storage_bytes(masters + state)),
+            "memory/engine_weight_bytes": float(storage_bytes(engine))}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from qarl.models.resolve import resolve_model_dir
 from qarl.policy import build_policy, Policy
 from qarl.scoring import score_completions
 from qarl.quant import resolve_format
-from qarl.tasks import build_task
+from qarl.tasks import build_task, model_prompt_format
 
 # A token whose |Δlogprob| exceeds this is counted as "flipped": some quantization rounding decision
 # went the other way on the two sides (the floating-point floor is ~1e-6 and below).
@@ -78,9 +78,10 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
     modes = list(cfg.parity.lora_modes)
     for mode in modes:
         check_lora(dataclasses.replace(cfg.policy, lora=dataclasses.replace(cfg.policy.lora, mode=mode)), model_dir)
-    calib = task.calibration_texts(cfg.policy.quant_calib_size)
+    formatting = model_prompt_format(model_dir, cfg.task, cfg.policy.trust_remote_code)
+    calib = task.calibration_texts(cfg.policy.quant_calib_size, formatting)
     unquantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=None)
-    prompts = [unquantized.tokenizer(p.prompt).input_ids for p in task.eval[: cfg.parity.num_prompts]]
+    prompts = formatting.batch([p.prompt for p in task.eval[: cfg.parity.num_prompts]])
     n, seed = cfg.parity.max_new_tokens, cfg.run.seed
     # (row name, its format, the quantized policy, the same weights unquantized); LoRA rows carry random adapters
     rows = [(fmt.name, fmt, build_policy(cfg.policy, calib, model_dir=model_dir, fmt=fmt), unquantized) for fmt in formats]

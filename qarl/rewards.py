@@ -81,11 +81,13 @@ def _last_boxed(text: str) -> str | None:
 
 @register("boxed_math")
 def boxed_math_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1 if the last \\boxed{} answer equals the reference (numbers compared by value)."""
+    """1 if the last \\boxed{} answer equals the reference's (a MATH solution's last \\boxed{}, or the reference itself;
+    numbers compared by value)."""
     out = []
     for c, a in zip(completions, answers):
-        boxed = _last_boxed(c)
-        out.append(1.0 if boxed is not None and _normalize_number(boxed) == _normalize_number(a) else 0.0)
+        boxed, ref = _last_boxed(c), _last_boxed(a)
+        ref = a if ref is None else ref
+        out.append(1.0 if boxed is not None and _normalize_number(boxed) == _normalize_number(ref) else 0.0)
     return out
 
 

@@ -31,7 +31,7 @@ from qarl.generation import Completion, RefitTiming, VLLMEngine, runs_eager, sle
 from qarl.lora import check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
-                          report_run)
+                          report_run, weight_memory)
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
@@ -40,7 +40,7 @@ from qarl.quant.ops import input_quant_plan
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.seeds import derived_seed
-from qarl.tasks import Problem, Task, build_task
+from qarl.tasks import Problem, PromptFormat, Task, build_task, recipe_prompt_format
 from qarl.warm_start import fingerprint, warm_start
 
 
@@ -50,7 +50,7 @@ def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
     a baseline and a distillation teacher all find the very model the policy started from)."""
     model_dir = resolve_model_dir(cfg.policy.model_name)
     if cfg.warm_start.enabled:
-        model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir())
+        model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir(), cfg.task)
     return model_dir
 
 
@@ -64,13 +64,13 @@ def initial_model_key(cfg: RecipeConfig, task: Task) -> str:
     model_dir = resolve_model_dir(cfg.policy.model_name)
     if not cfg.warm_start.enabled:
         return str(Path(model_dir).resolve())
-    return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg))
+    return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cfg.task)
 
 
 def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True) -> Policy:
     """The step-0 policy: the initial model, quantized and calibrated (`trainable`: with master weights).
     Deterministic, so the KL reference is this policy built again."""
-    calibration = task.calibration_texts(cfg.policy.quant_calib_size)
+    calibration = task.calibration_texts(cfg.policy.quant_calib_size, recipe_prompt_format(cfg))
     return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=trainable)
 
 
@@ -105,6 +105,7 @@ class Run:
 
     cfg: RecipeConfig
     task: Task
+    prompts: PromptFormat  # how the task's prompts reach the model (qarl/tasks/chat.py)
     dir: Path
     rewards: WeightedRewards
     policy: Policy
@@ -115,22 +116,19 @@ class Run:
     memory: MemoryPlan
 
 
-def longest_prompt_tokens(cfg: RecipeConfig, task: Task) -> int:
+def longest_prompt_tokens(task: Task, prompts: PromptFormat) -> int:
     """The longest training prompt in the policy's tokens (the memory plan's rows are this + max_new_tokens)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.policy.model_name),
-                                              trust_remote_code=cfg.policy.trust_remote_code)
-    return max(len(ids) for ids in tokenizer([p.prompt for p in task.train]).input_ids)
+    return max(len(ids) for ids in prompts.batch([p.prompt for p in task.train]))
 
 
 FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the loop's frozen model, for the plan
 
 
-def planned(cfg: RecipeConfig, task: Task, frozen_model: FrozenShape) -> tuple[RecipeConfig, MemoryPlan]:
+def planned(cfg: RecipeConfig, task: Task, prompts: PromptFormat, frozen_model: FrozenShape
+            ) -> tuple[RecipeConfig, MemoryPlan]:
     """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided."""
     shape = ModelShape.of(resolve_model_dir(cfg.policy.model_name), cfg.policy.trust_remote_code)
-    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(cfg, task), frozen_model(cfg, shape))
+    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, prompts), frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
     return cfg, memory
 
@@ -145,7 +143,8 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
     check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
-    cfg, memory = planned(cfg, task, frozen_model)
+    prompts = recipe_prompt_format(cfg)
+    cfg, memory = planned(cfg, task, prompts, frozen_model)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
@@ -155,12 +154,12 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
     policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
     companion = frozen(policy, task)
     policy.start_noise(t.steps, cfg.run.seed)
-    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size))
+    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts))
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
     policy.model.eval()
     rewards = WeightedRewards.from_specs(t.rewards, t.reward_error)
-    return Run(cfg, task, run_dir, rewards, policy, companion, optimizer, checkpoint, start_step, memory)
+    return Run(cfg, task, prompts, run_dir, rewards, policy, companion, optimizer, checkpoint, start_step, memory)
 
 
 def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
@@ -205,11 +204,12 @@ def rollout_seed(cfg: RecipeConfig, step: int) -> int:
     return derived_seed(cfg.run.seed, step * cfg.trainer.batch_size)
 
 
-def rollout(engine: VLLMEngine, policy: Policy, problems: list[Problem], num_generations: int, seed: int) -> Rollout:
+def rollout(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], num_generations: int, seed: int
+            ) -> Rollout:
     start = time.perf_counter()
-    prompts = [policy.tokenizer(p.prompt).input_ids for p in problems]
-    completions = engine.generate(prompts, num_samples=num_generations, seed=seed)
-    texts = policy.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    completions = engine.generate(prompts.batch([p.prompt for p in problems]), num_samples=num_generations, seed=seed,
+                                  stop_token_ids=prompts.stop_ids)
+    texts = prompts.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     return Rollout(problems, completions, texts, time.perf_counter() - start)
 
 
@@ -275,7 +275,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
             row.update(steps.evaluate())
 
         problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
-        batch = rollout(engine, policy, problems, t.num_generations, seed=rollout_seed(cfg, step))
+        batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
         judged = steps.judge(batch)
 
         rollout_memory = device_memory_gib("rollout")
@@ -285,7 +285,8 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
         released = free_device_bytes() - free
         update = update_or_name_the_knob(steps, step, batch, run.memory)
         memory = {**rollout_memory, **device_memory_gib("update", released),
-                  "memory/planned_update_gib": run.memory.update / GiB}
+                  "memory/planned_update_gib": run.memory.update / GiB,
+                  **weight_memory(policy.model, run.optimizer, engine.model)}
         engine.wake()
         refit_start = time.perf_counter()
         step_state = policy.prepare_step(step + 1)

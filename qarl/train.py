@@ -61,7 +61,7 @@ class GRPOSteps:
         self.advantages = torch.empty(0)
 
     def evaluate(self) -> dict[str, float]:
-        return {"eval/accuracy": evaluate(self.engine, self.run.policy, self.eval_problems, self.run.rewards).accuracy}
+        return {"eval/accuracy": evaluate(self.engine, self.run.prompts, self.eval_problems, self.run.rewards).accuracy}
 
     def judge(self, batch: Rollout) -> dict[str, float]:
         t = self.run.cfg.trainer

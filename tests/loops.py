@@ -40,6 +40,7 @@ class Loop:
         return getattr(importlib.import_module(module), function)(cfg)
 
 
+WEIGHT_MEMORY = ("memory/policy_weight_bytes", "memory/adapter_bytes", "memory/optimizer_bytes", "memory/engine_weight_bytes")
 GRPO = Loop(
     name="grpo", cli="train", recipe="recipes/qa_grpo_tiny.yaml", entry="qarl.train:train",
     small=("trainer.steps=4", "trainer.batch_size=16", "trainer.num_generations=4", "warm_start.steps=30",
@@ -47,7 +48,7 @@ GRPO = Loop(
            "policy.quant_calib_size=16", "policy.generation.max_new_tokens=4"),
     steps=4,
     metrics=("reward/mean", "reward/std", "reward/frac_zero_std", "kl/ref", "entropy", "mismatch/kl",
-             "mismatch/max_abs_logprob_diff", "perf/rollout_tokens_per_s", "perf/step_s"),
+             "mismatch/max_abs_logprob_diff", "perf/rollout_tokens_per_s", "perf/step_s", *WEIGHT_MEMORY),
     checkpoints=("step_2", "step_4"),
 )
 QAD = Loop(
@@ -56,7 +57,7 @@ QAD = Loop(
            "warm_start.steps=30", "checkpoint.every=2", "eval.every=2", "eval.num_prompts=16", "task.num_train=200",
            "task.num_eval=16", "policy.quant_calib_size=16", "policy.generation.max_new_tokens=6"),
     steps=3,
-    metrics=("distill/kl", "mismatch/kl", "entropy", "grad_norm", "reward/mean", "perf/step_s"),
+    metrics=("distill/kl", "mismatch/kl", "entropy", "grad_norm", "reward/mean", "perf/step_s", *WEIGHT_MEMORY),
     checkpoints=("step_2", "step_3"),
 )
 LOOPS = [GRPO, QAD]

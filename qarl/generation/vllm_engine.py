@@ -404,11 +404,13 @@ class VLLMEngine:
         seed: int = 0,
         greedy: bool = False,
         ignore_eos: bool = False,
+        stop_token_ids: list[int] | None = None,
     ) -> list[Completion]:
         """Sample `num_samples` completions per prompt (prompt-major order), with per-token log-probs.
 
         Each sample gets its own seed (seed + index), so a run is reproducible sample by sample.
-        `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks). The log-probs
+        `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks); `stop_token_ids`: tokens
+        that end a sample beside EOS (a chat template's end of turn), kept as its last token. The log-probs
         are kept at the sampler (sampled_logprobs.py) where the model runner allows it, else asked of vLLM.
         """
         from vllm import SamplingParams
@@ -427,6 +429,7 @@ class VLLMEngine:
                     seed=seed + i,
                     detokenize=False,  # the loops use token ids; text would cost host time per token
                     ignore_eos=ignore_eos,
+                    stop_token_ids=stop_token_ids,
                 )
             )
             requests.append({"prompt_token_ids": list(prompt)})

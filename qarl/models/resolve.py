@@ -26,8 +26,12 @@ def resolve_model_dir(model_name: str) -> str:
     if model_name.startswith(EMBEDDED_PREFIX):
         from qarl.models.tiny import make_tiny_model
 
-        size = model_name[len(EMBEDDED_PREFIX):]
-        return str(make_tiny_model(cache_dir() / "embedded" / size, size=size))
+        name = model_name[len(EMBEDDED_PREFIX):]  # "<size>" or "<size>-<family>"
+        size, _, family = name.partition("-")
+        try:
+            return str(make_tiny_model(cache_dir() / "embedded" / name, size=size, family=family or "qwen2"))
+        except ValueError as e:
+            raise ConfigError(f"policy.model_name={model_name!r}: {e}") from None
     path = Path(model_name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

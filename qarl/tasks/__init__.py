@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from qarl.config import ConfigError, TaskConfig
 from qarl.tasks.arithmetic import ArithmeticTask, Problem
+from qarl.tasks.chat import PromptFormat, model_prompt_format, prompt_format, recipe_prompt_format
 from qarl.tasks.dataset import DatasetTask
 
 Task = ArithmeticTask | DatasetTask
@@ -21,4 +22,5 @@ def build_task(cfg: TaskConfig, seed: int) -> Task:
     raise ConfigError(f"unknown task {cfg.name!r}; choose 'arithmetic' (embedded) or 'dataset'")
 
 
-__all__ = ["ArithmeticTask", "DatasetTask", "Problem", "Task", "build_task"]
+__all__ = ["ArithmeticTask", "DatasetTask", "Problem", "PromptFormat", "Task", "build_task", "model_prompt_format",
+           "prompt_format", "recipe_prompt_format"]

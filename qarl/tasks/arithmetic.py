@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qarl.tasks.chat import PromptFormat
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class ArithmeticTask:
         self.train = ordered[:num_train]
         self.eval = ordered[num_train:]
 
-    def calibration_texts(self, n: int) -> list[str]:
-        """Prompts with their answers: the activations the policy sees in training."""
-        return [p.prompt + p.answer for p in self.train[:n]]
+    def calibration_texts(self, n: int, prompts: PromptFormat | None = None) -> list[str]:
+        """Prompts with their answers, as `prompts` formats them (raw without): what the policy sees in training."""
+        if prompts is None:
+            return [p.prompt + p.answer for p in self.train[:n]]
+        return [prompts.answered_text(p.prompt, p.answer) for p in self.train[:n]]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qarl.config import ConfigError, TaskConfig
 from qarl.tasks.arithmetic import Problem
+
+if TYPE_CHECKING:
+    from qarl.tasks.chat import PromptFormat
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -43,5 +47,6 @@ class DatasetTask:
         self.train = load_problems(cfg.train_data, cfg.prompt_column, cfg.answer_column)
         self.eval = load_problems(cfg.eval_data, cfg.prompt_column, cfg.answer_column)
 
-    def calibration_texts(self, n: int) -> list[str]:
-        return [p.prompt for p in self.train[:n]]
+    def calibration_texts(self, n: int, prompts: PromptFormat | None = None) -> list[str]:
+        """The training prompts, as `prompts` formats them (raw without)."""
+        return [prompts.text(p.prompt) if prompts is not None else p.prompt for p in self.train[:n]]

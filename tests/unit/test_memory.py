@@ -69,3 +69,28 @@ def test_bad_memory_settings_are_refused_as_the_recipe_loads():
         PolicyConfig(gradient_checkpointing="sometimes")
     with pytest.raises(ConfigError, match="logprob_chunk_tokens"):
         PolicyConfig(logprob_chunk_tokens=-1)
+
+
+def test_weight_memory_counts_each_side_once_per_storage(task, tiny_dir):
+    """The measured per-side figures of every metrics row: the policy's weights (adapters apart), the optimizer's fp32
+    masters and AdamW moments, and a view into a tensor already counted adds nothing."""
+    import torch
+
+    from qarl.metrics import storage_bytes, weight_memory
+    from qarl.optim import PolicyOptimizer
+    from tests.conftest import tiny_policy
+
+    base = torch.zeros(10, 4)
+    assert storage_bytes([base, base[2:5], base.view(40)]) == 160 and storage_bytes([]) == 0
+    policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", trainable=True, dtype="bfloat16")
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    params = sum(p.numel() for p in policy.model.parameters())
+    before = weight_memory(policy.model, optimizer, None)
+    assert before["memory/policy_weight_bytes"] >= 2 * params  # bf16 compute weights (and the quantizers' buffers)
+    assert before["memory/optimizer_bytes"] == 4 * params  # the fp32 masters; no moments before the first step
+    assert before["memory/adapter_bytes"] == 0 and before["memory/engine_weight_bytes"] == 0
+    optimizer.backward(policy.model(torch.tensor([[5, 6, 7]])).logits.float().sum())
+    optimizer.step()
+    after = weight_memory(policy.model, optimizer, policy.model)  # any module stands for the engine's
+    assert after["memory/optimizer_bytes"] >= 3 * 4 * params  # + AdamW's two fp32 moments
+    assert after["memory/engine_weight_bytes"] >= 2 * params

@@ -13,6 +13,8 @@ def test_builtin_verifiers():
     assert resolve_reward("format")(["82", "-3", "8 2", ""], [""] * 4) == [1.0, 1.0, 0.0, 0.0]
     boxed = resolve_reward("boxed_math")
     assert boxed(["so \\boxed{1,000}.", "\\boxed{\\frac{1}{2}}", "\\boxed{3} then \\boxed{4}", "4"], ["1000", "\\frac{1}{2}", "4", "4"]) == [1.0, 1.0, 1.0, 0.0]
+    # a MATH-style reference is the whole solution: its last \boxed{} is the answer
+    assert boxed(["\\boxed{68}", "\\boxed{67}"], ["$23 + 45 = \\boxed{68}$"] * 2) == [1.0, 0.0]
     gsm = resolve_reward("gsm8k")
     assert gsm(["... #### 72", "#### 7.0", "72"], ["She sold 72 clips.\n#### 72", "7", "72"]) == [1.0, 1.0, 0.0]
 

