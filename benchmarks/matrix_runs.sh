@@ -25,8 +25,8 @@ for seed in 0 1 2; do
   run "grpo_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed policy.quant_cfg=none
   run "qagrpo_w4a16_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed
   run "qagrpo_w4a4_s$seed" train recipes/qa_grpo_tiny.yaml run.seed=$seed policy.quant_cfg=$W4A4
-  # QAD from the same base as the GRPO runs (qa_grpo_tiny's 90-step warm start), which is also its teacher
-  run "qad_w4a4_s$seed" distill recipes/qa_distillation_tiny.yaml run.seed=$seed warm_start.steps=90
+  # QAD from the same base as the GRPO runs (qa_grpo_tiny's 46-step warm start), which is also its teacher
+  run "qad_w4a4_s$seed" distill recipes/qa_distillation_tiny.yaml run.seed=$seed warm_start.steps=46
 done
 # The W4A4 study: what helps QA-GRPO at NVFP4 W4A4 (seed 0; compare with qagrpo_w4a4_s0 and qagrpo_w4a16_s0)
 run w4a4_lr3e-5 train recipes/qa_grpo_tiny.yaml policy.quant_cfg=$W4A4 trainer.lr=3.0e-5

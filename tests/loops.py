@@ -65,8 +65,9 @@ EVAL_EVERY = 2  # eval.every in both `small`s
 
 
 def deterministic(rows: list[dict]) -> list[dict]:
-    """Metrics rows without the timings (perf/*): what a resumed run must reproduce exactly."""
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    """Metrics rows without the timings (perf/*) and the memory figures (memory/*: measurements of the process, such
+    as how a loaded checkpoint's small buffers share storage): what a resumed run must reproduce exactly."""
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "memory/"))} for r in rows]
 
 
 def kill_after_first_checkpoint(cmd: list[str], run_dir: Path) -> None:

@@ -27,7 +27,7 @@ def models(tmp_path_factory, tiny_dir):
     """A warm-started base (qa_grpo_tiny's, cached), a checkpoint of its very weights trained-format
     NVFP4 W4A16 (calibrated amax), and a perturbed copy of it as a Hugging Face directory."""
     task = ArithmeticTask(num_train=2000, num_eval=1000, seed=0)
-    base = warm_start(tiny_dir, task.train, WarmStartConfig(steps=90, lr=3.0e-3), 0, cache_dir(), TaskConfig())
+    base = warm_start(tiny_dir, task.train, WarmStartConfig(steps=46, lr=3.0e-3), 0, cache_dir(), TaskConfig())
     root = tmp_path_factory.mktemp("matrix_models")
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig)
     policy = build_policy(cfg.policy, task.calibration_texts(64), model_dir=base)
