@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "mistral", "gemma3", "phi3"]
-
-
 def main() -> None:
     from qarl.config import RecipeConfig, load_recipe
+    from qarl.models.tiny import FAMILIES
     from qarl.parity import run_parity
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -81,6 +81,7 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         checkpoint = resolve_checkpoint(path)
         quantized = load_policy_checkpoint(checkpoint, cfg.policy)
         plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
+        prompts = prompt_format(plain.tokenizer, cfg.task)
         fmt = checkpoint_format(checkpoint)
         model_dir = str(checkpoint_model_dir(checkpoint))
     else:
@@ -89,9 +90,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         fmt = resolve_format(cfg.policy.quant_cfg)
         plain = build_policy(cfg.policy, [], model_dir=str(path) if path.is_dir() else None, fmt=None)
         model_dir = plain.model_dir
-        calibration = task.calibration_texts(cfg.policy.quant_calib_size, prompt_format(plain.tokenizer, cfg.task))
-        quantized = build_policy(cfg.policy, calibration, model_dir=model_dir)
-    prompts = prompt_format(plain.tokenizer, cfg.task)
+        prompts = prompt_format(plain.tokenizer, cfg.task)
+        quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
+                                 model_dir=model_dir)
     qlora = getattr(plain.lora, "mode", "none") == "qlora"  # a checkpoint's own adapters, whatever the recipe says
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt, qlora=qlora)
     results = {}

@@ -148,11 +148,12 @@ def weight_memory(model: Any, optimizer: Any, engine_model: Any) -> dict[str, fl
     cache's quantized copies, adapters excluded), its adapters, the optimizer's (master weights when they are not
     the parameters, AdamW's moments) and the rollout engine's weights. A tensor both sides share (one copy of the
     rollout weights) counts on both; `perf/refit_shared_bytes` says how much is shared."""
+    from qarl.lora import ADAPTER_PARAMS
     from qarl.quant.fastpath.weight_cache import cached_weights
 
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    adapters = [t for n, t in named if "lora_" in n]
-    weights = [t for n, t in named if "lora_" not in n] + list(cached_weights(model))
+    named = [(n.rpartition(".")[2] in ADAPTER_PARAMS, t) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    adapters = [t for adapter, t in named if adapter]
+    weights = [t for adapter, t in named if not adapter] + list(cached_weights(model))
     state = [v for s in optimizer.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     masters = [] if optimizer.masters is optimizer.params else optimizer.masters
     engine = list(engine_model.parameters()) + list(engine_model.buffers()) if engine_model is not None else []

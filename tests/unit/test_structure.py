@@ -8,6 +8,7 @@ import importlib
 import io
 import re
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,30 +111,33 @@ def test_private_names_live_only_in_their_fence(fence):
     assert not offenders, f"{FENCES[fence]} internals outside {fence}: {offenders}"
 
 
+def imports_outside(fence: str) -> Iterator[tuple[str, ast.Import | ast.ImportFrom]]:
+    """(where, import statement) for every import in qarl's modules but the fence module."""
+    for name, path in modules().items():
+        if name != fence:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    yield f"{path.relative_to(ROOT)}:{node.lineno}", node
+
+
 def test_vllm_is_reached_only_through_its_public_api_outside_the_fence():
     offenders = []
-    for name, path in modules().items():
-        if name == "qarl.generation.vllm_compat":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
-                if node.module != "vllm" or any(a.name not in ("LLM", "SamplingParams") for a in node.names):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import ...")
-            elif isinstance(node, ast.Import) and any(a.name.startswith("vllm.") for a in node.names):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} import {node.names[0].name}")
+    for where, node in imports_outside("qarl.generation.vllm_compat"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            if node.module != "vllm" or any(a.name not in ("LLM", "SamplingParams") for a in node.names):
+                offenders.append(f"{where} from {node.module} import ...")
+        elif isinstance(node, ast.Import) and any(a.name.startswith("vllm.") for a in node.names):
+            offenders.append(f"{where} import {node.names[0].name}")
     assert not offenders, offenders
 
 
 def test_modelopt_private_names_are_imported_only_in_the_fence():
     offenders = []
-    for name, path in modules().items():
-        if name == "qarl.quant.modelopt_compat":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modelopt":
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                if private or any(part.startswith("_") for part in node.module.split(".")):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {private}")
+    for where, node in imports_outside("qarl.quant.modelopt_compat"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modelopt":
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if private or any(part.startswith("_") for part in node.module.split(".")):
+                offenders.append(f"{where} {node.module} {private}")
     assert not offenders, offenders
 
 

@@ -292,17 +292,16 @@ def invalidate(model: nn.Module) -> None:
         module.__dict__.pop(DERIVED, None)
 
 
+def cached_weights(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The quantized copies the weight cache keeps beside their parameters now (memory the policy holds)."""
+    for q in single_quantizers(model):
+        if isinstance(q, WeightCacheMixin) and q._qarl_value is not None:
+            yield q._qarl_value
+
+
 def cache_bytes(model: nn.Module) -> int:
     """Memory the cached quantized weights hold now."""
-    return sum(q._qarl_value.numel() * q._qarl_value.element_size() for q in single_quantizers(model)
-               if isinstance(q, WeightCacheMixin) and q._qarl_value is not None)
-
-
-def cached_weights(model: nn.Module) -> Iterator[torch.Tensor]:
-    """The quantized copies the weight cache keeps beside their parameters (memory the policy holds)."""
-    for m in model.modules():
-        if isinstance(m, WeightCacheMixin) and m._qarl_value is not None:
-            yield m._qarl_value
+    return sum(v.numel() * v.element_size() for v in cached_weights(model))
 
 
 def weight_holders(model: nn.Module) -> dict[int, WeightCacheMixin]:
