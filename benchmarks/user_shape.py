@@ -2,6 +2,7 @@
 model samples ids the tokenizer decodes to ''; fine for memory and speed).
 
     python benchmarks/user_shape.py make DIR --shape qwen3-1.7b     # 28 x 2048, vocabulary 151,936 (bf16, on a GPU)
+    python benchmarks/user_shape.py make DIR --shape qwen3-8b       # 36 x 4096, vocabulary 151,936, untied head
     python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
     python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
 
@@ -22,6 +23,9 @@ SHAPES = {
     # Qwen3-1.7B's layers: 28 x hidden 2048, MLP 6144, 16 / 8 heads of 128, q/k norms, tied embeddings
     "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    # Qwen3-8B's layers: 36 x hidden 4096, MLP 12288, 32 / 8 heads of 128, q/k norms, an untied head
+    "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     # a user's directory small enough for the CPU machine, with the real vocabulary
     "qwen2-2l-151k": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2),
@@ -52,7 +56,8 @@ def make(out: Path, shape: str) -> Path:
     family = spec.pop("family")
     config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     tokenizer = build_tokenizer()
-    config = config_class(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=40_960, rope_theta=1e6,
+    spec.setdefault("tie_word_embeddings", True)
+    config = config_class(vocab_size=VOCAB, max_position_embeddings=40_960, rope_theta=1e6,
                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id, **spec)
     torch.manual_seed(0)

@@ -87,6 +87,10 @@ class LoraConfig:
     # quantized projections (policy and engine see the same noise). 0 = off.
     noise_start: float = 0.0
     noise_end: float = 5e-4
+    # qlora: keep the frozen base as its codes (NVFP4: 0.56 bytes a parameter, FP8: 1), decoded per layer in the
+    # forward and the backward, the same bits as the quantized weight (qarl/quant/packed.py). false: the base in
+    # the compute dtype (needed only to change or unquantize frozen weights in a script).
+    pack_base: bool = True
 
 
 @dataclass

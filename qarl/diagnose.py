@@ -12,11 +12,12 @@ Writes diagnose.json, diagnose.md and diagnose.png to --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qarl.config import ConfigError, RecipeConfig
+from qarl.config import ConfigError, LoraConfig, RecipeConfig
 
 if TYPE_CHECKING:  # torch loads in the functions: a bad path is answered before it
     import torch
@@ -68,9 +69,10 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
     from qarl.quant import resolve_format
     from qarl.quant.quantize import quantized_linears
 
-    plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
+    settings = dataclasses.replace(cfg.policy, lora=LoraConfig())  # the weights' own errors: no adapters
+    plain = build_policy(settings, [], model_dir=model_dir, fmt=None)
     batches = list(calibration_batches(calibration, plain.tokenizer, cfg.policy, plain.device))
-    quantized = {key: build_policy(cfg.policy, calibration, model_dir=model_dir, fmt=resolve_format(spec))
+    quantized = {key: build_policy(settings, calibration, model_dir=model_dir, fmt=resolve_format(spec))
                  for key, spec in FORMATS.items()}
     layers = {key: {n: m for n, m in quantized_linears(p.model) if m.weight_quantizer.is_enabled}
               for key, p in quantized.items()}

@@ -93,8 +93,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         prompts = prompt_format(plain.tokenizer, cfg.task)
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
                                  model_dir=model_dir)
-    qlora = getattr(plain.lora, "mode", "none") == "qlora"  # a checkpoint's own adapters, whatever the recipe says
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt, qlora=qlora)
+    rank = plain.lora.rank if getattr(plain.lora, "mode", "none") == "qlora" else 0  # a checkpoint's own adapters
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
+                        adapter_rank=rank)
     results = {}
     if fmt is not None:
         engine.refit(quantized.model)

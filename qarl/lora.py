@@ -35,6 +35,7 @@ from torch import nn
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.quant.fastpath.lean_forward import quantized_linear
 from qarl.quant.mixins import with_mixin, without_mixin
+from qarl.quant import pack_frozen_weights
 from qarl.seeds import derived_seed
 
 MODES = ("none", "qlora", "merged")
@@ -159,6 +160,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype) -> list[st
         module.lora_enabled = True
         names.append(name)
     return names
+
+
+def pack_base(model: nn.Module, cfg: LoraConfig) -> None:
+    """qlora with `cfg.pack_base`: the calibrated frozen base kept as its low-precision codes (qarl/quant/packed.py)."""
+    if cfg.mode == "qlora" and cfg.pack_base:
+        print(f"qlora base: {pack_frozen_weights(model).summary()}")
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLayer]]:

@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from qarl.config import ConfigError, RecipeConfig
 from qarl.generation import sleeps_between_rollouts
 from qarl.models.checks import load_pretrained, parameter_count
+from qarl.quant.formats import QuantFormat, resolve_format
 
 GiB = 2**30
 CHECKPOINTING = ("off", "on", "auto")
@@ -43,6 +44,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     attention_width: int  # q + k + v output features of one layer
+    query_width: int  # q's output features (the attention output projection's input)
 
     @classmethod
     def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ModelShape":
@@ -52,7 +54,13 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(params=parameter_count(model_dir, trust_remote_code), layers=config.num_hidden_layers,
                    hidden=config.hidden_size, intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-                   vocab=config.vocab_size, attention_width=(heads + 2 * kv_heads) * head_dim)
+                   vocab=config.vocab_size, attention_width=(heads + 2 * kv_heads) * head_dim,
+                   query_width=heads * head_dim)
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder's linear weights (q, k, v, o, gate, up, down): what a quantization format quantizes."""
+        return self.layers * self.hidden * (self.attention_width + self.query_width + 3 * self.intermediate)
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the
@@ -65,6 +73,18 @@ def _bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
+def weight_bytes(shape: ModelShape, dtype: str, packed_format: QuantFormat | None = None) -> int:
+    """A model's weights in `dtype`; its decoder's linear weights as their codes where they are packed under
+    `packed_format` (a frozen quantized model: qarl/quant/packed.py)."""
+    from qarl.quant.packed import packed_bytes_per_weight
+
+    full = shape.params * _bytes(dtype)
+    per_weight = packed_bytes_per_weight(packed_format) if packed_format is not None else None
+    if per_weight is None:
+        return full
+    return full - shape.linear_params * _bytes(dtype) + int(shape.linear_params * per_weight)
+
+
 @dataclass(frozen=True)
 class FrozenModel:
     """The loop's frozen model beside the policy: GRPO's KL reference, QAD's teacher (its logits are chunked with
@@ -73,6 +93,7 @@ class FrozenModel:
     name: str
     shape: ModelShape
     dtype: str
+    packed_format: QuantFormat | None = None  # its quantized weights are packed (`weight_bytes`)
 
 
 @dataclass
@@ -127,8 +148,9 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
         tokens = max(t.max_tokens_per_micro_batch, row)
     else:
         tokens = (micro_batch_size or t.micro_batch_size) * row
-    if p.lora.mode != "none":  # a frozen base; the adapters are small
-        resident = {"weights": shape.params * compute}
+    if p.lora.mode != "none":  # a frozen base (packed in qlora); the adapters are small
+        packed = resolve_format(p.quant_cfg) if p.lora.mode == "qlora" and p.lora.pack_base else None
+        resident = {"weights": weight_bytes(shape, p.dtype, packed)}
         gradients, step = 0, 0
     else:
         resident = {"weights": shape.params * compute}
@@ -138,7 +160,7 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
         gradients = shape.params * compute
         step = 2 * shape.params * master - gradients  # master-dtype gradients and one temporary, beyond `gradients`
     if frozen is not None:
-        resident[frozen.name] = frozen.shape.params * _bytes(frozen.dtype)
+        resident[frozen.name] = weight_bytes(frozen.shape, frozen.dtype, frozen.packed_format)
     layer = shape.layer_activation_bytes(compute)
     if checkpointing:  # each layer's input kept, one layer's activations at a time in the backward
         activations = tokens * (shape.layers * shape.hidden * compute + layer)

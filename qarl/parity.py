@@ -89,8 +89,8 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
         plain = lora_policy(cfg, calib, model_dir, None, mode)
         rows += [(f"{fmt.name}+{mode}", fmt, lora_policy(cfg, calib, model_dir, fmt, mode), plain) for fmt in formats]
 
-    qlora = "qlora" in modes or cfg.policy.lora.mode == "qlora"
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, qlora=qlora,
+    rank = cfg.policy.lora.rank if "qlora" in modes or cfg.policy.lora.mode == "qlora" else 0
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, adapter_rank=rank,
                         exact=cfg.policy.exact_forward)
     results: dict[str, dict[str, dict]] = {}
     floor, held = None, None

@@ -24,9 +24,9 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 
 from qarl.calibration import calibration_batches, load_calibration_texts
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
-from qarl.lora import AdapterDisabled, QuantNoise, save_adapter, write_lora_manifest
+from qarl.lora import AdapterDisabled, QuantNoise, pack_base, save_adapter, write_lora_manifest
 from qarl.models.resolve import resolve_model_dir
-from qarl.quant import QuantFormat, load_quantizer_state, quantizer_state, resolve_format
+from qarl.quant import QuantFormat, load_quantizer_state, pack_frozen_weights, quantizer_state, resolve_format
 from qarl.quant.formats import format_to_yaml
 from qarl.quant.rollout_view import RolloutView
 
@@ -79,10 +79,12 @@ class Policy:
 
     def kl_reference(self, fresh_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         """The frozen model the KL term compares with: a LoRA policy's own base (adapters off, no copy);
-        otherwise `fresh_model()`, the step-0 policy, frozen."""
+        otherwise `fresh_model()`, the step-0 policy, frozen, its quantized weights kept as their codes."""
         if self.lora is not None:
             return AdapterDisabled(self.model)
-        return fresh_model().eval().requires_grad_(False)
+        model = fresh_model().eval().requires_grad_(False)
+        pack_frozen_weights(model)
+        return model
 
     def start_noise(self, total_steps: int, seed: int) -> None:
         """Turn on LoRA's adaptive quantization noise if the config asks for it (before the first refit)."""
@@ -127,8 +129,11 @@ class Policy:
             (out_dir / "quant_format.yaml").write_text(format_to_yaml(self.format))
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        """The amax `save` wrote, into a policy built with the same format and left uncalibrated."""
+        """The amax `save` wrote, into a policy built with the same format and left uncalibrated (a qlora base
+        is packed once it has its amax)."""
         load_quantizer_state(self.model, state)
+        if self.lora is not None:
+            pack_base(self.model, self.lora)
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""

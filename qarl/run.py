@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
-from qarl.generation import Completion, RefitTiming, VLLMEngine, runs_eager, sleeps_between_rollouts
+from qarl.generation import (Completion, RefitTiming, VLLMEngine, adapter_hooks, engine_adapter_rank, runs_eager,
+                             sleeps_between_rollouts)
 from qarl.lora import check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
@@ -93,8 +94,8 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
-    runs_eager(cfg.policy.generation, qlora=cfg.policy.lora.mode == "qlora")
-    input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
+    plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
+    runs_eager(cfg.policy.generation, adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
 
@@ -167,7 +168,7 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      qlora=cfg.policy.lora.mode == "qlora", exact=cfg.policy.exact_forward)
+                      adapter_rank=engine_adapter_rank(cfg.policy), exact=cfg.policy.exact_forward)
 
 
 # -- a step's prompts and rollout ----------------------------------------------------------------------

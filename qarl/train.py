@@ -19,6 +19,7 @@ from qarl.config import RecipeConfig
 from qarl.evaluate import evaluate
 from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
 from qarl.memory import FrozenModel, ModelShape
+from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
@@ -43,10 +44,11 @@ def kl_reference(cfg: RecipeConfig, policy: Policy, task: Task) -> torch.nn.Modu
 
 
 def reference_memory(cfg: RecipeConfig, shape: ModelShape) -> FrozenModel | None:
-    """The KL reference in the memory plan: a second model of the policy's shape (a LoRA policy's is its own base)."""
+    """The KL reference in the memory plan: a second model of the policy's shape, its quantized weights packed (a
+    LoRA policy's is its own base)."""
     if cfg.trainer.beta <= 0 or cfg.policy.lora.mode != "none":
         return None
-    return FrozenModel("reference", shape, cfg.policy.dtype)
+    return FrozenModel("reference", shape, cfg.policy.dtype, resolve_format(cfg.policy.quant_cfg))
 
 
 class GRPOSteps:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from qarl.calibration import calibration_batches
 from qarl.config import ConfigError, PolicyConfig
-from qarl.lora import apply_lora
+from qarl.lora import apply_lora, pack_base
 from qarl.models.resolve import default_device
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
@@ -53,6 +53,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     if cfg.lora.mode != "none":  # a frozen base: no master copy; the adapters are the masters
         apply_lora(model, cfg.lora, dtype=getattr(torch, cfg.master_dtype))
         lora = cfg.lora
+        if fmt is not None and texts is not None:  # calibrated (else packed once `load_quantizer_state` sets amax)
+            pack_base(model, cfg.lora)
     if cfg.exact_forward:
         from qarl.backends.exact_forward import enable_exact_forward
 

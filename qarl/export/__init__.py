@@ -5,7 +5,7 @@
     report = verify_export("out/x-nvfp4")
 
 The exported weights decode bit for bit to the weights the policy trained and rolled out with: see
-qarl/export/encode.py for the contract and export/README.md for measurements.
+qarl/quant/codes.py for the contract and export/README.md for measurements.
 """
 
 from importlib import import_module

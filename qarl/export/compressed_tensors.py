@@ -14,7 +14,7 @@ Per quantized linear `L` (as compressed-tensors 0.17's compressors name and shap
 The NVFP4 global scale is where this format cannot always hold the training kernel's numbers: the
 kernel multiplies by g = amax * fl(1/2688), the format divides by weight_global_scale, and in general
 no fp32 divisor G gives fl(e / G) == fl(e * g) for every E4M3 block scale e. We store the G near 1/g
-that reproduces the most of the layer's weights (`encode.best_divisor`) and report the rest as
+that reproduces the most of the layer's weights (`codes.best_divisor`) and report the rest as
 `differing` in the summary. Each is off by one or two fp32 ulps: the block scale is one ulp off, times
 an E2M1 value. The E2M1 codes and E4M3 block scales are exact.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qarl.export.encode import FP8Weight, best_divisor, fp8_kernel_scale, kernel_global_scale
+from qarl.quant.codes import FP8Weight, best_divisor, fp8_kernel_scale, kernel_global_scale
 
 PRESET = {"nvfp4_w4a16": "NVFP4A16", "nvfp4_w4a4": "NVFP4", "fp8_w8a8": "FP8"}
 FORMAT = {"nvfp4_w4a16": "nvfp4-pack-quantized", "nvfp4_w4a4": "nvfp4-pack-quantized", "fp8_w8a8": "float-quantized"}

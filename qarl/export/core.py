@@ -4,7 +4,7 @@
 
 Order of work: everything that can be wrong with the input (target file, checkpoint, quantizer state,
 trained format vs target) is checked before the model is loaded. Then each quantized linear layer is
-encoded from the policy's own fake-quantized weight with the kernel's scales (`qarl.export.encode`:
+encoded from the policy's own fake-quantized weight with the kernel's scales (`qarl.quant.codes`:
 never rounded again, checked bit for bit), the on-disk format module names and lays out the tensors,
 and everything else (embeddings, norms, biases, excluded layers) is written in its training dtype.
 The directory is assembled under a temporary name and renamed into place when complete.
@@ -25,9 +25,11 @@ import torch
 from safetensors.torch import save_file
 
 from qarl.config import ConfigError, PolicyConfig
-from qarl.export.encode import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
-from qarl.export.targets import ExportTarget, check_target_matches, load_target, quantizer_settings
+from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.quant import FUSED_SIBLINGS
+from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
+from qarl.quant.formats import quantizer_settings
+from qarl.quant.packed import stored_codes
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
@@ -171,9 +173,12 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
             if input_quantizer.amax is None:
                 raise ConfigError(f"{name}.input_quantizer has no amax: the quantizer state was not loaded")
             input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
-        w_q = module.weight_quantizer(module.weight).detach()
-        if weight_kind == "nvfp4":
-            weight = encode_nvfp4(w_q, module.weight, amax, name)
+        w_q = module.weight_quantizer(module.weight).detach().cpu()
+        weight = stored_codes(module.weight_quantizer)  # a packed frozen weight is stored already
+        if weight is not None:
+            weight = weight.to("cpu")
+        elif weight_kind == "nvfp4":
+            weight = encode_nvfp4(w_q, module.weight.detach().cpu(), amax.cpu(), name)
         else:
             weight = encode_fp8(w_q, amax, name)
         yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())

@@ -16,7 +16,7 @@ one ulp off for some amax), FP8 weight_scale is the kernel's inv_scale = 1 / (44
 kernel rounds it (ModelOpt writes amax / 448), and the E2M1 codes are the ones the kernel chose, ties
 included (ModelOpt's exporter re-rounds with an exact division and ties to even; the kernel multiplies
 by the GPU's approximate reciprocal, see qarl/quant/kernels/nvfp4_cpu.py).
-See qarl/export/encode.py.
+See qarl/quant/codes.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from qarl.export.encode import FP8Weight, fp8_kernel_scale, kernel_global_scale
+from qarl.quant.codes import FP8Weight, fp8_kernel_scale, kernel_global_scale
 
 QUANT_ALGO = {"nvfp4_w4a16": "W4A16_NVFP4", "nvfp4_w4a4": "NVFP4", "fp8_w8a8": "FP8"}
 

@@ -15,7 +15,6 @@ trained with ModelOpt's built-in `W4A16_NVFP4_CFG` exports with the `nvfp4_a16` 
 
 from __future__ import annotations
 
-import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +22,12 @@ from typing import Any
 
 from qarl.config import REPO_ROOT, ConfigError
 from qarl.quant import QuantFormat, resolve_format
+from qarl.quant.formats import quantizer_settings
 
 DISK_FORMATS = ("modelopt_hf", "compressed_tensors")
 TARGET_DIR = REPO_ROOT / "export"
 _SETTINGS = {"max_shard_size": "5GB"}
 # Quantizer fields that decide the numbers on disk; the rest (effective_bits, calibrator, ...) do not.
-_NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes")
 
 
 @dataclass(frozen=True)
@@ -106,44 +105,6 @@ def parse_size(size: str | int) -> int:
     if text.isdigit():
         return int(text)
     raise ConfigError(f"max_shard_size {size!r}: expected a size like 5GB, 500MB or a byte count")
-
-
-def _probe(fmt: QuantFormat, quantizer: str) -> dict[str, Any] | None:
-    """The settings `fmt` gives the named quantizer of a plain decoder nn.Linear (None = disabled).
-
-    Follows ModelOpt's list semantics: entries apply in order; a `cfg` entry sets and enables, an
-    `enable`-only entry toggles; entries scoped to another `parent_class` do not apply.
-    """
-    name = f"model.layers.0.mlp.down_proj.{quantizer}"
-    cfg, enabled = None, False
-    for entry in fmt.quant_cfg:
-        parent = entry.get("parent_class")
-        if parent not in (None, "nn.Linear") or not fnmatch.fnmatch(name, entry["quantizer_name"]):
-            continue
-        if entry.get("cfg") is not None:
-            cfg, enabled = entry["cfg"], entry.get("enable", True) is not False
-        elif "enable" in entry:
-            enabled = bool(entry["enable"])
-    if not enabled or cfg is None:
-        return None
-    cfg = cfg if isinstance(cfg, dict) else dict(cfg)
-    return {k: _plain(cfg.get(k)) for k in _NUMERIC_FIELDS if cfg.get(k) is not None}
-
-
-def _plain(value: Any) -> Any:
-    """JSON-comparable: tuples -> lists, dict keys -> str (ModelOpt mixes int and str keys)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
-    """{'weight': settings or None, 'input': settings or None} of a linear layer under `fmt`."""
-    if fmt is None:
-        return {"weight": None, "input": None}
-    return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}
 
 
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:

@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.export.core import ADAPTER_DIR, MANIFEST, format_module, master_tensors
-from qarl.export.encode import same_bits
+from qarl.quant.codes import same_bits
+from qarl.quant.packed import unpack_frozen_weights
 from qarl.quant import FUSED_SIBLINGS
 
 PROMPTS = ["12+34=46", "57+68=125", "The quick brown fox jumps over the lazy dog.",
@@ -174,6 +175,7 @@ def _decoded_copy(model: torch.nn.Module, tensors, config, fmt_module) -> torch.
     """A copy of `model` holding the export's decoded weights, weight quantizers off (input quantizers
     on): how the rollout engine runs. A LoRA model keeps its adapters (they are not in the base files)."""
     model = copy.deepcopy(model)
+    unpack_frozen_weights(model)  # a packed qlora base: real weights to write into
     stored = fmt_module.read_weights(tensors, config)
     state = model.state_dict()
     for name, module in _quantized_modules(model).items():

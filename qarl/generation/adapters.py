@@ -14,6 +14,7 @@ copy instead of an adapter load from disk. It needs unsharded layers (tensor_par
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,19 @@ class _Slot:
 
 
 class EngineAdapters:
-    """`load(adapters, policy_modules)` -> bytes copied; the hooks add the adapters to the engine's forward."""
+    """`load(adapters, policy_modules)` -> bytes copied; the hooks add the adapters to the engine's forward. The
+    rest of the interface `VLLMAdapters` (qarl/generation/vllm_lora.py) has, for the engine: nothing to do."""
+
+    request = None  # generate calls name no vLLM adapter
+
+    def unwrapped(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def ensure_active(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def __init__(self, engine_model: nn.Module):
         self.model = engine_model

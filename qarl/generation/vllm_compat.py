@@ -21,10 +21,11 @@ when called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -60,6 +61,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "logprobs_tensors", "logprob_token_ids", "idx_mapping_np", "num_sampled", "_qarl_recorder", "_qarl_runner",
     # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
     "CPUFp8PerTensorScaledMMLinearKernel",
+    # vLLM's LoRA (qarl/generation/vllm_lora.py)
+    "vllm.lora", "LoRARequest", "MaxLoRARanks", ".lora_manager", "_adapter_manager", "lora_index_to_id",
+    "lora_a_stacked", "lora_b_stacked", "base_layer", ".pin_lora", ".add_lora",
 })
 
 _checked_version: str | None = None
@@ -193,6 +197,80 @@ def packed_modules(model: nn.Module) -> dict[str, list[str]]:
     (`model.packed_modules_mapping`, e.g. qkv_proj: [q_proj, k_proj, v_proj]; {} if it has none). Checked: 0.32.0
     (CPU), 0.26.0 (GPU)."""
     return getattr(model, "packed_modules_mapping", {})
+
+
+# -- vLLM's LoRA (qarl/generation/vllm_lora.py) ------------------------------------------------------------
+def lora_ranks() -> tuple[int, ...]:
+    """The values `max_lora_rank` takes (`vllm.config.lora.MaxLoRARanks`). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(typing.get_args(MaxLoRARanks)))
+
+
+def lora_request(name: str, lora_id: int, path: str) -> Any:
+    """The request that names the adapter a generate call runs with (`vllm.lora.request.LoRARequest`). Checked:
+    0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, path)
+
+
+def add_pinned_lora(llm: Any, request: Any) -> None:
+    """Load the PEFT adapter of `request` from its directory into a slot and pin it there, so that vLLM's LRU
+    never evicts it (`llm.llm_engine.add_lora`, `pin_lora`). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    if not (llm.llm_engine.add_lora(request) and llm.llm_engine.pin_lora(request.lora_int_id)):
+        raise RuntimeError(f"vLLM did not load and pin the LoRA adapter {request.lora_name} from {request.lora_path}")
+
+
+def _lora_manager(worker: Any) -> Any:
+    return worker.model_runner.lora_manager._adapter_manager
+
+
+def lora_slot(worker: Any, lora_id: int) -> int | None:
+    """The slot adapter `lora_id` occupies in the worker's LoRA layers, None where it occupies none (vLLM clears
+    every slot after its dummy runs) (`model_runner.lora_manager._adapter_manager.lora_index_to_id`). Checked:
+    0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    slots = _lora_manager(worker).lora_index_to_id
+    return slots.index(lora_id) if lora_id in slots else None
+
+
+def lora_layers(worker: Any) -> dict[str, nn.Module]:
+    """{vLLM layer name: its LoRA layer} (`_adapter_manager.modules`): vLLM's fused names (qkv_proj, gate_up_proj).
+    Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    return dict(_lora_manager(worker).modules)
+
+
+def lora_buffers(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """A LoRA layer's stacked weights, one tensor per fused part in vLLM's order (q, k, v; gate, up): A as
+    [slots, 1, max rank, in], B as [slots, 1, part's out, max rank], in the LoRA dtype, B holding B * alpha / r
+    (`lora_a_stacked`, `lora_b_stacked`). Its kernels read them by address: write them in place only. Checked: 0.32.0
+    (CPU), 0.26.0 (GPU)."""
+    return tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
+
+
+@contextlib.contextmanager
+def lora_unwrapped(model: nn.Module, layers: dict[str, nn.Module]) -> Iterator[None]:
+    """Inside the block, each LoRA layer (`layers`, by name) is replaced in the model by the layer it wraps
+    (`base_layer`), so that `model.load_weights` finds the base weights under their usual names. Checked: 0.32.0
+    (CPU), 0.26.0 (GPU)."""
+    swapped = []
+    for name, layer in layers.items():
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, layer.base_layer)
+        swapped.append((owner, leaf, layer))
+    try:
+        yield
+    finally:
+        for owner, leaf, layer in swapped:
+            setattr(owner, leaf, layer)
 
 
 # -- the exact forward's kernels (qarl/generation/exact.py) -------------------------------------------------

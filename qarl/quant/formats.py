@@ -8,6 +8,7 @@ sides can be compared as resolved configs, not as spellings.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,3 +182,45 @@ def format_from_yaml(text: str) -> QuantFormat:
     record = yaml.safe_load(text)
     cfg = QuantizeConfig.model_validate(record["modelopt_cfg"]).model_dump(exclude_unset=True)
     return QuantFormat(name=record["name"], source=record["source"], modelopt_cfg=cfg)
+
+
+_NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes")
+
+
+def _probe(fmt: QuantFormat, quantizer: str) -> dict[str, Any] | None:
+    """The settings `fmt` gives the named quantizer of a plain decoder nn.Linear (None = disabled).
+
+    Follows ModelOpt's list semantics: entries apply in order; a `cfg` entry sets and enables, an
+    `enable`-only entry toggles; entries scoped to another `parent_class` do not apply.
+    """
+    name = f"model.layers.0.mlp.down_proj.{quantizer}"
+    cfg, enabled = None, False
+    for entry in fmt.quant_cfg:
+        parent = entry.get("parent_class")
+        if parent not in (None, "nn.Linear") or not fnmatch.fnmatch(name, entry["quantizer_name"]):
+            continue
+        if entry.get("cfg") is not None:
+            cfg, enabled = entry["cfg"], entry.get("enable", True) is not False
+        elif "enable" in entry:
+            enabled = bool(entry["enable"])
+    if not enabled or cfg is None:
+        return None
+    cfg = cfg if isinstance(cfg, dict) else dict(cfg)
+    return {k: _comparable(cfg.get(k)) for k in _NUMERIC_FIELDS if cfg.get(k) is not None}
+
+
+def _comparable(value: Any) -> Any:
+    """JSON-comparable: tuples -> lists, dict keys -> str (ModelOpt mixes int and str keys)."""
+    if isinstance(value, dict):
+        return {str(k): _comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
+
+
+def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
+    """{'weight': settings or None, 'input': settings or None} of a decoder linear layer under `fmt`, read from
+    the config without quantizing anything (the export's target check, the memory plan)."""
+    if fmt is None:
+        return {"weight": None, "input": None}
+    return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}

@@ -285,7 +285,7 @@ def test_fp8_encode_follows_the_kernel_that_quantized():
     true division (C++); the encoder stores the inv_scale of whichever produced W_q, exactly."""
     from modelopt.torch.quantization.tensor_quant import fp8_eager
 
-    from qarl.export.encode import encode_fp8, fp8_kernel_scale
+    from qarl.quant.codes import encode_fp8, fp8_kernel_scale
 
     torch.manual_seed(0)
     w = torch.randn(32, 64)

@@ -1,14 +1,29 @@
 """LoRA against the real engine (vLLM, CPU build) and the real exports: the engine serves the adapted policy at the
-floor (parity, adapter-only refits), and the merged export and dequantized merge match the policy."""
+floor (parity, adapter-only refits) through vLLM's own LoRA where it can (W4A16) and qarl's hooks where it cannot
+(W4A4: quantized inputs), and the merged export and dequantized merge match the policy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from qarl.config import GenerationConfig
+from qarl.generation.adapters import EngineAdapters
+from qarl.generation.vllm_lora import VLLMAdapters
 from qarl.lora import lora_layers
 from qarl.parity import measure
 from tests.conftest import W4A16, eval_logits, lora_policy, tiny_policy
+
+
+@pytest.fixture(scope="module")
+def adapter_engine(tiny_dir):
+    """An engine that serves rank-16 qlora adapters (the policies' default rank)."""
+    from qarl.generation import VLLMEngine
+
+    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=16, kv_cache_gib=1), dtype="float32", seed=0,
+                        adapter_rank=16)
+    yield engine
+    engine.close()
 
 
 def assert_at_floor(mismatch, quant_cfg: str) -> None:
@@ -25,12 +40,14 @@ def assert_at_floor(mismatch, quant_cfg: str) -> None:
 
 @pytest.mark.parametrize("mode", ["qlora", "merged"])
 @pytest.mark.parametrize("quant_cfg", [W4A16, "quant_configs/nvfp4_w4a4.yaml"])
-def test_engine_reproduces_the_lora_policy_at_the_floor(engine, task, tiny_dir, mode, quant_cfg):
+def test_engine_reproduces_the_lora_policy_at_the_floor(adapter_engine, task, tiny_dir, mode, quant_cfg):
     from qarl.quant import resolve_format
 
+    engine = adapter_engine
     policy = lora_policy(task, tiny_dir, mode, quant_cfg)
     prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:8]]
-    engine.set_quant_format(resolve_format(quant_cfg))
+    engine.set_quant_format(resolve_format(quant_cfg))  # W4A4 restarts the engine with hooks, W4A16 with vLLM's LoRA
+    assert isinstance(engine.adapters, VLLMAdapters if quant_cfg == W4A16 else EngineAdapters)
     first = engine.refit(policy.model)
     mismatch = measure(engine, policy, prompts, max_new_tokens=16, seed=0)
     assert_at_floor(mismatch, quant_cfg)

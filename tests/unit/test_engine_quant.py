@@ -4,11 +4,15 @@ ModelOpt's own quantizers, and the engine modes (eager / CUDA graphs) with their
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from qarl.config import ConfigError, GenerationConfig
+from qarl.config import ConfigError, GenerationConfig, LoraConfig, PolicyConfig
+from qarl.generation import adapter_hooks, engine_adapter_rank
 from qarl.generation.vllm_engine import runs_eager
+from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.quant import resolve_format
 from qarl.quant.ops import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
 
@@ -92,14 +96,26 @@ def test_engine_modes_and_their_refusals():
     on_gpu = torch.cuda.is_available()
     assert runs_eager(GenerationConfig()) is not on_gpu  # auto: graphs on a GPU, eager on CPU
     assert runs_eager(GenerationConfig(enforce_eager=True)) is True  # YAML's boolean spelling
-    assert runs_eager(GenerationConfig(enforce_eager="auto"), qlora=True) is True
+    assert runs_eager(GenerationConfig(enforce_eager="auto"), adapter_hooks="why") is True
     assert runs_eager(GenerationConfig(enforce_eager="auto"), smoothing=True) is True
     with pytest.raises(ConfigError, match="choose one of"):
         runs_eager(GenerationConfig(enforce_eager="sometimes"))
-    with pytest.raises(ConfigError, match="qlora"):
-        runs_eager(GenerationConfig(enforce_eager=False), qlora=True)
+    with pytest.raises(ConfigError, match="qlora adapters, which the engine then adds by forward hooks"):
+        runs_eager(GenerationConfig(enforce_eager=False), adapter_hooks="why")
     with pytest.raises(ConfigError, match="AWQ"):
         runs_eager(GenerationConfig(enforce_eager="false"), smoothing=True)
     if not on_gpu:
         with pytest.raises(ConfigError, match="CPU"):
             runs_eager(GenerationConfig(enforce_eager="false"))
+
+
+def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewhere():
+    qlora = PolicyConfig(lora=LoraConfig(mode="qlora", rank=16))
+    assert engine_adapter_rank(qlora) == 16 and engine_adapter_rank(PolicyConfig()) == 0
+    assert adapter_hooks(PolicyConfig(), quantized_inputs=True) is None  # no adapters
+    assert adapter_hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False) is None
+    assert "quantizes layer inputs" in adapter_hooks(qlora, quantized_inputs=True)
+    huge = dataclasses.replace(qlora, dtype="bfloat16", lora=LoraConfig(mode="qlora", rank=1024))
+    assert "above the largest rank" in adapter_hooks(huge, quantized_inputs=False)
+    assert (adapter_hooks(qlora, quantized_inputs=False) is None) is not torch.cuda.is_available()  # GPU: fp16/bf16
+    assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32

@@ -11,7 +11,7 @@ from qarl.memory import GiB, FrozenModel, ModelShape, plan, plan_memory
 
 # Qwen3-1.7B's shape (parameters counted with tied embeddings)
 QWEN3_1P7B = ModelShape(params=1_720_574_976, layers=28, hidden=2048, intermediate=6144, vocab=151_936,
-                        attention_width=(16 + 2 * 8) * 128)
+                        attention_width=(16 + 2 * 8) * 128, query_width=16 * 128)
 
 
 def user_recipe(**trainer) -> RecipeConfig:

@@ -36,6 +36,7 @@ from qarl.quant.modelopt_compat import (AMAX_BUFFER, amax_buffer, forward_patche
                                         quant_attention_class, quant_embedding_class, quant_linear_class,
                                         quantizer_enabled, quantizing)
 from qarl.quant.ops import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
+from qarl.quant.packed import PackedWeightMixin, is_placeholder, packed_linear
 from qarl.torch_compat import global_hook_tables, hook_tables, tensor_version
 
 
@@ -45,8 +46,11 @@ def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor
     quantizers are read from `_modules`: attribute access on a ModelOpt layer goes through its slow
     dynamic-module __getattr__."""
     quantizers = layer._modules
-    output = F.linear(quantized_input(quantizers.get("input_quantizer"), input),
-                      quantized_weight(quantizers.get("weight_quantizer"), weight), layer._parameters.get("bias"))
+    input, weight_quantizer = quantized_input(quantizers.get("input_quantizer"), input), quantizers.get("weight_quantizer")
+    if isinstance(weight_quantizer, PackedWeightMixin) and is_placeholder(weight):
+        output = packed_linear(input, weight_quantizer, layer._parameters.get("bias"))
+    else:
+        output = F.linear(input, quantized_weight(weight_quantizer, weight), layer._parameters.get("bias"))
     return quantized_output(quantizers.get("output_quantizer"), output)
 
 
@@ -136,7 +140,7 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
                                                            ("weight_quantizer", "input_quantizer", "output_quantizer"))
     key = (weight, tensor_version(weight), QUANTIZER_CHANGES.value)
     checks_each_call = LinearPlan(*key, _NO_AMAX, 0, _NO_BUFFERS, (), False, None, None)
-    if not all(q is None or isinstance(q, TracksQuantizerChanges)
+    if isinstance(weight_quantizer, PackedWeightMixin) or not all(q is None or isinstance(q, TracksQuantizerChanges)
                for q in (weight_quantizer, input_quantizer, output_quantizer)):
         return checks_each_call
     hooks, amax, buffers, weight_fn, input_fn = [*_GLOBAL_HOOKS], _NO_AMAX, _NO_BUFFERS, None, None

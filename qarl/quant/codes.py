@@ -1,6 +1,7 @@
-"""The numerics of export: encode the policy's fake-quantized weights into the on-disk codes, exactly.
+"""The stored form of a fake-quantized weight: its low-precision codes and scales, exactly.
 
-The contract (also in export/README.md):
+Export writes these codes to disk; a packed frozen base (qarl/quant/packed.py) keeps them in memory instead of
+the weight. Encoding and decoding run on the weight's own device. The contract (also in export/README.md):
 
 * Training fake-quantizes with ModelOpt's kernel (GPU) or qarl's bit-identical CPU port
   (`qarl.quant.kernels.nvfp4_cpu`). The exporter never rounds a weight again. It takes the weight the policy
@@ -28,9 +29,11 @@ near ``1/g`` that reproduces the most of the layer's weights and the export repo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 # Midpoints between E2M1 magnitudes: W_q / scale lands on (or within an ulp of) a magnitude, never
@@ -62,6 +65,9 @@ class NVFP4Weight:
     block_scale: torch.Tensor  # float8_e4m3fn [out, in/16]
     global_scale: torch.Tensor  # fp32 scalar: the kernel's g = amax * fl(1/2688)
 
+    def to(self, device: torch.device | str) -> NVFP4Weight:
+        return NVFP4Weight(self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device))
+
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign << 3 | magnitude index) -> uint8, low nibble = even element."""
@@ -69,11 +75,24 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
+def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    magnitude = E2M1_VALUES[code & 0x7]
+    return torch.where((code & 0x8).bool(), -magnitude, magnitude)
+
+
+_BYTE = torch.arange(256)
+_E2M1_PAIRS = torch.stack([_e2m1_value(_BYTE & 0x0F), _e2m1_value(_BYTE >> 4)], dim=-1)  # byte -> its 2 values
+
+
+@functools.lru_cache(maxsize=8)
+def _pairs_on(device: torch.device) -> torch.Tensor:
+    return _E2M1_PAIRS.to(device)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 -> fp32 E2M1 values (twice the last dim), signed zeros kept."""
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()
-    magnitude = E2M1_VALUES.to(packed.device)[codes & 0x7]
-    return torch.where((codes & 0x8).bool(), -magnitude, magnitude)
+    """uint8 -> fp32 E2M1 values (twice the last dim), signed zeros kept: one table lookup per byte (a packed
+    frozen base is decoded at every forward)."""
+    return F.embedding(packed.int(), _pairs_on(packed.device)).flatten(-2)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -115,20 +134,20 @@ def encode_nvfp4(w_q: torch.Tensor, master: torch.Tensor, amax: torch.Tensor, na
     if w_q.ndim != 2 or w_q.shape[-1] % NVFP4_BLOCK:
         raise FidelityError(f"{name}: NVFP4 export needs a 2-D weight with input width divisible by 16, "
                             f"got {tuple(w_q.shape)}")
-    s, g = nvfp4_block_scales(master.detach().cpu(), amax.detach().cpu())  # the CPU port = the GPU kernel
-    s, g = s.float().cpu(), g.float().cpu().reshape(())
+    s, g = nvfp4_block_scales(master.detach(), amax.detach().to(master.device))  # the CPU port = the GPU kernel
+    s, g = s.float(), g.float().reshape(())
     if not (torch.isfinite(g) and g > 0):
         raise FidelityError(f"{name}: weight amax {amax.flatten()[:1].tolist()} gives no usable global scale")
     e = (s / g).to(torch.float8_e4m3fn)  # s = fl(e * g) exactly, so s / g is within an ulp of e
     kernel_block = (e.float() * g) == s
-    zero_block = (_blocks(w_q.float().cpu()) == 0).all(-1)
+    zero_block = (_blocks(w_q.float()) == 0).all(-1)
     if not (kernel_block | zero_block).all():
         raise FidelityError(f"{name}: {(~(kernel_block | zero_block)).sum()} block scale(s) are not of the "
                             "form E4M3 * global scale and their block is not zero (amax far below the weights?)")
     e = torch.where(kernel_block, e.float(), 1.0).to(torch.float8_e4m3fn)
     scale = (e.float() * g).unsqueeze(-1)
-    ratio = (_blocks(w_q.float().cpu()) / scale).flatten(-2)
-    codes = torch.bucketize(ratio.abs(), _E2M1_MIDPOINTS) | (torch.signbit(ratio).to(torch.long) << 3)
+    ratio = (_blocks(w_q.float()) / scale).flatten(-2)
+    codes = torch.bucketize(ratio.abs(), _E2M1_MIDPOINTS.to(ratio.device)) | (torch.signbit(ratio).to(torch.long) << 3)
     weight = NVFP4Weight(packed=pack_e2m1(codes), block_scale=e, global_scale=g)
     check_exact(name, decode_nvfp4(weight, w_q.dtype), w_q)
     return weight
@@ -173,6 +192,9 @@ class FP8Weight:
     scale: torch.Tensor  # fp32 scalar: the kernel's inv_scale = fl(1 / scale)
     kernel: str  # which of ModelOpt's FP8 kernels produced W_q: "cpu" or "cuda" (see fp8_kernel_scale)
 
+    def to(self, device: torch.device | str) -> FP8Weight:
+        return FP8Weight(self.codes.to(device), self.scale.to(device), self.kernel)
+
 
 def fp8_kernel_scale(amax: torch.Tensor, kernel: str) -> torch.Tensor:
     """`inv_scale` of ModelOpt's FP8 fake quant: zero amax -> 1, then scale = 448 / amax, inv = 1 / scale.
@@ -199,9 +221,10 @@ def encode_fp8(w_q: torch.Tensor, amax: torch.Tensor, name: str) -> FP8Weight:
     kernels = ("cuda", "cpu") if w_q.is_cuda else ("cpu", "cuda")
     for kernel in kernels:
         inv = fp8_kernel_scale(amax, kernel)
-        codes = (w_q.float().cpu() / inv).to(torch.float8_e4m3fn)  # within an ulp of a code: cast is exact
+        inv = inv.to(w_q.device)
+        codes = (w_q.float() / inv).to(torch.float8_e4m3fn)  # within an ulp of a code: cast is exact
         weight = FP8Weight(codes=codes, scale=inv, kernel=kernel)
-        if kernel == kernels[-1] or same_bits(decode_fp8(weight, w_q.dtype), w_q.cpu()).all():
+        if kernel == kernels[-1] or same_bits(decode_fp8(weight, w_q.dtype), w_q).all():
             break
     check_exact(name, decode_fp8(weight, w_q.dtype), w_q)
     return weight
@@ -213,7 +236,7 @@ def decode_fp8(w: FP8Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_exact(name: str, decoded: torch.Tensor, w_q: torch.Tensor) -> None:
-    bad = ~same_bits(decoded, w_q.cpu())
+    bad = ~same_bits(decoded, w_q)
     if bad.any():
         i = int(bad.flatten().nonzero()[0])
         raise FidelityError(

@@ -1,0 +1,233 @@
+"""Frozen fake-quantized weights kept as their codes: a QLoRA base (or any frozen quantized copy) in about a
+quarter of the bytes, computing with the same bits.
+
+A frozen layer's fake-quantized weight W_q = weight_quantizer(W) is exactly its codes times its scales
+(qarl/quant/codes.py): NVFP4's E2M1 codes, E4M3 block scales and fp32 global scale (0.5625 bytes a parameter),
+or FP8's E4M3 codes and fp32 scale (1 byte). `pack_frozen_weights` encodes each such weight once, checks that the
+codes decode to W_q bit for bit, and frees the weight:
+
+* the layer's `weight` parameter becomes a placeholder of the same shape, dtype and device that holds one NaN
+  (zero strides: one element of memory), so code that computes with it unpacked gets NaN, never plausible numbers;
+* its weight quantizer gains `PackedWeightMixin`, which answers a call with the placeholder by decoding the
+  codes. Every reader that asks the quantizer for the weight (the forward, the refit fold, export, parity) gets
+  W_q, the same bits as before;
+* the layer's forward (`packed_linear`, through the lean forward's `quantized_linear`) decodes the weight again
+  in the backward instead of saving it, so a decoded weight lives for one layer's matmul, forward or backward.
+
+Frozen means frozen: the codes cannot be re-quantized with another amax (the wider weight is gone), so a packed
+quantizer whose amax changes value, or that is disabled or put into calibration, stops with an error naming
+`policy.lora.pack_base`. `unpack_frozen_weights` gives a model (a copy) real parameters back: W_q itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qarl.quant.codes import FP8Weight, NVFP4Weight, decode_fp8, decode_nvfp4, encode_fp8, encode_nvfp4
+from qarl.quant.formats import QuantFormat, quantizer_settings
+from qarl.quant.mixins import TracksQuantizerChanges, mix_in, without_mixin
+from qarl.quant.modelopt_compat import amax_buffer, quantizing
+from qarl.quant.ops import NVFP4, calibrated_spec
+from qarl.torch_compat import tensor_version
+
+CODES, BLOCK_SCALE, SCALE = "packed_codes", "packed_block_scale", "packed_scale"  # the quantizer's buffers
+
+
+class Placeholder(nn.Parameter):
+    """The frozen parameter a packed weight leaves behind: its shape, dtype and device, every element the one NaN
+    it stores. A copy (`copy.deepcopy`) is another placeholder, not a materialized tensor of NaNs."""
+
+    def __deepcopy__(self, memo: dict) -> Placeholder:
+        memo[id(self)] = copy = placeholder(self.shape, self.dtype, self.device)
+        return copy
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Placeholder:
+    nan = torch.full((1,) * len(shape), float("nan"), dtype=dtype, device=device)
+    return Placeholder(nan.expand(shape), requires_grad=False)
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """`tensor` is a placeholder (or a view of one, `.detach()`): one element behind every index."""
+    return tensor.numel() > 1 and all(s == 0 for s in tensor.stride())
+
+
+class PackedWeightMixin(TracksQuantizerChanges):
+    """Mixed into the weight quantizer of a packed frozen layer (see the module docstring). Its codes are
+    non-persistent buffers (they move with the model and count as its memory; checkpoints keep no base)."""
+
+    _qarl_packed_kind: str  # NVFP4 or FP8
+    _qarl_packed_kernel: str  # FP8: which of ModelOpt's kernels the codes reproduce
+    _qarl_packed_dtype: torch.dtype  # the compute dtype W_q is decoded to
+    _qarl_packed_amax: torch.Tensor  # a CPU copy of the amax the codes were encoded with
+    _qarl_packed_seen: tuple[int, int] = (0, -1)  # (id, version) of the amax buffer last checked against it
+
+    def stored(self) -> NVFP4Weight | FP8Weight:
+        """The codes and scales this quantizer decodes (export writes them as they are)."""
+        buffers = self._buffers
+        if self._qarl_packed_kind == NVFP4:
+            return NVFP4Weight(buffers[CODES], buffers[BLOCK_SCALE], buffers[SCALE])
+        return FP8Weight(buffers[CODES], buffers[SCALE], self._qarl_packed_kernel)
+
+    def unpacked(self) -> torch.Tensor:
+        """W_q, decoded now (bit for bit the weight this quantizer computed before packing)."""
+        self._check_unchanged()
+        stored = self.stored()
+        if isinstance(stored, NVFP4Weight):
+            return decode_nvfp4(stored, self._qarl_packed_dtype)
+        return decode_fp8(stored, self._qarl_packed_dtype)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if not is_placeholder(inputs):
+            raise RuntimeError("this weight quantizer serves a packed frozen weight and was called with another "
+                               "tensor: the layer's weight was replaced after packing. Build the policy with "
+                               "policy.lora.pack_base=false to change frozen weights.")
+        return self.unpacked()
+
+    def _check_unchanged(self) -> None:
+        """The quantizer still computes what the codes hold: quantizing, with the amax they were encoded with."""
+        if not quantizing(self):
+            raise RuntimeError("a packed frozen weight's quantizer was disabled or put into calibration; the "
+                               "unquantized weight is gone. Set policy.lora.pack_base=false to disable or "
+                               "recalibrate frozen weights.")
+        amax = amax_buffer(self)
+        if amax is not None and (id(amax), tensor_version(amax)) == self._qarl_packed_seen:
+            return
+        if amax is None or not torch.equal(amax.detach().float().cpu(), self._qarl_packed_amax):
+            raise RuntimeError("a packed frozen weight's amax was changed; its codes cannot be re-quantized (the "
+                               "unquantized weight is gone). Set policy.lora.pack_base=false to change it.")
+        self._qarl_packed_seen = (id(amax), tensor_version(amax))
+
+
+def stored_codes(quantizer: nn.Module) -> NVFP4Weight | FP8Weight | None:
+    """A packed quantizer's codes; None for any other quantizer."""
+    return quantizer.stored() if isinstance(quantizer, PackedWeightMixin) else None
+
+
+class PackedLinear(torch.autograd.Function):
+    """y = x W_q^T + b with W_q decoded from the codes in the forward and again in the backward: nothing of
+    the weight is saved. The weight is frozen (no gradient); the input's gradient is F.linear's, the same bits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, quantizer: PackedWeightMixin) -> torch.Tensor:
+        ctx.quantizer = quantizer
+        ctx.bias_shape = None if bias is None else bias.shape
+        return F.linear(x, quantizer.unpacked(), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        grad_x = grad.matmul(ctx.quantizer.unpacked()) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_bias, None
+
+
+def packed_linear(x: torch.Tensor, quantizer: PackedWeightMixin, bias: torch.Tensor | None) -> torch.Tensor:
+    """The linear layer of a packed weight (`x`: its input after its input quantizer)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return PackedLinear.apply(x, bias, quantizer)
+    return F.linear(x, quantizer.unpacked(), bias)
+
+
+NVFP4_SETTINGS = {"num_bits": [2, 1], "block_sizes": {"-1": 16, "type": "dynamic", "scale_bits": [4, 3]}}
+FP8_SETTINGS = {"num_bits": [4, 3]}
+
+
+def packed_bytes_per_weight(fmt: QuantFormat | None) -> float | None:
+    """Bytes a linear layer's weight takes a parameter once packed under `fmt`, read from its config (the memory
+    plan, before anything loads); None where the format's weights have no packed form."""
+    settings = quantizer_settings(fmt)["weight"]
+    if settings == NVFP4_SETTINGS:
+        return 0.5 + 1 / 16  # two E2M1 codes a byte, one E4M3 scale per 16
+    if settings == FP8_SETTINGS:
+        return 1.0
+    return None
+
+
+@dataclass
+class PackReport:
+    """What `pack_frozen_weights` did: weights packed, quantized frozen weights left as they were (a format
+    without a packed form), and the bytes of the packed weights before and after."""
+
+    packed: int = 0
+    kept: list[str] | None = None
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def summary(self) -> str:
+        line = (f"packed {self.packed} frozen quantized weights: {self.bytes_before / 2**20:.1f} MiB -> "
+                f"{self.bytes_after / 2**20:.1f} MiB")
+        if self.kept:
+            line += f"; {len(self.kept)} kept in the compute dtype (no packed form for their format: {self.kept[:3]})"
+        return line
+
+
+def _frozen_quantized(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """(name, layer, weight quantizer) of every layer whose own, frozen weight a quantizer quantizes."""
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                users[id(p)] = users.get(id(p), 0) + 1
+    for name, module in model.named_modules():
+        quantizer, weight = module._modules.get("weight_quantizer"), module._parameters.get("weight")
+        if (isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1
+                and isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer)
+                and not isinstance(quantizer, PackedWeightMixin) and quantizing(quantizer)):
+            yield name, module, quantizer
+
+
+@torch.no_grad()
+def pack_frozen_weights(model: nn.Module) -> PackReport:
+    """Store every frozen weight that a quantizer quantizes in a format with a packed form (NVFP4 with dynamic
+    16-element blocks, FP8 per tensor) as its codes (see the module docstring); others are kept and named."""
+    report = PackReport(kept=[])
+    for name, layer, quantizer in list(_frozen_quantized(model)):
+        spec = calibrated_spec(quantizer)
+        if spec is None or (spec.kind == NVFP4 and spec.block_size != 16) or layer.weight.ndim != 2:
+            report.kept.append(name)
+            continue
+        weight = layer._parameters["weight"]
+        w_q = quantizer(weight).detach()
+        amax = amax_buffer(quantizer)
+        stored = (encode_nvfp4(w_q, weight, amax, name) if spec.kind == NVFP4 else encode_fp8(w_q, amax, name))
+        mix_in(quantizer, PackedWeightMixin, "Packed", globals())
+        if hasattr(quantizer, "qarl_invalidate"):
+            quantizer.qarl_invalidate()  # the weight cache's copy of W_q goes
+        if isinstance(stored, NVFP4Weight):
+            tensors = {CODES: stored.packed, BLOCK_SCALE: stored.block_scale, SCALE: stored.global_scale}
+        else:
+            tensors = {CODES: stored.codes, SCALE: stored.scale}
+            quantizer._qarl_packed_kernel = stored.kernel
+        for key, value in tensors.items():
+            quantizer.register_buffer(key, value.contiguous(), persistent=False)
+        quantizer._qarl_packed_kind, quantizer._qarl_packed_dtype = spec.kind, weight.dtype
+        quantizer._qarl_packed_amax = amax.detach().float().cpu().clone()
+        layer._parameters["weight"] = placeholder(weight.shape, weight.dtype, weight.device)
+        report.packed += 1
+        report.bytes_before += weight.numel() * weight.element_size()
+        report.bytes_after += sum(t.numel() * t.element_size() for t in tensors.values())
+    return report
+
+
+@torch.no_grad()
+def unpack_frozen_weights(model: nn.Module) -> int:
+    """Give every packed layer of `model` a real weight again (W_q, decoded) and its quantizer its class back;
+    returns how many. For a copy that must change weights (a merged export, a decoded comparison)."""
+    count = 0
+    for module in model.modules():
+        quantizer = module._modules.get("weight_quantizer")
+        if isinstance(quantizer, PackedWeightMixin):
+            weight = quantizer.unpacked()
+            for key in (CODES, BLOCK_SCALE, SCALE):
+                quantizer._buffers.pop(key, None)
+            quantizer.__class__ = without_mixin(type(quantizer))
+            module._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+            count += 1
+    return count
