@@ -33,6 +33,8 @@
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO)
 #   user_shape_long  QA-GRPO NVFP4 W4A16 of that model with completions of 16,384 tokens, 8 a step
 #   user_shape_qad  QAD NVFP4 W4A4 of that model with a bf16 teacher of the same shape, completions of 4,096 tokens
+#   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
+#             graphs (tests/integration/test_gpu_lora.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
@@ -265,6 +267,13 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/user_shape.py make runs/qwen3_1p7b_shape --shape qwen3-1.7b
     user_run distill benchmarks/recipes/user_shape_qad.yaml user_shape_qad_4k teacher.model_name=runs/qwen3_1p7b_shape \
       policy.generation.max_new_tokens=4096 policy.generation.max_model_len=4200 "$@"
+    ;;
+  qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3
+    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py 2>&1 | grep -E "mean|passed|failed|Error" | tail -5
+    qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "parity.lora_modes=[qlora]" \
+      "parity.formats=[quant_configs/nvfp4_a16.yaml]" --json > "$out/parity_qlora_bfloat16.json" 2> "$out/parity_qlora_bfloat16.log"
+    tail -3 "$out/parity_qlora_bfloat16.log"; show_parity "$out/parity_qlora_bfloat16.json"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
