@@ -65,7 +65,7 @@ def lora_policy(task, tiny_dir, mode: str, quant_cfg: str = W4A16, random_b: boo
 
 def eval_logits(policy, task) -> torch.Tensor:
     """The policy's logits on 4 held-out prompts, padded to one batch."""
-    ids = policy.tokenizer([p.prompt for p in task.eval[:4]], return_tensors="pt", padding=True)
+    ids = policy.tokenizer([p.prompt for p in task.eval[:4]], return_tensors="pt", padding=True).to(policy.device)
     with torch.no_grad():
         return policy.model(**ids).logits
 

@@ -257,20 +257,23 @@ def lora_buffers(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torc
 
 @contextlib.contextmanager
 def lora_unwrapped(model: nn.Module, layers: dict[str, nn.Module]) -> Iterator[None]:
-    """Inside the block, each LoRA layer (`layers`, by name) is replaced in the model by the layer it wraps
-    (`base_layer`), so that `model.load_weights` finds the base weights under their usual names. Checked: 0.32.0
-    (CPU), 0.26.0 (GPU)."""
+    """Inside the block, the LoRA layer at each name of `layers` is replaced in the model by the layer it wraps
+    (`base_layer`), so that `model.load_weights` finds the base weights under their usual names; whatever stood at
+    each name comes back after. (What stands at a name may not be `layers[name]`: vLLM files a tied head's logits
+    processor wrapper under "lm_head".) Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     swapped = []
-    for name, layer in layers.items():
+    for name in layers:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, layer.base_layer)
-        swapped.append((owner, leaf, layer))
+        current = getattr(owner, leaf)
+        if hasattr(current, "base_layer"):
+            setattr(owner, leaf, current.base_layer)
+            swapped.append((owner, leaf, current))
     try:
         yield
     finally:
-        for owner, leaf, layer in swapped:
-            setattr(owner, leaf, layer)
+        for owner, leaf, current in reversed(swapped):
+            setattr(owner, leaf, current)
 
 
 # -- the exact forward's kernels (qarl/generation/exact.py) -------------------------------------------------

@@ -48,7 +48,9 @@ def test_engine_reproduces_the_lora_policy_at_the_floor(adapter_engine, task, ti
     prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:8]]
     engine.set_quant_format(resolve_format(quant_cfg))  # W4A4 restarts the engine with hooks, W4A16 with vLLM's LoRA
     assert isinstance(engine.adapters, VLLMAdapters if quant_cfg == W4A16 else EngineAdapters)
+    layout = {name: module for name, module in engine.model.named_modules()}
     first = engine.refit(policy.model)
+    assert {name: module for name, module in engine.model.named_modules()} == layout  # LoRA layers back in place
     mismatch = measure(engine, policy, prompts, max_new_tokens=16, seed=0)
     assert_at_floor(mismatch, quant_cfg)
     adapter_bytes = sum(p.numel() * 4 for _, layer in lora_layers(policy.model) for p in (layer.lora_A, layer.lora_B))

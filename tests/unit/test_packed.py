@@ -105,7 +105,7 @@ def test_any_frozen_quantized_model_packs_and_formats_without_codes_are_named(ta
 
 
 def head_logits(model) -> torch.Tensor:
-    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], device=next(model.parameters()).device)
     with torch.no_grad():
         return model(input_ids=ids).logits
 
