@@ -1,7 +1,7 @@
 """LoRA adapters over a frozen, fake-quantized base: the `qlora` and `merged` modes.
 
-    qlora   y = Q(W) x + s B A x      the base stays frozen and quantized, the adapter stays in high
-                                      precision beside it (QLoRA, QeRL). Deploy the quantized base plus
+    qlora   y = Q(W) x + s B A x      the base stays frozen and quantized, the adapter (fp32 masters)
+                                      runs beside it (QLoRA, QeRL). Deploy the quantized base plus
                                       the adapter. Pick it for memory and refit cost: the base is folded and
                                       sent to the engine once, each refit moves only the adapter.
     merged  y = Q(W + s B A) x       LoRA-only QAT (SkyRL): W frozen, the product merged before the
@@ -9,7 +9,8 @@
                                       will be served (no adapter kernels at inference). Each refit folds and
                                       sends every adapted weight, as full training does.
 
-s = alpha / rank (PEFT's scaling). Both modes keep A and B in the master dtype (fp32), so the optimizer
+s = alpha / rank (PEFT's scaling). Both modes keep A and B in the master dtype (fp32; qlora computes with them rounded
+to the compute dtype, `adapter_output`), so the optimizer
 holds state for the adapters only and the base needs no master copy. The KL reference is the policy
 with its adapters switched off (`adapters_disabled`): no second copy of the model.
 
@@ -44,8 +45,10 @@ PEFT_PREFIX = "base_model.model."
 
 
 def adapter_output(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """s B A x in the adapter's dtype, returned in x's dtype: the policy and the engine both call this."""
-    return (F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b) * scale).to(x.dtype)
+    """s B A x in x's dtype (the compute dtype), as vLLM's LoRA kernels compute it: A and s B rounded once to that
+    dtype (from the fp32 masters), x A^T rounded to it, then expanded by s B. The policy, the engine's hooks and
+    vLLM's LoRA (qarl/generation/vllm_lora.py) all compute this; in bf16 it costs no fp32 copy of the layer input."""
+    return F.linear(F.linear(x, lora_a.to(x.dtype)), (lora_b * scale).to(x.dtype))
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:

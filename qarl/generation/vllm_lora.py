@@ -6,10 +6,9 @@ in its slot; every refit (that one included) then copies A and s B into vLLM's s
 (`vllm_compat.lora_buffers`), so nothing is read from disk again and the captured graphs, which read those tensors
 by address, run the new adapter. Generate calls name the adapter (`request`).
 
-Numerics: vLLM keeps A and s B in the engine's dtype (B scaled once, in fp32, then rounded) and computes
-x A^T into an fp32 buffer, rounds it to the engine's dtype and expands it with s B; the policy computes the adapter
-in fp32 (`qarl.lora.adapter_output`). In fp32 the two agree to rounding; in bf16 the engine's adapter output
-carries bf16 roundings the policy's does not (the parity table measures it).
+Numerics: vLLM keeps A and s B in the engine's dtype (B scaled once, in fp32, then rounded), accumulates x A^T in
+fp32, rounds it to the engine's dtype and expands it with s B; the policy computes the same roundings
+(`qarl.lora.adapter_output`), so the two differ only in the order of the sums (the parity table measures it).
 
 Where vLLM's LoRA cannot serve the run (`hooks_needed`), the engine adds the adapters by forward hooks instead
 (qarl/generation/adapters.py), eagerly.
