@@ -1,6 +1,6 @@
 """Where a quantized policy update spends its time and memory on a GPU, against the unquantized one.
 
-    python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score]
+    python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score] [--lora qlora]
 
 One micro-batch of 8 completions (64 + 448 tokens), bf16 compute with fp32 master weights: memory
 allocated after the forward, after the backward and after the optimizer step, and the torch profiler's
@@ -31,18 +31,18 @@ def host_functions(fn: Callable[[], object], top: int) -> str:
     return "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
 
 
-def profile(fmt_name: str, model: str, score: bool) -> None:
+def profile(fmt_name: str, model: str, score: bool, lora: str = "none") -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from qarl.config import PolicyConfig
+    from qarl.config import LoraConfig, PolicyConfig
     from qarl.optim import PolicyOptimizer
     from qarl.models.resolve import resolve_model_dir
     from qarl.policy import build_policy
     from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
-    cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name)
+    cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name, lora=LoraConfig(mode=lora))
     torch.manual_seed(0)
     policy = build_policy(cfg, ArithmeticTask(num_train=64, num_eval=8).calibration_texts(64),
                           model_dir=resolve_model_dir(model), trainable=True)
@@ -73,7 +73,10 @@ def profile(fmt_name: str, model: str, score: bool) -> None:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     step(report=True)
+    torch.cuda.synchronize()
+    print(f"{fmt_name} lora={lora}: one update (forward + backward + step) {(time.perf_counter() - start) * 1e3:.1f} ms")
     if score:
         for _ in range(3):
             scoring()
@@ -99,9 +102,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["none", "nvfp4_a16"])
     parser.add_argument("--model", default="embedded:0.5b")
     parser.add_argument("--score", action="store_true", help="profile a no-grad scoring pass instead of the update")
+    parser.add_argument("--lora", default="none", choices=["none", "qlora", "merged"], help="policy.lora.mode")
     args = parser.parse_args()
     for fmt in args.formats:
-        profile(fmt, args.model, args.score)
+        profile(fmt, args.model, args.score, args.lora)
 
 
 if __name__ == "__main__":
