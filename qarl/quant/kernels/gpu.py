@@ -371,8 +371,10 @@ def _fp8(x: torch.Tensor, amax: torch.Tensor, eager: bool, block: int = FP8_BLOC
     return y
 
 
+@functools.cache
 def available() -> bool:
-    """True where these kernels can replace ModelOpt's: CUDA with native FP8 (sm_89+) and triton.
+    """True where these kernels can replace ModelOpt's: CUDA with native FP8 (sm_89+) and triton (asked once:
+    a packed base's decode asks at every layer).
 
     Below sm_89 ModelOpt's NVFP4 path is a different (CUDA extension) kernel, and Triton has no e4m3.
     """
