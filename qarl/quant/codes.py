@@ -35,8 +35,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qarl.quant.kernels import gpu
-
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 # Midpoints between E2M1 magnitudes: W_q / scale lands on (or within an ulp of) a magnitude, never
 # near a midpoint, so nearest-value search by bucketize is unambiguous.
@@ -102,10 +100,7 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_nvfp4(w: NVFP4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """ModelOpt's definition: c * (e * weight_scale_2), in fp32, then cast to the training dtype (on a GPU one kernel
-    of the same arithmetic: a packed frozen base decodes every layer at every forward and backward)."""
-    if w.packed.is_cuda and gpu.available():
-        return gpu.nvfp4_decode_cuda(w.packed, w.block_scale, w.global_scale, dtype)
+    """ModelOpt's definition: c * (e * weight_scale_2), in fp32, then cast to the training dtype."""
     scale = w.block_scale.float() * w.global_scale.float()
     values = _blocks(unpack_e2m1(w.packed)) * scale.unsqueeze(-1)
     return values.flatten(-2).to(dtype)

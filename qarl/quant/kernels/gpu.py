@@ -132,46 +132,6 @@ def _kernels() -> tuple[Any, Any]:
     return nvfp4_kernel, fp8_kernel
 
 
-@functools.cache
-def _decode_kernel() -> Any:
-    """NVFP4 decode (a packed frozen weight, qarl/quant/packed.py): per byte two E2M1 codes (low nibble first),
-    each times its block's scale fl32(e4m3 * g), in fp32, cast to the output's dtype (RNE): the arithmetic of
-    `qarl.quant.codes.decode_nvfp4`, bit for bit. The sign goes in as a bit, so a -0 code stays -0."""
-    _kernels()  # binds the module's triton and tl
-
-    @triton.jit
-    def nvfp4_decode_kernel(packed_ptr, scale_ptr, g_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_bytes
-        byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
-        e = tl.load(scale_ptr + offs // 8, mask=mask, other=0)  # 8 bytes = 16 codes = one block
-        s = e.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(g_ptr)
-        for half in tl.static_range(2):
-            code = (byte >> (4 * half)) & 0xF
-            m = code & 0x7
-            magnitude = tl.where(m < 4, m.to(tl.float32) * 0.5,
-                                 tl.where(m < 7, (m - 2).to(tl.float32), 6.0))
-            y = (magnitude * s).to(tl.int32, bitcast=True) | ((code >> 3) << 31)
-            tl.store(out_ptr + 2 * offs + half, y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty),
-                     mask=mask)
-
-    return nvfp4_decode_kernel
-
-
-NVFP4_DECODE_BYTES = 1024  # packed bytes a program decodes (2,048 values)
-
-
-def nvfp4_decode_cuda(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """`codes.decode_nvfp4` on the GPU in one launch: `packed` uint8 [..., n/2], `block_scale` float8_e4m3fn
-    [..., n/16], `global_scale` fp32 (one value), all contiguous on one CUDA device."""
-    out = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=dtype, device=packed.device)
-    n_bytes = packed.numel()
-    _decode_kernel()[(triton.cdiv(n_bytes, NVFP4_DECODE_BYTES),)](
-        packed, block_scale.view(torch.uint8), global_scale.float().reshape(1), out, n_bytes, BLOCK=NVFP4_DECODE_BYTES)
-    return out
-
-
 _COMPILED: dict[tuple, tuple[Any, list]] = {}  # launch key -> (compiled kernel, its constexprs in order)
 
 
@@ -371,10 +331,8 @@ def _fp8(x: torch.Tensor, amax: torch.Tensor, eager: bool, block: int = FP8_BLOC
     return y
 
 
-@functools.cache
 def available() -> bool:
-    """True where these kernels can replace ModelOpt's: CUDA with native FP8 (sm_89+) and triton (asked once:
-    a packed base's decode asks at every layer).
+    """True where these kernels can replace ModelOpt's: CUDA with native FP8 (sm_89+) and triton.
 
     Below sm_89 ModelOpt's NVFP4 path is a different (CUDA extension) kernel, and Triton has no e4m3.
     """
