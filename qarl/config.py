@@ -70,8 +70,8 @@ class GenerationConfig:
 class LoraConfig:
     """LoRA adapters over the frozen (fake-quantized) base; see qarl/lora.py for when to pick which mode.
 
-    mode "none": full training. "qlora": y = Q(W) x + s B A x, the adapter in high precision next to the
-    quantized base (deployed: the quantized base plus the adapter). "merged": y = Q(W + s B A) x, LoRA-only
+    mode "none": full training. "qlora": y = Q(W) x + s B A x, the adapter (fp32 masters) next to the
+    packed quantized base (deployed: the quantized base plus the adapter). "merged": y = Q(W + s B A) x, LoRA-only
     QAT (deployed: one quantized merged model). s = alpha / rank, as in PEFT.
     """
 
@@ -155,8 +155,8 @@ class PolicyConfig:
             if self.dtype not in ("bfloat16", "float16") else "",
             f"policy.backend={self.backend} (the Megatron backend's attention, norms and sharded matmuls are not the "
             "engine's kernels; use policy.backend=hf)" if self.backend != "hf" else "",
-            f"policy.lora.mode={self.lora.mode} (the engine adds adapters by forward hooks the exact forward does not "
-            "mirror)" if self.lora.mode != "none" else "",
+            f"policy.lora.mode={self.lora.mode} (the engine's adapters, vLLM's LoRA kernels or qarl's hooks, are not "
+            "part of the exact forward)" if self.lora.mode != "none" else "",
             "policy.generation.allow_quant_mismatch (the engine would quantize differently on purpose)"
             if self.generation.allow_quant_mismatch else "",
             "policy.generation.tensor_parallel_size > 1 (sharded matmuls sum in another order)"

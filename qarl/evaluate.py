@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
-from qarl.generation import VLLMEngine
+from qarl.generation import VLLMEngine, engine_adapter_rank
 from qarl.policy import build_policy
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
@@ -93,9 +93,8 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
         prompts = prompt_format(plain.tokenizer, cfg.task)
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
                                  model_dir=model_dir)
-    rank = plain.lora.rank if getattr(plain.lora, "mode", "none") == "qlora" else 0  # a checkpoint's own adapters
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                        adapter_rank=rank)
+                        adapter_rank=engine_adapter_rank(plain.lora))  # a checkpoint's own adapters
     results = {}
     if fmt is not None:
         engine.refit(quantized.model)

@@ -123,6 +123,11 @@ def check_lora(cfg: PolicyConfig, model_dir: str) -> None:
                           "weight, so there is no separate adapter input to drop (set policy.lora.dropout=0)")
     if lora.noise_start < 0 or lora.noise_end < 0:
         raise ConfigError("policy.lora.noise_start / noise_end are standard deviations: they must be >= 0")
+    if lora.mode == "qlora" and lora.pack_base and not cfg.quant_weight_cache:
+        raise ConfigError("policy.lora.pack_base=true needs policy.quant_weight_cache=true: the packed base's layers "
+                          "decode their weight again in the backward only on qarl's lean forward (without it each "
+                          "decoded weight is kept for the backward). Set policy.quant_weight_cache=true, or "
+                          "policy.lora.pack_base=false.")
     if lora.mode == "qlora" and cfg.generation.tensor_parallel_size > 1:
         raise ConfigError("policy.lora.mode=qlora serves the adapter beside unsharded engine layers; use "
                           "policy.generation.tensor_parallel_size=1, or mode=merged (adapters folded into weights)")

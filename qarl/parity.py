@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qarl.config import RecipeConfig
-from qarl.generation import VLLMEngine
+from qarl.generation import VLLMEngine, engine_adapter_rank
 from qarl.lora import check_lora, lora_layers
 from qarl.models.resolve import resolve_model_dir
 from qarl.policy import build_policy, Policy
@@ -89,9 +89,9 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
         plain = lora_policy(cfg, calib, model_dir, None, mode)
         rows += [(f"{fmt.name}+{mode}", fmt, lora_policy(cfg, calib, model_dir, fmt, mode), plain) for fmt in formats]
 
-    rank = cfg.policy.lora.rank if "qlora" in modes or cfg.policy.lora.mode == "qlora" else 0
-    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, adapter_rank=rank,
-                        exact=cfg.policy.exact_forward)
+    lora = dataclasses.replace(cfg.policy.lora, mode="qlora") if "qlora" in modes else cfg.policy.lora
+    engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
+                        adapter_rank=engine_adapter_rank(lora), exact=cfg.policy.exact_forward)
     results: dict[str, dict[str, dict]] = {}
     floor, held = None, None
     for name, _, quantized, plain in rows:  # the engine unquantized: the floor, and the unsynced mismatch

@@ -95,7 +95,8 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
-    runs_eager(cfg.policy.generation, adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
+    runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
+               adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
 
@@ -168,7 +169,7 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=engine_adapter_rank(cfg.policy), exact=cfg.policy.exact_forward)
+                      adapter_rank=engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward)
 
 
 # -- a step's prompts and rollout ----------------------------------------------------------------------

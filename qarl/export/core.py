@@ -29,7 +29,7 @@ from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
 from qarl.quant.formats import quantizer_settings
-from qarl.quant.packed import stored_codes
+from qarl.quant.packed import is_placeholder, stored_codes
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
@@ -173,14 +173,12 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
             if input_quantizer.amax is None:
                 raise ConfigError(f"{name}.input_quantizer has no amax: the quantizer state was not loaded")
             input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
-        w_q = module.weight_quantizer(module.weight).detach().cpu()
+        w_q = module.weight_quantizer(module.weight).detach()  # encoded where it was computed (FP8's kernel)
         weight = stored_codes(module.weight_quantizer)  # a packed frozen weight is stored already
-        if weight is not None:
-            weight = weight.to("cpu")
-        elif weight_kind == "nvfp4":
-            weight = encode_nvfp4(w_q, module.weight.detach().cpu(), amax.cpu(), name)
-        else:
-            weight = encode_fp8(w_q, amax, name)
+        if weight is None:
+            weight = (encode_nvfp4(w_q, module.weight.detach(), amax, name) if weight_kind == "nvfp4"
+                      else encode_fp8(w_q, amax, name))
+        weight = weight.to("cpu")
         yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())
 
 
@@ -226,7 +224,7 @@ def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for key, value in model.state_dict().items():
-        if "_quantizer." in key:
+        if "_quantizer." in key or is_placeholder(value):  # (a packed weight is written from its codes)
             continue
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
         if ident in seen:

@@ -27,7 +27,6 @@ from qarl.quant.formats import quantizer_settings
 DISK_FORMATS = ("modelopt_hf", "compressed_tensors")
 TARGET_DIR = REPO_ROOT / "export"
 _SETTINGS = {"max_shard_size": "5GB"}
-# Quantizer fields that decide the numbers on disk; the rest (effective_bits, calibrator, ...) do not.
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A qlora policy's adapters inside the rollout engine.
+"""A qlora policy's adapters inside the rollout engine by forward hooks, where vLLM's own LoRA cannot serve them
+(`qarl.generation.vllm_lora.hooks_needed`: an activation format, fp32 on a GPU, a rank above vLLM's largest).
 
 The engine's (fused) linear layers get a forward hook that adds s B A x to the slice of the output that
 belongs to each adapted part (q, k, v inside qkv_proj; gate, up inside gate_up_proj), computed by
@@ -6,10 +7,8 @@ belongs to each adapted part (q, k, v inside qkv_proj; gate, up inside gate_up_p
 policy's adapted layer does. A refit copies A and B into buffers the hooks own (in place after the first
 time), so each step moves only the adapter, while the base weights the engine holds stay as folded once.
 
-This is qarl's own path rather than vLLM's LoRA manager so that the engine computes what the policy
-computes, in the policy's adapter dtype, on every platform vLLM runs on, and so that a refit is a tensor
-copy instead of an adapter load from disk. It needs unsharded layers (tensor_parallel_size=1; checked in
-`qarl.lora.check_lora`).
+Hooks run only eagerly (a compiled graph would not see them), computing `adapter_output` as the policy does. They
+need unsharded layers (tensor_parallel_size=1; checked in `qarl.lora.check_lora`).
 """
 
 from __future__ import annotations
@@ -33,6 +32,16 @@ class _Slot:
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scale: float
+
+
+def engine_part(packed: dict[str, list[str]], policy_name: str) -> tuple[str, list[str]]:
+    """(the engine layer a policy layer is part of, the policy layers stacked before it there): q, k, v inside
+    qkv_proj and gate, up inside gate_up_proj, in vLLM's order (`packed`: `vllm_compat.packed_modules`)."""
+    parent, _, leaf = policy_name.rpartition(".")
+    for fused, parts in packed.items():
+        if leaf in parts:
+            return f"{parent}.{fused}", [f"{parent}.{p}" for p in parts[: parts.index(leaf)]]
+    return policy_name, []
 
 
 class EngineAdapters:
@@ -59,12 +68,9 @@ class EngineAdapters:
 
     def _place(self, policy_name: str, policy_modules: dict[str, nn.Module]) -> tuple[str, int, int]:
         """(engine layer, first output column, width) of a policy layer: fused parts sit side by side."""
-        parent, _, leaf = policy_name.rpartition(".")
-        for fused, parts in self.packed.items():
-            if leaf in parts:
-                start = sum(policy_modules[f"{parent}.{p}"].out_features for p in parts[: parts.index(leaf)])
-                return f"{parent}.{fused}", start, policy_modules[policy_name].out_features
-        return policy_name, 0, policy_modules[policy_name].out_features
+        engine_name, before = engine_part(self.packed, policy_name)
+        start = sum(policy_modules[name].out_features for name in before)
+        return engine_name, start, policy_modules[policy_name].out_features
 
     def _hook(self, engine_name: str):
         def add_adapters(module: nn.Module, inputs: tuple, output):

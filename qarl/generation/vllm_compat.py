@@ -240,7 +240,7 @@ def lora_slot(worker: Any, lora_id: int) -> int | None:
     return slots.index(lora_id) if lora_id in slots else None
 
 
-def lora_layers(worker: Any) -> dict[str, nn.Module]:
+def lora_wrappers(worker: Any) -> dict[str, nn.Module]:
     """{vLLM layer name: its LoRA layer} (`_adapter_manager.modules`): vLLM's fused names (qkv_proj, gate_up_proj).
     Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     check_version()
@@ -252,7 +252,18 @@ def lora_buffers(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torc
     [slots, 1, max rank, in], B as [slots, 1, part's out, max rank], in the LoRA dtype, B holding B * alpha / r
     (`lora_a_stacked`, `lora_b_stacked`). Its kernels read them by address: write them in place only. Checked: 0.32.0
     (CPU), 0.26.0 (GPU)."""
+    check_version()
     return tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
+
+
+def write_lora_slot(layer: nn.Module, part: int, slot: int, lora_a: torch.Tensor, scaled_b: torch.Tensor) -> None:
+    """Copy one fused part's A [rank, in] and s B [out, rank] into a LoRA layer's slot, in place (the rank's first
+    rows / columns of vLLM's [slots, 1, max rank, in] and [slots, 1, out, max rank]). Checked: 0.32.0 (CPU), 0.26.0
+    (GPU)."""
+    stacked_a, stacked_b = lora_buffers(layer)
+    rank = lora_a.shape[0]
+    stacked_a[part][slot, 0, :rank].copy_(lora_a)
+    stacked_b[part][slot, 0, :, :rank].copy_(scaled_b)
 
 
 @contextlib.contextmanager

@@ -169,6 +169,8 @@ class VLLMEngine:
         launcher = {"distributed_executor_backend": "external_launcher"} if processes > 1 else {}
         extra = exact_kernels.engine_options(eager) if self.exact else {}
         vllm_lora = bool(self.adapter_rank) and hooks is None
+        if hooks:
+            print(f"qlora adapters by qarl's forward hooks, eagerly: {hooks}")
         if vllm_lora:
             extra |= lora_engine_options(self.adapter_rank)
         self.llm = LLM(

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qarl.config import PolicyConfig
+from qarl.config import LoraConfig, PolicyConfig
 from qarl.generation import vllm_compat
+from qarl.generation.adapters import engine_part
 
 ADAPTER_ID, ADAPTER_NAME = 1, "qarl-policy"
 _PARTS = ("lora_A", "lora_B")
@@ -43,14 +44,14 @@ def hooks_needed(rank: int, dtype: str, quantized_inputs: bool) -> str | None:
     return None
 
 
-def engine_adapter_rank(cfg: PolicyConfig) -> int:
-    """The rank of the adapters a policy of `cfg` brings to the engine (0: none: only qlora serves adapters)."""
-    return cfg.lora.rank if cfg.lora.mode == "qlora" else 0
+def engine_adapter_rank(lora: LoraConfig | None) -> int:
+    """The rank of the adapters a policy with `lora` brings to the engine (0: none: only qlora serves adapters)."""
+    return lora.rank if lora is not None and lora.mode == "qlora" else 0
 
 
 def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool) -> str | None:
     """Why a policy of `cfg`'s adapters need the engine's forward hooks (None: vLLM's LoRA serves them, or none)."""
-    rank = engine_adapter_rank(cfg)
+    rank = engine_adapter_rank(cfg.lora)
     return hooks_needed(rank, cfg.dtype, quantized_inputs) if rank else None
 
 
@@ -66,9 +67,10 @@ class VLLMAdapters:
 
     def __init__(self, llm, worker, model: nn.Module, dtype: str):
         self.llm, self.worker, self.model, self.dtype = llm, worker, model, getattr(torch, dtype)
-        self.layers = vllm_compat.lora_layers(worker)
+        self.layers = vllm_compat.lora_wrappers(worker)
         self.packed = vllm_compat.packed_modules(model)
         self.registered = None  # vLLM's request for the adapter, once loaded
+        self.shape: dict[str, int] = {}  # policy layer -> rank, of the adapter registered (what the slot holds)
         self.active = False  # the last load brought adapters
         self.dir: Path | None = None
         self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # policy layer -> (A, s B) as the engine holds them
@@ -79,13 +81,10 @@ class VLLMAdapters:
 
     def _place(self, policy_name: str) -> tuple[nn.Module, int]:
         """(the vLLM LoRA layer, the part's index in it) of a policy layer: fused parts in vLLM's order."""
-        parent, _, leaf = policy_name.rpartition(".")
-        for fused, parts in self.packed.items():
-            if leaf in parts and f"{parent}.{fused}" in self.layers:
-                return self.layers[f"{parent}.{fused}"], parts.index(leaf)
-        if policy_name not in self.layers:
+        engine_name, before = engine_part(self.packed, policy_name)
+        if engine_name not in self.layers:
             raise RuntimeError(f"vLLM's LoRA has no layer for the policy's adapted layer {policy_name}")
-        return self.layers[policy_name], 0
+        return self.layers[engine_name], len(before)
 
     @torch.no_grad()
     def load(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
@@ -94,11 +93,16 @@ class VLLMAdapters:
         self.active = bool(adapters)
         if not adapters:  # a policy without adapters: generate calls run the base alone
             return 0
+        shape = {name: a.shape[0] for name, (a, _, _) in adapters.items()}
+        if self.shape and shape != self.shape:  # parts of the slot the new adapter leaves out would keep old values
+            raise RuntimeError("this engine's vLLM LoRA slot holds an adapter of other layers or ranks than the policy's; "
+                               "an engine serves one adapter layout (start another engine for another policy.lora)")
         device = vllm_compat.lora_buffers(next(iter(self.layers.values())))[0][0].device
         self.held = {name: (a.to(device, self.dtype), (b.float() * scale).to(device, self.dtype))
                      for name, (a, b, scale) in adapters.items()}
         if self.registered is None:
             self._register(adapters)
+            self.shape = shape
         self.ensure_active(copy=True)
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in adapters.values())
 
@@ -136,10 +140,7 @@ class VLLMAdapters:
             return
         for name, (lora_a, lora_b) in self.held.items():
             layer, part = self._place(name)
-            stacked_a, stacked_b = vllm_compat.lora_buffers(layer)
-            rank = lora_a.shape[0]
-            stacked_a[part][slot, 0, :rank].copy_(lora_a)
-            stacked_b[part][slot, 0, :, :rank].copy_(lora_b)
+            vllm_compat.write_lora_slot(layer, part, slot, lora_a, lora_b)
 
     @property
     def request(self):

@@ -16,13 +16,16 @@ codes decode to W_q bit for bit, and frees the weight:
 
 Frozen means frozen: the codes cannot be re-quantized with another amax (the wider weight is gone), so a packed
 quantizer whose amax changes value, or that is disabled or put into calibration, stops with an error naming
-`policy.lora.pack_base`. `unpack_frozen_weights` gives a model (a copy) real parameters back: W_q itself.
+`policy.lora.pack_base`. `unpack_frozen_weights` gives a model (a copy) real parameters back: W_q itself. A packed
+model stays on its device and dtype: `.to()` would make each placeholder a tensor of NaNs (nothing in qarl moves a
+policy after it is built). The backward decodes again only through `packed_linear`, which the lean forward calls
+(`policy.quant_weight_cache`, on by default; `check_lora` refuses a packed base without it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +68,7 @@ class PackedWeightMixin(TracksQuantizerChanges):
     _qarl_packed_kernel: str  # FP8: which of ModelOpt's kernels the codes reproduce
     _qarl_packed_dtype: torch.dtype  # the compute dtype W_q is decoded to
     _qarl_packed_amax: torch.Tensor  # a CPU copy of the amax the codes were encoded with
-    _qarl_packed_seen: tuple[int, int] = (0, -1)  # (id, version) of the amax buffer last checked against it
+    _qarl_packed_seen: tuple[int, int, int] = (0, -1, -1)  # (id, version, quantizer generation) last checked
 
     def stored(self) -> NVFP4Weight | FP8Weight:
         """The codes and scales this quantizer decodes (export writes them as they are)."""
@@ -96,12 +99,14 @@ class PackedWeightMixin(TracksQuantizerChanges):
                                "unquantized weight is gone. Set policy.lora.pack_base=false to disable or "
                                "recalibrate frozen weights.")
         amax = amax_buffer(self)
-        if amax is not None and (id(amax), tensor_version(amax)) == self._qarl_packed_seen:
+        # ModelOpt's amax setter writes through `.data` (no version bump) but is announced: the generation moves
+        seen = None if amax is None else (id(amax), tensor_version(amax), self._qarl_generation)
+        if seen is not None and seen == self._qarl_packed_seen:
             return
         if amax is None or not torch.equal(amax.detach().float().cpu(), self._qarl_packed_amax):
             raise RuntimeError("a packed frozen weight's amax was changed; its codes cannot be re-quantized (the "
                                "unquantized weight is gone). Set policy.lora.pack_base=false to change it.")
-        self._qarl_packed_seen = (id(amax), tensor_version(amax))
+        self._qarl_packed_seen = seen
 
 
 def stored_codes(quantizer: nn.Module) -> NVFP4Weight | FP8Weight | None:
@@ -154,7 +159,7 @@ class PackReport:
     without a packed form), and the bytes of the packed weights before and after."""
 
     packed: int = 0
-    kept: list[str] | None = None
+    kept: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -187,7 +192,7 @@ def _frozen_quantized(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Mod
 def pack_frozen_weights(model: nn.Module) -> PackReport:
     """Store every frozen weight that a quantizer quantizes in a format with a packed form (NVFP4 with dynamic
     16-element blocks, FP8 per tensor) as its codes (see the module docstring); others are kept and named."""
-    report = PackReport(kept=[])
+    report = PackReport()
     for name, layer, quantizer in list(_frozen_quantized(model)):
         spec = calibrated_spec(quantizer)
         if spec is None or (spec.kind == NVFP4 and spec.block_size != 16) or layer.weight.ndim != 2:

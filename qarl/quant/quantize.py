@@ -19,6 +19,7 @@ from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, in
 from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, quantized_meta_model
 from qarl.quant.modelopt_compat import (is_static_block_quantizer, pass_through_bwd, pre_quant_scale, resmooth_fused,
                                         to_static_block_quantizer)
+from qarl.quant.packed import PackedWeightMixin
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
 # siblings must share one per-tensor amax for their weights and one for their inputs: the fused
@@ -252,7 +253,9 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
         prefix = f"{name}." if name else ""      # instance attributes through a slow dynamic __getattr__
         skipped.update(prefix + p for p in getattr(type(module), "adapter_param_names", ()))
         quantizer = module._modules.get("weight_quantizer")
-        quantized = isinstance(quantizer, _quantizer_modules()) and quantizer.is_enabled
+        # a packed weight exists only as its quantizer's codes (which refuse to serve a disabled quantizer)
+        quantized = isinstance(quantizer, PackedWeightMixin) or (isinstance(quantizer, _quantizer_modules())
+                                                                 and quantizer.is_enabled)
         if hasattr(type(module), "served_weight") or quantized:
             owners[f"{prefix}weight"] = (module, quantizer if quantized else None)
     for name, param in model.named_parameters():

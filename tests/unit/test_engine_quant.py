@@ -111,7 +111,8 @@ def test_engine_modes_and_their_refusals():
 
 def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewhere():
     qlora = PolicyConfig(lora=LoraConfig(mode="qlora", rank=16))
-    assert engine_adapter_rank(qlora) == 16 and engine_adapter_rank(PolicyConfig()) == 0
+    assert engine_adapter_rank(qlora.lora) == 16
+    assert engine_adapter_rank(PolicyConfig().lora) == 0 == engine_adapter_rank(None)
     assert adapter_hooks(PolicyConfig(), quantized_inputs=True) is None  # no adapters
     assert adapter_hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False) is None
     assert "quantizes layer inputs" in adapter_hooks(qlora, quantized_inputs=True)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from qarl.checkpoint import load_policy_checkpoint
-from qarl.config import LoraConfig, PolicyConfig
-from qarl.lora import lora_layers
+from qarl.config import ConfigError, LoraConfig, PolicyConfig
+from qarl.lora import check_lora, lora_layers
 from qarl.memory import ModelShape, weight_bytes
 from qarl.metrics import storage_bytes, weight_memory
 from qarl.optim import PolicyOptimizer
@@ -129,6 +129,7 @@ def test_a_packed_base_refuses_what_would_change_its_numbers(task, tiny_dir):
     layer = dict(policy.model.named_modules())[name]
     with pytest.raises(RuntimeError, match="called with another tensor"):
         layer.weight_quantizer(torch.zeros(layer.weight.shape))
+    eval_logits(policy, task)  # decoded once: the amax check is now the cheap one, which must still see a write
     layer.weight_quantizer.amax = layer.weight_quantizer.amax * 2
     with pytest.raises(RuntimeError, match="amax was changed"):
         eval_logits(policy, task)
@@ -137,3 +138,7 @@ def test_a_packed_base_refuses_what_would_change_its_numbers(task, tiny_dir):
     layer.weight_quantizer.disable()
     with pytest.raises(RuntimeError, match="disabled or put into calibration"):
         eval_logits(policy, task)
+    with pytest.raises(RuntimeError, match="disabled or put into calibration"):  # never a NaN weight to the engine
+        dict(folded_weights(policy.model))
+    with pytest.raises(ConfigError, match="quant_weight_cache"):
+        check_lora(PolicyConfig(quant_weight_cache=False, lora=LoraConfig(mode="qlora")), tiny_dir)
