@@ -29,7 +29,7 @@ from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
 from qarl.quant.formats import quantizer_settings
-from qarl.quant.packed import is_placeholder, stored_codes
+from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
@@ -224,13 +224,14 @@ def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for key, value in model.state_dict().items():
-        if "_quantizer." in key or is_placeholder(value):  # (a packed weight is written from its codes)
+        if "_quantizer." in key:
             continue
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
         if ident in seen:
             continue
         seen.add(ident)
-        out[key] = value.detach().cpu()
+        # a packed weight is written from its codes: its entry stays a placeholder (one element, not a NaN tensor)
+        out[key] = placeholder(value.shape, value.dtype, "cpu") if is_placeholder(value) else value.detach().cpu()
     return out
 
 
