@@ -44,11 +44,18 @@ ADAPTER_PARAMS = ("lora_A", "lora_B")
 PEFT_PREFIX = "base_model.model."
 
 
+def adapter_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and s B as an adapter computes with them: each rounded once to `dtype` from the masters. The policy and the
+    engine's hooks (`adapter_output`) and vLLM's LoRA slot (qarl/generation/vllm_lora.py) all hold these."""
+    return lora_a.to(dtype), (lora_b * scale).to(dtype)
+
+
 def adapter_output(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """s B A x in x's dtype (the compute dtype), as vLLM's LoRA kernels compute it: A and s B rounded once to that
-    dtype (from the fp32 masters), x A^T rounded to it, then expanded by s B. The policy, the engine's hooks and
-    vLLM's LoRA (qarl/generation/vllm_lora.py) all compute this; in bf16 it costs no fp32 copy of the layer input."""
-    return F.linear(F.linear(x, lora_a.to(x.dtype)), (lora_b * scale).to(x.dtype))
+    """s B A x in x's dtype (the compute dtype), as vLLM's LoRA kernels compute it: with `adapter_weights`, x A^T
+    rounded to that dtype, then expanded by s B. In bf16 it costs no fp32 copy of the layer input."""
+    weight_a, scaled_b = adapter_weights(lora_a, lora_b, scale, x.dtype)
+    return F.linear(F.linear(x, weight_a), scaled_b)
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:

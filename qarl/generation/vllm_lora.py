@@ -27,6 +27,7 @@ from torch import nn
 from qarl.config import LoraConfig, PolicyConfig
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import engine_part
+from qarl.lora import adapter_weights
 
 ADAPTER_ID, ADAPTER_NAME = 1, "qarl-policy"
 _PARTS = ("lora_A", "lora_B")
@@ -98,7 +99,7 @@ class VLLMAdapters:
             raise RuntimeError("this engine's vLLM LoRA slot holds an adapter of other layers or ranks than the policy's; "
                                "an engine serves one adapter layout (start another engine for another policy.lora)")
         device = vllm_compat.lora_buffers(next(iter(self.layers.values())))[0][0].device
-        self.held = {name: (a.to(device, self.dtype), (b.float() * scale).to(device, self.dtype))
+        self.held = {name: tuple(t.to(device) for t in adapter_weights(a, b, scale, self.dtype))
                      for name, (a, b, scale) in adapters.items()}
         if self.registered is None:
             self._register(adapters)
