@@ -30,7 +30,8 @@
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
-#             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO)
+#             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
+#             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
 #   user_shape_long  QA-GRPO NVFP4 W4A16 of that model with completions of 16,384 tokens, 8 a step
 #   user_shape_qad  QAD NVFP4 W4A4 of that model with a bf16 teacher of the same shape, completions of 4,096 tokens
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
@@ -77,11 +78,13 @@ timed_steps() { # NAME LABEL OVERRIDES...: 10 QA-GRPO steps of the 0.5B recipe a
 }
 user_run() { # COMMAND RECIPE NAME OVERRIDES...: a run on the user-shape model, its log and metrics kept, its report
   local command="$1" recipe="$2" name="$3"; shift 3
-  qarl "$command" "$recipe" policy.model_name=runs/qwen3_1p7b_shape "run.dir=runs/$name" "$@" > "$out/$name.log" 2>&1
+  qarl "$command" "$recipe" "policy.model_name=$shape_dir" "run.dir=runs/$name" "$@" > "$out/$name.log" 2>&1
   echo "exit $? ($name)"; grep -E "memory plan|Error|error:|out of memory" "$out/$name.log" | tail -5
   keep "runs/$name" "$name"
   python3 benchmarks/user_shape.py report "runs/$name" | tee "$out/$name.txt"
 }
+shape="${SHAPE:-qwen3-1.7b}"  # the user_shape stage's model (benchmarks/user_shape.py SHAPES)
+shape_dir="runs/$(echo "$shape" | tr .- p_)_shape"
 case "$stage" in
   kernels)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
@@ -251,21 +254,21 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   user_shape)  # argument: the format (none | nvfp4_a16 | ...); further arguments: recipe overrides
     fmt="${3:-nvfp4_a16}"; shift 3 2>/dev/null || shift $#
-    python3 benchmarks/user_shape.py make runs/qwen3_1p7b_shape --shape qwen3-1.7b
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
     quant="quant_configs/$fmt.yaml"; [ "$fmt" = none ] && quant=none
-    user_run train benchmarks/recipes/user_shape_grpo.yaml "user_shape_$fmt" "policy.quant_cfg=$quant" "$@"
+    user_run train benchmarks/recipes/user_shape_grpo.yaml "user_shape_$fmt${TAG:-}" "policy.quant_cfg=$quant" "$@"
     ;;
   user_shape_long)  # QA-GRPO NVFP4 W4A16, completions of 16,384 tokens; arguments: recipe overrides
     shift 2
-    python3 benchmarks/user_shape.py make runs/qwen3_1p7b_shape --shape qwen3-1.7b
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
     user_run train benchmarks/recipes/user_shape_grpo.yaml user_shape_long_16k policy.generation.max_new_tokens=16384 \
       policy.generation.max_model_len=16500 policy.generation.gpu_memory_utilization=0.45 trainer.batch_size=8 \
       trainer.steps=2 "$@"
     ;;
   user_shape_qad)  # QAD NVFP4 W4A4 with a bf16 teacher of the same shape, 4,096-token completions
     shift 2
-    python3 benchmarks/user_shape.py make runs/qwen3_1p7b_shape --shape qwen3-1.7b
-    user_run distill benchmarks/recipes/user_shape_qad.yaml user_shape_qad_4k teacher.model_name=runs/qwen3_1p7b_shape \
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
+    user_run distill benchmarks/recipes/user_shape_qad.yaml user_shape_qad_4k "teacher.model_name=$shape_dir" \
       policy.generation.max_new_tokens=4096 policy.generation.max_model_len=4200 "$@"
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model

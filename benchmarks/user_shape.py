@@ -3,6 +3,7 @@ model samples ids the tokenizer decodes to ''; fine for memory and speed).
 
     python benchmarks/user_shape.py make DIR --shape qwen3-1.7b     # 28 x 2048, vocabulary 151,936 (bf16, on a GPU)
     python benchmarks/user_shape.py make DIR --shape qwen3-8b       # 36 x 4096, vocabulary 151,936, untied head
+    python benchmarks/user_shape.py make DIR --shape llama3.2-1b     # 16 x 2048, vocabulary 128,256, Llama 3's scaled RoPE
     python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
     python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
 
@@ -26,6 +27,14 @@ SHAPES = {
     # Qwen3-8B's layers: 36 x hidden 4096, MLP 12288, 32 / 8 heads of 128, q/k norms, an untied head
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    # Llama-3.2-1B's layers: 16 x hidden 2048, MLP 8192, 32 / 8 heads of 64, Llama 3's scaled rotary embedding,
+    # tied embeddings, its 128,256-token vocabulary
+    "llama3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128_256,
+                        max_position_embeddings=131_072,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}),
     # a user's directory small enough for the CPU machine, with the real vocabulary
     "qwen2-2l-151k": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2),
@@ -46,7 +55,8 @@ def spread(completions: list[str], answers: list[str]) -> list[float]:
 def make(out: Path, shape: str) -> Path:
     """A model directory of `shape`, random weights (seed 0) in bf16, with the embedded tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     from qarl.models.tiny import build_tokenizer
 
@@ -54,11 +64,14 @@ def make(out: Path, shape: str) -> Path:
         return out
     spec = dict(SHAPES[shape])
     family = spec.pop("family")
-    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     tokenizer = build_tokenizer()
     spec.setdefault("tie_word_embeddings", True)
-    config = config_class(vocab_size=VOCAB, max_position_embeddings=40_960, rope_theta=1e6,
-                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    spec.setdefault("vocab_size", VOCAB)
+    spec.setdefault("max_position_embeddings", 40_960)
+    spec.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 1e6})
+    config = config_class(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id, **spec)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

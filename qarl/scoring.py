@@ -132,8 +132,14 @@ def completion_logits(
     vocabulary in memory: for models without hidden states and for small checks), with the completion tokens and a
     0/1 mask of the same [batch, longest completion] shape."""
     rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
-    logits = model(input_ids=rows.ids, attention_mask=rows.attention).logits
+    logits = model(input_ids=rows.ids, attention_mask=rows.attention, **engine_steps(model, prompts)).logits
     return logits.gather(1, rows.positions[..., None].expand(-1, -1, logits.shape[-1])), rows.targets, rows.mask
+
+
+def engine_steps(model: torch.nn.Module, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """For the exact forward: each row's prompt length, the tokens the engine computed as a prefill before it
+    decoded the completion (qarl/backends/exact_forward.py); nothing for other models."""
+    return {"prompt_lengths": [len(p) for p in prompts]} if hasattr(model, "qarl_token_logprobs") else {}
 
 
 @dataclass
@@ -184,7 +190,7 @@ def completion_states(model: torch.nn.Module, prompts: list[list[int]], completi
     device = next(model.parameters()).device
     pack = pack and not hasattr(model, "qarl_body_and_head")
     rows = (packed if pack else teacher_forced)(prompts, completions, pad_id, device)
-    hidden = decoder(**rows.decoder_inputs(), use_cache=False).last_hidden_state
+    hidden = decoder(**rows.decoder_inputs(), **engine_steps(model, prompts), use_cache=False).last_hidden_state
     keep = rows.mask.bool()
     if pack:
         states = hidden[0][rows.positions[keep]]

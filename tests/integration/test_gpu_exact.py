@@ -2,7 +2,8 @@
 equals the policy's bit for bit, in every format and compute dtype, eager and with CUDA graphs; the
 kernels it rests on give each row the same bits whatever else is in the batch; each kernel computes what
 its gradient reference computes, and whole-model gradients are within 5 % of the default path's (weight-only
-formats). Skipped without such a GPU (CPU refusals and references: tests/unit/test_exact_forward.py)."""
+formats); Qwen3 (q/k norms) and Llama 3 (scaled rotary embedding) as well as Qwen2. Skipped without such a GPU
+(CPU refusals and references: tests/unit/test_exact_forward.py)."""
 
 from __future__ import annotations
 
@@ -18,33 +19,43 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper, reason="needs a Ho
 
 FORMATS = ["none", "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]
 MODEL = "embedded:20m"  # head size 64 (FlashAttention 3); the tiny model's is 32
+FAMILIES = ["qwen3", "llama3"]  # beside Qwen2: q/k norms, Llama 3's scaled rotary embedding
 
 
-def exact_policy(task, quant_cfg: str, dtype: str = "bfloat16", exact: bool = True):
+def exact_policy(task, quant_cfg: str, dtype: str = "bfloat16", exact: bool = True, model: str = MODEL):
     from qarl.models.resolve import resolve_model_dir
 
-    return tiny_policy(task, resolve_model_dir(MODEL), quant_cfg, trainable=True, model_name=MODEL, dtype=dtype,
+    return tiny_policy(task, resolve_model_dir(model), quant_cfg, trainable=True, model_name=model, dtype=dtype,
                        exact_forward=exact)
 
 
 def test_the_kernels_give_a_row_the_same_bits_in_any_batch(task):
-    """Decode (one query against the paged cache) equals the prefill row; a matmul row and a norm row do
-    not depend on the other rows."""
+    """Attention as the engine runs it (prompts prefilled, then one decode step a token): a prompt's rows equal its
+    prefill alone, a decode row equals that decode step alone (the engine's step: one query against the cache);
+    decode rows equal prefill rows exactly where `decode_matches_prefill` says so (head size 128: yes; 64: not past
+    the first tile of keys, which is why the layout has decode rows). A matmul row and a norm row do not depend on
+    the other rows."""
     from qarl.generation import exact
 
     exact_policy(task, "none")  # the process in batch-invariant mode
     g = torch.Generator(device="cuda").manual_seed(0)
-    lengths = [37, 5, 64]
-    q = torch.randn(sum(lengths), 8, 64, device="cuda", generator=g).bfloat16()
-    k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
-    full = exact.attention(q, k, v, exact.PagedLayout.build(lengths, lengths, q.device), 0.125)
-    start = 0
-    for n in lengths:
-        for t in (0, n // 2, n - 1):  # a decode step's query: token t against keys 0..t
-            one = exact.attention(q[start + t : start + t + 1], k[start : start + t + 1], v[start : start + t + 1],
-                                  exact.PagedLayout.build([1], [t + 1], q.device), 0.125)
-            assert torch.equal(one, full[start + t : start + t + 1]), (n, t)
-        start += n
+    lengths, prompts = [37, 300, 700], [5, 200, 20]
+    for heads, kv_heads, d in [(8, 2, 64), (16, 8, 128)]:
+        q = torch.randn(sum(lengths), heads, d, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(sum(lengths), kv_heads, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+        attend = lambda rows, n, p: exact.attention(q[rows], k[rows], v[rows],  # noqa: E731
+                                                    exact.PagedLayout.build(n, p, q.device), d ** -0.5)
+        whole = slice(None)
+        engine_way = attend(whole, lengths, prompts)
+        start = 0
+        for n, p in zip(lengths, prompts):
+            assert torch.equal(attend(slice(start, start + p), [p], [p]), engine_way[start : start + p]), (d, n)
+            for t in (p, (p + n) // 2, n - 1):
+                step = attend(slice(start, start + t + 1), [t + 1], [t])[t]
+                assert torch.equal(step, engine_way[start + t]), (d, n, t)
+            start += n
+        same = torch.equal(engine_way, attend(whole, lengths, lengths))
+        assert same == exact.decode_matches_prefill(heads, kv_heads, d, torch.bfloat16, q.device), d
     x = torch.randn(300, 896, device="cuda", generator=g).bfloat16()
     w = torch.randn(1152, 896, device="cuda", generator=g).bfloat16()
     b = torch.randn(1152, device="cuda", generator=g).bfloat16()
@@ -56,20 +67,32 @@ def test_the_kernels_give_a_row_the_same_bits_in_any_batch(task):
 @pytest.mark.parametrize("eager", ["true", "false"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_engine_and_policy_log_probs_are_equal_in_every_format(task, dtype, eager):
+    assert_exact_parity(task, MODEL, dtype, eager)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qwen3_and_llama3_log_probs_are_equal_in_every_format(task, family):
+    assert_exact_parity(task, f"{MODEL}-{family}", "bfloat16", "false", max_new_tokens=200)
+
+
+def assert_exact_parity(task, model: str, dtype: str, eager: str, max_new_tokens: int = 32) -> None:
+    """Every format's engine log-probs equal the policy's, bit for bit, over 16 prompts x `max_new_tokens` sampled
+    tokens (past 128, the first tile of keys, FlashAttention decodes a head size of 64 with other bits than it
+    prefills: the embedded 20m models' heads are 64)."""
     from qarl.generation import VLLMEngine
     from qarl.parity import measure
     from qarl.quant import resolve_format
 
-    policies = [exact_policy(task, f, dtype) for f in FORMATS]
-    settings = GenerationConfig(max_new_tokens=32, gpu_memory_utilization=0.2, sleep_between_rollouts="off",
-                                enforce_eager=eager)
+    policies = [exact_policy(task, f, dtype, model=model) for f in FORMATS]
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, gpu_memory_utilization=0.2,
+                                sleep_between_rollouts="off", enforce_eager=eager)
     engine = VLLMEngine(policies[0].model_dir, settings, dtype, 0, exact=True)
     prompts = [policies[0].tokenizer(p.prompt).input_ids for p in task.eval[:16]]
     found = {}
     for quant_cfg, policy in zip(FORMATS, policies):
         engine.set_quant_format(resolve_format(quant_cfg))
         engine.refit(policy.model)
-        found[quant_cfg] = measure(engine, policy, prompts, max_new_tokens=32, seed=0)
+        found[quant_cfg] = measure(engine, policy, prompts, max_new_tokens=max_new_tokens, seed=0)
     engine.close()
     assert all(m.tokens > 100 for m in found.values())
     assert {f: (m.max_abs, m.flipped_tokens) for f, m in found.items()} == {f: (0.0, 0) for f in FORMATS}
@@ -125,14 +148,15 @@ def test_every_kernel_computes_what_its_gradient_reference_computes(task):
         assert ((a.float() - t.grad.float()).norm() / t.grad.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("model", [MODEL, f"{MODEL}-qwen3", f"{MODEL}-llama3"])
 @pytest.mark.parametrize("quant_cfg", FORMATS[:2])
-def test_exact_gradients_match_the_default_path(task, quant_cfg):
+def test_exact_gradients_match_the_default_path(task, quant_cfg, model):
     """The same weights, the same loss: gradients within 5 % (relative norm) of the default (transformers) path.
     (Weight-only formats: with quantized activations the two paths' forwards differ by whole quantization
     steps where their last bits differ, which is the mismatch the exact forward removes.)"""
     grads = []
     for exact in (True, False):
-        policy = exact_policy(task, quant_cfg, exact=exact)
+        policy = exact_policy(task, quant_cfg, exact=exact, model=model)
         answer_loss(policy, task).backward()
         grads.append({n: p.grad.float() for n, p in policy.model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()

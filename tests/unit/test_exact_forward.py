@@ -43,6 +43,50 @@ def test_a_cpu_machine_is_refused_before_the_model_loads(task, tiny_dir):
         build_policy(PolicyConfig(exact_forward=True, dtype="bfloat16", quant_cfg="none"), [], model_dir=tiny_dir)
 
 
+@pytest.mark.parametrize("family, served", [("qwen2", True), ("qwen3", True), ("llama3", True), ("mistral", False),
+                                             ("gemma3", False), ("phi3", False)])
+def test_the_families_the_exact_forward_serves_and_the_rest_are_named(family, served):
+    """Qwen3's q/k norms and Llama 3's scaled rotary embedding are served; another architecture, a rotary
+    embedding vLLM scales another way (YaRN) or applies to part of each head is refused by name."""
+    from transformers import AutoConfig
+
+    from qarl.backends.exact_forward import ARCHITECTURES
+    from qarl.generation.exact import rope_parameters
+    from qarl.models.resolve import resolve_model_dir
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(f"embedded:tiny-{family}"))
+    assert (config.model_type in ARCHITECTURES) == served
+    if family in ("qwen3", "llama3"):
+        assert rope_parameters(config) is not None
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": 4.0}
+        assert rope_parameters(config) is None
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        assert rope_parameters(config) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_the_rotary_table_is_the_one_vllm_builds_for_the_model(family):
+    """The policy's table (`rope_cache`) is the one vLLM's `get_rope` builds for the model's own rotary settings:
+    Llama 3's scaled frequencies included (they differ from the plain table)."""
+    from transformers import AutoConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from qarl.generation.exact import head_size, rope_cache
+    from qarl.models.resolve import resolve_model_dir
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(f"embedded:tiny-{family}"))
+    with set_current_vllm_config(VllmConfig()):
+        vllms = get_rope(head_size(config), config.max_position_embeddings, True, dict(config.rope_parameters),
+                         torch.float32).cos_sin_cache
+    ours = rope_cache(config, torch.float32, torch.device("cpu"))
+    assert torch.equal(ours, vllms)
+    plain = rope_cache(SimpleNamespace(head_dim=head_size(config), max_position_embeddings=config.max_position_embeddings,
+                                       rope_parameters={"rope_theta": config.rope_parameters["rope_theta"]}),
+                       torch.float32, torch.device("cpu"))
+    assert torch.equal(plain, ours) == (family == "qwen3")
+
+
 def test_the_rotary_reference_is_vllms_rotary_embedding():
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
