@@ -45,6 +45,7 @@ class ModelShape:
     vocab: int
     attention_width: int  # q + k + v output features of one layer
     query_width: int  # q's output features (the attention output projection's input)
+    experts: int = 0  # a Mixture-of-Experts model's experts a layer (0: dense); `intermediate` is then a token's share
 
     @classmethod
     def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ModelShape":
@@ -52,15 +53,20 @@ class ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        intermediate = getattr(config, "intermediate_size", 4 * config.hidden_size)
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        if experts:  # what a token's activations hold: its experts' intermediate width
+            intermediate = config.num_experts_per_tok * (getattr(config, "moe_intermediate_size", None) or intermediate)
         return cls(params=parameter_count(model_dir, trust_remote_code), layers=config.num_hidden_layers,
-                   hidden=config.hidden_size, intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-                   vocab=config.vocab_size, attention_width=(heads + 2 * kv_heads) * head_dim,
-                   query_width=heads * head_dim)
+                   hidden=config.hidden_size, intermediate=intermediate, vocab=config.vocab_size,
+                   attention_width=(heads + 2 * kv_heads) * head_dim, query_width=heads * head_dim, experts=experts)
 
     @property
     def linear_params(self) -> int:
-        """The decoder's linear weights (q, k, v, o, gate, up, down): what a quantization format quantizes."""
-        return self.layers * self.hidden * (self.attention_width + self.query_width + 3 * self.intermediate)
+        """The decoder's linear weights (q, k, v, o, and a dense model's gate, up, down): what a frozen quantized
+        model keeps packed (a MoE layer's fused experts stay in the compute dtype)."""
+        mlp = 0 if self.experts else 3 * self.intermediate
+        return self.layers * self.hidden * (self.attention_width + self.query_width + mlp)
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the

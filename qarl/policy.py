@@ -27,7 +27,7 @@ from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.lora import AdapterDisabled, QuantNoise, pack_base, save_adapter, write_lora_manifest
 from qarl.models.resolve import resolve_model_dir
 from qarl.quant import QuantFormat, load_quantizer_state, pack_frozen_weights, quantizer_state, resolve_format
-from qarl.quant.formats import format_to_yaml
+from qarl.quant.formats import format_to_yaml, is_quantizer_key
 from qarl.quant.rollout_view import RolloutView
 
 T = TypeVar("T")
@@ -137,7 +137,7 @@ class Policy:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as a checkpoint keeps them: master precision, no quantizer buffers."""
-        state = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if "_quantizer." not in k}
+        state = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not is_quantizer_key(k)}
         if self.master is not None:
             by_tensor = {id(p): self.master[n] for n, p in self.model.named_parameters()}
             state = {k: by_tensor.get(id(v), v) for k, v in state.items()}  # tied weights map to one master

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from qarl.calibration import calibration_batches
 from qarl.config import ConfigError, PolicyConfig
 from qarl.lora import apply_lora, pack_base
+from qarl.models.checks import meta_model
+from qarl.models.experts import check_experts
 from qarl.models.resolve import default_device
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
@@ -36,6 +38,8 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
 def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
           texts: list[str] | None, trainable: bool) -> Policy:
     """A transformers model, quantized by ModelOpt and calibrated on `texts` (None: uncalibrated)."""
+    architecture = meta_model(model_dir, cfg.trust_remote_code)
+    check_experts(architecture.config.model_type, architecture)  # a MoE layout the refit can name, before loading
     device = default_device()
     master = None
     if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":

@@ -26,9 +26,10 @@ from safetensors.torch import save_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.export.targets import ExportTarget, check_target_matches, load_target
+from qarl.models.experts import has_experts
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
-from qarl.quant.formats import quantizer_settings
+from qarl.quant.formats import is_quantizer_key, quantizer_settings
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
@@ -224,7 +225,7 @@ def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for key, value in model.state_dict().items():
-        if "_quantizer." in key:
+        if is_quantizer_key(key):
             continue
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
         if ident in seen:
@@ -309,6 +310,10 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         raise ConfigError("the policy is not quantized: nothing to export in a quantized format "
                           "(export its checkpoint with --calibrate for PTQ)")
     check_target_matches(policy.format, target)
+    if has_experts(policy.model):
+        raise ConfigError("the packed low-precision export does not write Mixture-of-Experts experts yet; "
+                          "`qarl export CHECKPOINT --dequantized --out DIR` writes the weights the policy computes with "
+                          "(each expert's Q(W)) as a plain model that vLLM and transformers load")
     scheme = target_scheme(target)
     fmt_module = format_module(target.disk_format)
 

@@ -25,6 +25,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
 
     from qarl.export.core import _check_out_dir
     from qarl.lora import lora_layers
+    from qarl.models.experts import fuse_expert_weights
     from qarl.policy import DTYPES
     from qarl.quant import folded_weights
 
@@ -40,6 +41,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
             delta = (layer.lora_B @ layer.lora_A) * layer.lora_scale
             weights[key] = (weights[key].to(layer.lora_A.dtype) + delta).to(weights[key].dtype)
             merged += 1
+    weights = fuse_expert_weights(weights, policy.model.config.model_type)  # (the fold names each expert apart)
     model = AutoModelForCausalLM.from_config(policy.model.config, dtype=getattr(torch, dtype))
     missing, unexpected = model.load_state_dict({k: v.to(getattr(torch, dtype)) for k, v in weights.items()},
                                                 strict=False)

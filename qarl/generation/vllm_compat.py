@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qarl.torch_compat import require_tested_version
@@ -50,6 +51,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "pointer_to_data", "unmap_and_release",
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
+    # the CPU MoE experts
+    "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch",
     # model loading and layers
     "register_model_loader", "DefaultModelLoader", "LinearBase",
     # the exact forward's kernels and settings
@@ -161,6 +164,36 @@ def keep_cpu_weights_plain() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def keep_cpu_experts_plain() -> None:
+    """Patch: on CPU, vLLM pads and repacks a fused MoE layer's expert weights after loading
+    (`CPUUnquantizedExperts.process_weights_after_loading`, for its `cpu_fused_moe` kernel), so a later refit
+    would write per-expert weights into a repacked layout. The patch keeps `w13_weight` [experts, 2 x
+    intermediate, hidden] and `w2_weight` plain and computes the experts with torch ops in the order transformers'
+    eager experts do (per expert hit: gate and up in one matmul, SiLU(gate) x up, down, scaled by the routing
+    weight, summed into the token's output), so the policy's and the engine's MoE agree to fp32 rounding. Before
+    the engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    def plain_weights(self, layer: nn.Module) -> None:
+        self._use_zentorch = False
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, *args: Any, **kwargs: Any) -> None:
+        if str(getattr(activation, "value", activation)).lower() != "silu":
+            raise NotImplementedError(f"qarl's plain CPU experts compute SiLU x up, not {activation}")
+        total = torch.zeros_like(hidden_states)
+        for expert in topk_ids.unique().tolist():
+            token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(hidden_states[token], w1[expert]).chunk(2, dim=-1)
+            out = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token, slot, None]
+            total.index_add_(0, token, out.to(total.dtype))
+        output.copy_(total)
+
+    CPUUnquantizedExperts.process_weights_after_loading = plain_weights
+    CPUUnquantizedExperts.apply = apply
 
 
 def add_load_format(load_format: str, after_load: Callable[[nn.Module, dict], None]) -> None:

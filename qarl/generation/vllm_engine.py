@@ -45,6 +45,7 @@ from qarl.generation.sampled_logprobs import SampledLogprobs
 from qarl.generation.vllm_lora import VLLMAdapters, hooks_needed
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
+from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
 from qarl.quant.ops import InputQuant, input_quant_plan, input_spec
@@ -139,6 +140,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
+            vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact = exact
@@ -154,7 +156,8 @@ class VLLMEngine:
         """What an engine for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its adapters
         need forward hooks (None: vLLM's LoRA serves them, or there are none)."""
         plan = input_quant_plan(self.model_dir, fmt)
-        hooks = hooks_needed(self.adapter_rank, self.dtype, bool(plan)) if self.adapter_rank else None
+        hooks = (hooks_needed(self.adapter_rank, self.dtype, bool(plan), config_has_experts(self.model_dir))
+                 if self.adapter_rank else None)
         return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
 
     def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool, hooks: str | None) -> None:

@@ -33,8 +33,11 @@ ADAPTER_ID, ADAPTER_NAME = 1, "qarl-policy"
 _PARTS = ("lora_A", "lora_B")
 
 
-def hooks_needed(rank: int, dtype: str, quantized_inputs: bool) -> str | None:
-    """Why vLLM's LoRA cannot serve adapters of `rank` in an engine of `dtype` (None: it can)."""
+def hooks_needed(rank: int, dtype: str, quantized_inputs: bool, experts: bool = False) -> str | None:
+    """Why vLLM's LoRA cannot serve adapters of `rank` in an engine of `dtype` (None: it can); `experts`: the model
+    has Mixture-of-Experts layers."""
+    if experts and not torch.cuda.is_available():
+        return "vLLM's LoRA layer for fused MoE experts runs Triton kernels, which its CPU platform lacks"
     if quantized_inputs:
         return ("the engine quantizes layer inputs (an activation format), and vLLM's LoRA layers call the base "
                 "layer's kernel directly, past qarl's quantized input")

@@ -224,3 +224,9 @@ def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
     if fmt is None:
         return {"weight": None, "input": None}
     return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}
+
+
+def is_quantizer_key(key: str) -> bool:
+    """A state-dict key of a ModelOpt quantizer's buffer (`<layer>.<role>_quantizer.<buffer>`, or a MoE layer's
+    per-expert `<experts>.<fused>_weight_quantizers.<e>.<buffer>`), not a model tensor."""
+    return "_quantizer." in key or "_quantizers." in key

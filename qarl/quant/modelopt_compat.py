@@ -80,6 +80,14 @@ def quant_attention_class() -> type:
     return _QuantAttention
 
 
+def expert_weight_quantizers(module: torch.nn.Module, fused: str) -> torch.nn.ModuleList | None:
+    """The per-expert weight quantizers ModelOpt's fused-experts wrapper (`_QuantFusedExperts`, transformers 5's
+    3-D expert weights) puts beside the fused parameter `fused` (`<fused>_weight_quantizers`, one a expert, each
+    applied to that expert's slice), or None for another module. Checked: 0.47.0 (CPU)."""
+    found = module._modules.get(f"{fused}_weight_quantizers")
+    return found if isinstance(found, torch.nn.ModuleList) else None
+
+
 def calibration_mode_names() -> list[str]:
     """The names ModelOpt's calibration algorithms are registered under (`CalibrateModeRegistry._name2descriptor`
     keys: "max_calibrate", "mse_calibrate", ..., and private ones starting with "_"). Checked: 0.47.0, CPU and H100."""

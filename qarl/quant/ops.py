@@ -129,15 +129,22 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
 
     model = quantized_meta_model(model_dir, fmt, trust_remote_code)
     smoothing = fmt.calibration in SMOOTHING_ALGORITHMS
-    plan, unsupported = {}, []
+    plan, unsupported, expert_inputs = {}, [], []
     for name, module in model.named_modules():
         if not isinstance(module, TensorQuantizer) or not module.is_enabled:
             continue
         layer, _, kind = name.rpartition(".")
         if kind == "input_quantizer":
             plan[layer] = input_spec(layer, module, smoothing)
-        elif kind != "weight_quantizer":
+        elif kind.endswith("_input_quantizer"):  # a MoE layer's experts (one input quantizer for all of them)
+            expert_inputs.append(name)
+        elif kind != "weight_quantizer" and not layer.endswith("_weight_quantizers"):  # (experts': one each)
             unsupported.append(name)
+    if expert_inputs:
+        raise ConfigError(f"quant config {fmt.source} quantizes the inputs of Mixture-of-Experts experts "
+                          f"({expert_inputs[:2]}{' ...' if len(expert_inputs) > 2 else ''}), which vLLM's fused MoE "
+                          "layer computes without qarl's input quantization: use a weight-only format for the experts "
+                          "(nvfp4_a16), or disable their input quantizers ('*experts*input_quantizer': enable: false)")
     if unsupported:
         raise ConfigError(f"quant config {fmt.source} enables quantizers the rollout engine does not run: "
                           f"{unsupported[:4]}{' ...' if len(unsupported) > 4 else ''}. qarl quantizes weights and "

@@ -17,8 +17,10 @@ from qarl.quant import kernels
 from qarl.quant.fastpath.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
 from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, invalidate
 from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, quantized_meta_model
-from qarl.quant.modelopt_compat import (is_static_block_quantizer, pass_through_bwd, pre_quant_scale, resmooth_fused,
-                                        to_static_block_quantizer)
+from qarl.models.experts import FUSED as FUSED_EXPERTS
+from qarl.models.experts import expert_weights, is_fused_experts
+from qarl.quant.modelopt_compat import (expert_weight_quantizers, is_static_block_quantizer, pass_through_bwd,
+                                        pre_quant_scale, resmooth_fused, to_static_block_quantizer)
 from qarl.quant.packed import PackedWeightMixin
 
 # Hugging Face projections that serving engines (vLLM, TensorRT-LLM) fuse into one matrix. Fused
@@ -239,8 +241,8 @@ def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 @torch.no_grad()
 def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight the engine holds, by its Hugging Face name; quantized weights come
-    quantized-dequantized.
+    """Every weight the engine holds, by its Hugging Face name (a layer's fused experts by each expert's checkpoint
+    names: qarl/models/experts.py); quantized weights come quantized-dequantized.
 
     This is what the rollout engine loads: its weight quantizers stay off, so it computes with exactly
     the tensors the policy's forward computes with. A layer may serve a weight other than its parameter
@@ -248,10 +250,16 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
     (`adapter_param_names`: a qlora adapter, which the engine receives separately). `only`: just these
     names (a refit that skips weights it already holds); each weight is folded when it is yielded.
     """
-    owners, skipped = {}, set()
+    owners, skipped, experts = {}, set(), {}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     for name, module in model.named_modules():  # class-level and _modules lookups: ModelOpt's layers answer
         prefix = f"{name}." if name else ""      # instance attributes through a slow dynamic __getattr__
         skipped.update(prefix + p for p in getattr(type(module), "adapter_param_names", ()))
+        if is_fused_experts(module):
+            for fused in FUSED_EXPERTS:
+                quantizers = expert_weight_quantizers(module, fused)
+                enabled = quantizers is not None and any(q.is_enabled for q in quantizers)
+                experts[prefix + fused] = (prefix, fused, quantizers if enabled else None)
         quantizer = module._modules.get("weight_quantizer")
         # a packed weight exists only as its quantizer's codes (which refuse to serve a disabled quantizer)
         quantized = isinstance(quantizer, PackedWeightMixin) or (isinstance(quantizer, _quantizer_modules())
@@ -260,6 +268,10 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
             owners[f"{prefix}weight"] = (module, quantizer if quantized else None)
     for name, param in model.named_parameters():
         if name in skipped or (only is not None and name not in only):
+            continue
+        if name in experts:  # one fused tensor of a layer's experts: each expert's weights by its checkpoint name
+            prefix, fused, quantizers = experts[name]
+            yield from expert_weights(prefix, fused, param.detach(), model_type, quantizers)
             continue
         if name not in owners:
             yield name, param.detach()

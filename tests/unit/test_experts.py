@@ -1,0 +1,98 @@
+"""Mixture-of-Experts without vLLM (qarl/models/experts.py): transformers' fused experts named as the checkpoint names
+each expert; the fold the rollout engine loads is the quantized forward's weights, expert by expert; what cannot run
+on experts is refused by name (activation formats, unmapped MoE families, the packed export); the dequantized
+export is a plain model with the policy's logits; the memory plan counts a token's experts. The engine side (vLLM's
+FusedMoE refitted with these names, parity at the fp32 floor): tests/e2e/test_families.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from qarl.config import ConfigError
+from qarl.models.experts import CHECKPOINT_NAMES, check_experts, expert_weights, fuse_expert_weights, is_fused_experts
+from qarl.models.resolve import resolve_model_dir
+from tests.conftest import W4A16, tiny_policy
+
+MOE = "embedded:tiny-qwen3moe"
+
+
+@pytest.fixture(scope="module")
+def moe_dir() -> str:
+    return resolve_model_dir(MOE)
+
+
+def test_each_expert_has_the_name_and_weights_transformers_saves_it_with(moe_dir):
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    saved = load_file(f"{moe_dir}/model.safetensors")
+    named = {}
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            for fused in ("gate_up_proj", "down_proj"):
+                named.update(expert_weights(f"{name}.", fused, getattr(module, fused).detach(), "qwen3_moe"))
+    assert len(named) == 2 * 8 * 3 and all(torch.equal(named[k], saved[k]) for k in named)
+    state = model.state_dict()
+    fused = fuse_expert_weights(named, "qwen3_moe")
+    assert fused.keys() == {k for k in state if ".experts." in k}
+    assert all(torch.equal(fused[k], state[k]) for k in fused)
+
+
+def test_the_fold_is_what_the_quantized_forward_computes_with(task, moe_dir):
+    """A plain model holding the fold (each expert's Q(W), by its checkpoint names) gives the quantized policy's
+    logits exactly: each expert was folded with its own quantizer."""
+    from qarl.quant import folded_weights
+
+    policy = tiny_policy(task, moe_dir, W4A16)
+    folded = dict(folded_weights(policy.model))
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in folded and not any(k.endswith("gate_up_proj") for k in folded)
+    plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    unquantized = {k: v.clone() for k, v in plain.state_dict().items()}
+    missing, unexpected = plain.load_state_dict(fuse_expert_weights(folded, "qwen3_moe"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    experts = plain.model.layers[0].mlp.experts
+    assert not torch.equal(experts.gate_up_proj, unquantized["model.layers.0.mlp.experts.gate_up_proj"])
+    ids = torch.tensor([policy.tokenizer(p.prompt).input_ids for p in task.eval[:4]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, policy.model(ids).logits)
+
+
+def test_what_experts_cannot_run_is_refused_by_name(moe_dir):
+    from qarl.quant import resolve_format
+    from qarl.quant.ops import input_quant_plan
+
+    for quant_cfg in ("quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"):
+        with pytest.raises(ConfigError, match="inputs of Mixture-of-Experts experts.*nvfp4_a16"):
+            input_quant_plan(moe_dir, resolve_format(quant_cfg))
+    assert input_quant_plan(moe_dir, resolve_format(W4A16)) == {}
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    check_experts("qwen3_moe", model)
+    with pytest.raises(ConfigError, match="deepseek_v3.*supported MoE families"):
+        check_experts("deepseek_v3", model)
+    assert "deepseek_v3" not in CHECKPOINT_NAMES
+
+
+def test_the_dequantized_export_is_the_policy_and_the_packed_one_is_refused(task, moe_dir, tmp_path):
+    from qarl.export.core import export_policy
+    from qarl.export.dequantized import export_dequantized
+
+    policy = tiny_policy(task, moe_dir, W4A16)
+    with pytest.raises(ConfigError, match="Mixture-of-Experts.*--dequantized"):
+        export_policy(policy, "export/nvfp4_w4a16_modelopt.yaml", tmp_path / "packed")
+    export_dequantized(policy, tmp_path / "plain", dtype="float32")
+    assert any(".experts.3.down_proj.weight" in k for k in load_file(str(tmp_path / "plain" / "model.safetensors")))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32)
+    ids = torch.tensor([policy.tokenizer(p.prompt).input_ids for p in task.eval[:4]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, policy.model(ids).logits)
+
+
+def test_the_memory_plan_counts_a_tokens_experts(moe_dir):
+    from qarl.memory import ModelShape
+
+    shape = ModelShape.of(moe_dir)
+    assert shape.experts == 8 and shape.intermediate == 2 * 96  # two experts of 96 a token
+    dense_mlp = 3 * shape.layers * shape.hidden * shape.intermediate
+    assert shape.linear_params == shape.layers * shape.hidden * (shape.attention_width + shape.query_width)
+    assert shape.params > shape.linear_params + dense_mlp  # every expert's weights are held
