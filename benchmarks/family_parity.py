@@ -2,7 +2,7 @@
 
     python benchmarks/family_parity.py [--out benchmarks/results/family_parity_cpu.md] [--families qwen3 ...]
 
-The Mixture-of-Experts family runs NVFP4 W4A16 only (its experts' inputs are not quantized by the engine).
+The Mixture-of-Experts families run NVFP4 W4A16 only (its experts' inputs are not quantized by the engine).
 
 Per family and format: the synced mismatch (mean |Δ log-prob| between the engine's sampled tokens and the policy's
 scores, max, flipped tokens), the unsynced one (the engine unquantized) and the unquantized floor.
@@ -25,7 +25,7 @@ def main() -> None:
     lines = ["| family | format | synced mean / max, flipped | unsynced mean | floor mean / max |", "|---|---|---|---|---|"]
     for family in args.families:
         name = "embedded:tiny" if family == "qwen2" else f"embedded:tiny-{family}"
-        formats = ["parity.formats=[quant_configs/nvfp4_a16.yaml]"] if family == "qwen3moe" else []
+        formats = ["parity.formats=[quant_configs/nvfp4_a16.yaml]"] if family.endswith("moe") else []
         results = run_parity(load_recipe("recipes/parity_tiny.yaml", [f"policy.model_name={name}", *formats],
                                          RecipeConfig))
         for fmt, r in results.items():

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
+from qarl.models.experts import has_experts
 from qarl.quant.fastpath.lean_forward import quantized_linear
 from qarl.quant.mixins import with_mixin, without_mixin
 from qarl.quant import pack_frozen_weights
@@ -174,6 +175,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype) -> list[st
         module.lora_scale, module.lora_mode, module.lora_dropout = cfg.alpha / cfg.rank, cfg.mode, cfg.dropout
         module.lora_enabled = True
         names.append(name)
+    if has_experts(model):
+        print("LoRA: a Mixture-of-Experts layer's experts (fused 3-D weights, not linear layers) take no adapter and "
+              "stay frozen; the adapters are on the attention and any dense MLP layers", flush=True)
     return names
 
 

@@ -46,6 +46,7 @@ class ModelShape:
     attention_width: int  # q + k + v output features of one layer
     query_width: int  # q's output features (the attention output projection's input)
     experts: int = 0  # a Mixture-of-Experts model's experts a layer (0: dense); `intermediate` is then a token's share
+    expert_params: int = 0  # all its experts' weights
 
     @classmethod
     def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ModelShape":
@@ -55,11 +56,15 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         intermediate = getattr(config, "intermediate_size", 4 * config.hidden_size)
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        expert_params = 0
         if experts:  # what a token's activations hold: its experts' intermediate width
-            intermediate = config.num_experts_per_tok * (getattr(config, "moe_intermediate_size", None) or intermediate)
+            per_expert = getattr(config, "moe_intermediate_size", None) or intermediate
+            intermediate = config.num_experts_per_tok * per_expert
+            expert_params = config.num_hidden_layers * experts * 3 * config.hidden_size * per_expert
         return cls(params=parameter_count(model_dir, trust_remote_code), layers=config.num_hidden_layers,
                    hidden=config.hidden_size, intermediate=intermediate, vocab=config.vocab_size,
-                   attention_width=(heads + 2 * kv_heads) * head_dim, query_width=heads * head_dim, experts=experts)
+                   attention_width=(heads + 2 * kv_heads) * head_dim, query_width=heads * head_dim, experts=experts,
+                   expert_params=expert_params)
 
     @property
     def linear_params(self) -> int:
@@ -172,6 +177,8 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
         activations = tokens * (shape.layers * shape.hidden * compute + layer)
     else:
         activations = tokens * shape.layers * layer
+    if shape.experts and resolve_format(p.quant_cfg) is not None:  # ModelOpt's experts keep each used expert's Q(W)
+        activations += shape.expert_params * compute // (shape.layers if checkpointing else 1)  # for the backward
     chunk = min(p.logprob_chunk_tokens, tokens) if p.logprob_chunk_tokens > 0 else tokens
     vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * chunk * shape.vocab * 4
     forward_backward = gradients + activations + VOCAB_CHUNK_TENSORS * vocab_chunks + tokens * shape.hidden * 4

@@ -9,7 +9,8 @@ activation quantizer (W4A4, FP8) turns such a difference next to a rounding boun
 8-bit step, and at 24 layers syncing W4A4 bought less than 2x (README, parity table).
 
 How, layer by layer, as vLLM's Qwen2/Qwen3/Llama decoder computes it: the tokens of all rows packed into one
-[tokens, hidden] matrix (no padding); q/k/v and gate/up each one matmul over their concatenated
+[tokens, hidden] matrix (no padding), attention run as the engine ran each token (its prompt as a prefill, and, where
+FlashAttention decodes with other tiles, each completion token as a decode step: `kernels.PagedLayout`); q/k/v and gate/up each one matmul over their concatenated
 (quantized) weights with the input quantized once, as vLLM's fused layers do; Qwen3's q/k norms over each
 head before the rotary embedding, whose table is vLLM's own (plain, or Llama 3's scaled frequencies); the
 residual stream added elementwise before each RMSNorm; positions restarting at 0 in every row. Each kernel comes with a
@@ -180,6 +181,8 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
                          "then zeros)")
     index = valid.flatten().nonzero().squeeze(1)  # each packed token's place in the [rows * width] grid
     positions = columns.repeat(rows)[index]
+    if prompt_lengths is not None and len(prompt_lengths) != rows:
+        raise ValueError(f"the exact forward got {len(prompt_lengths)} prompt lengths for {rows} rows")
     prefilled = sizes if prompt_lengths is None or not model._qarl_decode_steps else [
         min(p, n) for p, n in zip(prompt_lengths, sizes)]
     layout = kernels.PagedLayout.build(sizes, prefilled, input_ids.device)

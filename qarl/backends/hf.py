@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from qarl.calibration import calibration_batches
 from qarl.config import ConfigError, PolicyConfig
 from qarl.lora import apply_lora, pack_base
-from qarl.models.checks import meta_model
-from qarl.models.experts import check_experts
+from qarl.models.checks import load_pretrained, meta_model
+from qarl.models.experts import check_experts, config_has_experts
 from qarl.models.resolve import default_device
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
@@ -29,8 +29,12 @@ def check(cfg: PolicyConfig) -> None:
 
 
 def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
+    """The model in `dtype`; a Mixture-of-Experts model's experts one by one (transformers' eager experts, the order
+    ModelOpt's quantized experts and the engine's CPU experts compute in), whether quantized or not."""
+    config = load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code)
+    experts = {"experts_implementation": "eager"} if config_has_experts(config) else {}
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code
+        model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code, **experts
     )
     return model.to(device)
 

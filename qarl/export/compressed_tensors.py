@@ -26,21 +26,24 @@ from typing import Any
 
 import torch
 
-from qarl.quant.codes import FP8Weight, best_divisor, fp8_kernel_scale, kernel_global_scale
+from qarl.quant.codes import FP8Weight, best_divisor, fp8_kernel_scale, kernel_global_scale, stacked
 
 PRESET = {"nvfp4_w4a16": "NVFP4A16", "nvfp4_w4a4": "NVFP4", "fp8_w8a8": "FP8"}
 FORMAT = {"nvfp4_w4a16": "nvfp4-pack-quantized", "nvfp4_w4a4": "nvfp4-pack-quantized", "fp8_w8a8": "float-quantized"}
 
 
-def layer_tensors(layer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of one quantized linear layer, by their checkpoint names."""
+def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of one quantized layer, by their checkpoint names; `siblings`: the layers an engine fuses it
+    with (itself included), which share its scales. The NVFP4 global divisor is chosen for all of them
+    together, so that they keep one."""
     w, p = layer.weight, layer.name
     if isinstance(w, FP8Weight):
         out = {f"{p}.weight": w.codes, f"{p}.weight_scale": w.scale.reshape(1)}
         if layer.input_amax is not None:
             out[f"{p}.input_scale"] = fp8_kernel_scale(layer.input_amax, w.kernel).reshape(1)
         return out, {"differing": 0, "fp8_kernel": w.kernel}
-    divisor, differing = best_divisor(w, layer.dtype)
+    divisor = best_divisor(stacked([s.weight for s in siblings]), layer.dtype)[0]
+    differing = best_divisor(w, layer.dtype, candidates=[divisor])[1]
     out = {f"{p}.weight_packed": w.packed, f"{p}.weight_scale": w.block_scale,
            f"{p}.weight_global_scale": divisor.reshape(1)}
     if layer.input_amax is not None:

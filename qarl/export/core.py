@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.export.targets import ExportTarget, check_target_matches, load_target
-from qarl.models.experts import has_experts
+from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
 from qarl.quant.formats import is_quantizer_key, quantizer_settings
@@ -151,14 +151,14 @@ def _task_texts(cfg: PolicyConfig) -> list[str]:
 
 @torch.no_grad()
 def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
-    """Every linear layer with an enabled weight quantizer, encoded from W_q = weight_quantizer(W)."""
-    from qarl.quant.quantize import quantized_linears
+    """Every quantized weight (a linear layer's, each expert's gate, up and down: `quantized_weights`), encoded from
+    W_q = weight_quantizer(W) under its checkpoint layer name."""
+    from qarl.quant.quantize import quantized_weights
 
-    for name, module in quantized_linears(model):
-        weight_kind = quantizer_kind(module.weight_quantizer, f"{name}.weight_quantizer")
-        if weight_kind is None:
-            continue
-        input_quantizer = getattr(module, "input_quantizer", None)
+    for found in quantized_weights(model):
+        name = found.name
+        weight_kind = quantizer_kind(found.weight_quantizer, f"{name}.weight_quantizer")
+        input_quantizer = found.input_quantizer
         if input_quantizer is not None and input_quantizer.pre_quant_scale is not None:
             raise ConfigError(f"{name} has an AWQ/SmoothQuant input scale: the export targets have no place for it "
                               "(a smoothing calibration is post-training quantization for qarl matrix / eval only)")
@@ -166,7 +166,7 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
         if (weight_kind, input_kind) not in SCHEMES:
             raise ConfigError(f"{name}: weights {weight_kind} with inputs {input_kind or 'unquantized'} is not an "
                               f"exportable scheme ({sorted(SCHEMES.values())})")
-        amax = module.weight_quantizer.amax
+        amax = found.weight_quantizer.amax
         if amax is None:
             raise ConfigError(f"{name}.weight_quantizer has no amax: the quantizer state was not loaded")
         input_amax = None
@@ -174,13 +174,25 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
             if input_quantizer.amax is None:
                 raise ConfigError(f"{name}.input_quantizer has no amax: the quantizer state was not loaded")
             input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
-        w_q = module.weight_quantizer(module.weight).detach()  # encoded where it was computed (FP8's kernel)
-        weight = stored_codes(module.weight_quantizer)  # a packed frozen weight is stored already
+        w_q = found.quantized().detach()  # encoded where it was computed (FP8's kernel)
+        weight = stored_codes(found.weight_quantizer)  # a packed frozen weight is stored already
         if weight is None:
-            weight = (encode_nvfp4(w_q, module.weight.detach(), amax, name) if weight_kind == "nvfp4"
+            weight = (encode_nvfp4(w_q, found.weight.detach(), amax, name) if weight_kind == "nvfp4"
                       else encode_fp8(w_q, amax, name))
         weight = weight.to("cpu")
         yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())
+
+
+def fused_groups(layers: dict[str, QuantizedLayer]) -> Iterator[tuple[str, str, list[QuantizedLayer]]]:
+    """(prefix, fused name, members) of each group of siblings that serving engines fuse into one matrix (q/k/v,
+    gate/up, an expert's gate/up), all of whose members are among `layers`."""
+    for name in layers:
+        for fused, parts in FUSED_SIBLINGS.items():
+            if name.endswith("." + parts[0]):
+                prefix = name[: -len(parts[0])]
+                members = [layers.get(prefix + p) for p in parts]
+                if all(m is not None for m in members):
+                    yield prefix, fused, members
 
 
 def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
@@ -191,29 +203,23 @@ def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
     be exported without re-rounding weights, so it stops here. Returns the number of fused groups.
     """
     groups = 0
-    for name in layers:
-        for fused, parts in FUSED_SIBLINGS.items():
-            if not name.endswith("." + parts[0]):
+    for prefix, fused, members in fused_groups(layers):
+        groups += 1
+        parts = FUSED_SIBLINGS[fused]
+        for what, values in (
+            ("weight global scale", [m.weight.scale if isinstance(m.weight, FP8Weight) else m.weight.global_scale
+                                     for m in members]),
+            ("input amax value", [m.input_amax for m in members]),
+        ):
+            if any(v is None for v in values):
                 continue
-            prefix = name[: -len(parts[0])]
-            members = [layers.get(prefix + p) for p in parts]
-            if any(m is None for m in members):
-                continue
-            groups += 1
-            for what, values in (
-                ("weight global scale", [m.weight.scale if isinstance(m.weight, FP8Weight) else m.weight.global_scale
-                                         for m in members]),
-                ("input amax value", [m.input_amax for m in members]),
-            ):
-                if any(v is None for v in values):
-                    continue
-                if len({float(v) for v in values}) != 1:
-                    raise ConfigError(
-                        f"{prefix}{{{','.join(parts)}}} fuse into {prefix}{fused} in serving engines but have "
-                        f"different {what}s {[float(v) for v in values]}; engines need one. The policy must share "
-                        "fused amax (qarl.quant.quantize.share_fused_amax) before training; re-rounding here would "
-                        "break fidelity."
-                    )
+            if len({float(v) for v in values}) != 1:
+                raise ConfigError(
+                    f"{prefix}{{{','.join(parts)}}} fuse into {prefix}{fused} in serving engines but have "
+                    f"different {what}s {[float(v) for v in values]}; engines need one. The policy must share "
+                    "fused amax (qarl.quant.quantize.share_fused_amax) before training; re-rounding here would "
+                    "break fidelity."
+                )
     return groups
 
 
@@ -221,10 +227,11 @@ def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
 
 
 def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's own tensors (no quantizer buffers), tied aliases dropped as save_pretrained does."""
+    """The model's own tensors (no quantizer buffers) by their checkpoint names (each expert apart), tied aliases
+    dropped as save_pretrained does."""
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
-    for key, value in model.state_dict().items():
+    for key, value in split_expert_weights(model, model.state_dict()).items():
         if is_quantizer_key(key):
             continue
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
@@ -310,10 +317,6 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         raise ConfigError("the policy is not quantized: nothing to export in a quantized format "
                           "(export its checkpoint with --calibrate for PTQ)")
     check_target_matches(policy.format, target)
-    if has_experts(policy.model):
-        raise ConfigError("the packed low-precision export does not write Mixture-of-Experts experts yet; "
-                          "`qarl export CHECKPOINT --dequantized --out DIR` writes the weights the policy computes with "
-                          "(each expert's Q(W)) as a plain model that vLLM and transformers load")
     scheme = target_scheme(target)
     fmt_module = format_module(target.disk_format)
 
@@ -331,15 +334,17 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
             raise ConfigError(f"{key} is quantized but shares its storage with another tensor (tied weights); "
                               "a tied quantized layer cannot be exported as one low-precision tensor")
         del tensors[key]
-        on_disk, stats = fmt_module.layer_tensors(layer)
-        tensors.update(on_disk)
         layers[layer.name] = layer
+    if not layers:
+        raise ConfigError("the policy has no enabled weight quantizer: nothing to export")
+    groups = check_fused_scales(layers)
+    siblings = {m.name: members for _, _, members in fused_groups(layers) for m in members}
+    for layer in layers.values():
+        on_disk, stats = fmt_module.layer_tensors(layer, siblings.get(layer.name, [layer]))
+        tensors.update(on_disk)
         layer_stats[layer.name] = {**stats, "params": layer.params, "training_dtype": str(layer.dtype)[6:],
                                    "bytes": sum(t.numel() * t.element_size() for t in on_disk.values()),
                                    "tensors": sorted(on_disk)}
-    if not layers:
-        raise ConfigError("the policy has no enabled weight quantizer: nothing to export")
-    fused_groups = check_fused_scales(layers)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
@@ -368,7 +373,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "source": source,
         "out_dir": str(out_dir),
         "quantized_layers": len(layers),
-        "fused_groups_sharing_scales": fused_groups,
+        "fused_groups_sharing_scales": groups,
         "quantized_params": q_params,
         "quantized_bytes": q_bytes,
         "bytes_per_param_quantized": q_bytes / q_params,

@@ -32,8 +32,9 @@ from qarl.quant.codes import FP8Weight, fp8_kernel_scale, kernel_global_scale
 QUANT_ALGO = {"nvfp4_w4a16": "W4A16_NVFP4", "nvfp4_w4a4": "NVFP4", "fp8_w8a8": "FP8"}
 
 
-def layer_tensors(layer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of one quantized linear layer, by their checkpoint names."""
+def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of one quantized layer, by their checkpoint names; `siblings`: the layers an engine fuses it
+    with (itself included), which share its scales."""
     w, p = layer.weight, layer.name
     if isinstance(w, FP8Weight):
         out = {f"{p}.weight": w.codes, f"{p}.weight_scale": w.scale.reshape(())}

@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.export.core import ADAPTER_DIR, MANIFEST, format_module, master_tensors
+from qarl.models.experts import split_expert_weights
 from qarl.quant.codes import same_bits
 from qarl.quant.packed import unpack_frozen_weights
 from qarl.quant import FUSED_SIBLINGS
@@ -94,10 +95,11 @@ def _reference_policy(export_dir: Path, checkpoint: str | Path | None):
     return policy, str(checkpoint)
 
 
-def _quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from qarl.quant.quantize import quantized_linears
+def _quantized_weights(model: torch.nn.Module) -> dict[str, Any]:
+    """{checkpoint layer name: its `QuantizedWeight`} (linear layers, and each expert's matrices)."""
+    from qarl.quant.quantize import quantized_weights
 
-    return {n: m for n, m in quantized_linears(model) if m.weight_quantizer.is_enabled}
+    return {w.name: w for w in quantized_weights(model)}
 
 
 def _compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
@@ -115,14 +117,14 @@ def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
 @torch.no_grad()
 def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_module) -> dict[str, Any]:
     """Decode every quantized layer from the file tensors and compare with the policy, bit for bit."""
-    modules = _quantized_modules(policy.model)
+    weights = _quantized_weights(policy.model)
     stored = fmt_module.read_weights(tensors, config)
-    if set(stored) != set(modules):
-        raise ConfigError(f"the export's quantized layers {sorted(set(stored) ^ set(modules))[:4]} do not match "
+    if set(stored) != set(weights):
+        raise ConfigError(f"the export's quantized layers {sorted(set(stored) ^ set(weights))[:4]} do not match "
                           "the policy's quantized layers")
     per_layer = {}
-    for name, module in modules.items():
-        w_q = module.weight_quantizer(module.weight).detach()
+    for name, found in weights.items():
+        w_q = found.quantized().detach()
         per_layer[name] = _compare(fmt_module.dequantize(stored[name], w_q.dtype), w_q)
     quantized = _sum(list(per_layer.values()))
     master = master_tensors(policy.model)
@@ -177,10 +179,12 @@ def _decoded_copy(model: torch.nn.Module, tensors, config, fmt_module) -> torch.
     model = copy.deepcopy(model)
     unpack_frozen_weights(model)  # a packed qlora base: real weights to write into
     stored = fmt_module.read_weights(tensors, config)
-    state = model.state_dict()
-    for name, module in _quantized_modules(model).items():
-        module.weight.copy_(fmt_module.dequantize(stored[name], module.weight.dtype))
-        module.weight_quantizer.disable()
+    state = split_expert_weights(model, model.state_dict())  # (views: writing them writes the model)
+    weights = _quantized_weights(model).items()
+    for name, found in weights:
+        found.weight.copy_(fmt_module.dequantize(stored[name], found.weight.dtype))
+    for _, found in weights:  # (after every write: an expert's gate and up share one quantizer)
+        found.weight_quantizer.disable()
     for key, value in tensors.items():
         if key in state and not any(key.startswith(n + ".") and not key.endswith(".bias") for n in stored):
             state[key].copy_(value)
@@ -250,12 +254,12 @@ def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: 
             model = AutoModelForCausalLM.from_pretrained(
                 export_dir, quantization_config=CompressedTensorsConfig(dequantize=True), dtype="auto")
         weights = []
-        loaded = dict(model.named_modules())
+        loaded = split_expert_weights(model, model.state_dict())
         dtypes = set()
-        for name, module in _quantized_modules(policy.model).items():
-            w_q = module.weight_quantizer(module.weight).detach()
-            dtypes.add(str(loaded[name].weight.dtype).replace("torch.", ""))
-            weights.append(_compare(loaded[name].weight.detach(), w_q))
+        for name, found in _quantized_weights(policy.model).items():
+            w_q = found.quantized().detach()
+            dtypes.add(str(loaded[f"{name}.weight"].dtype).replace("torch.", ""))
+            weights.append(_compare(loaded[f"{name}.weight"].detach(), w_q))
         result = {"status": "ok", "decompressed_weight_dtype": sorted(dtypes), "weights": _sum(weights)}
         result["max_abs_logit_diff"] = _delta(_logits(model, ids, mask), reference, mask)
         return result

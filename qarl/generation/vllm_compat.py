@@ -52,7 +52,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
     # the CPU MoE experts
-    "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch",
+    "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
+    # the scheduler's limits
+    "scheduler_config", "max_num_batched_tokens",
     # model loading and layers
     "register_model_loader", "DefaultModelLoader", "LinearBase",
     # the exact forward's kernels and settings
@@ -166,6 +168,14 @@ def keep_cpu_weights_plain() -> None:
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
+def scheduler_limits(llm: Any) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) of an engine's scheduler: how many requests, and how many tokens, one
+    step may schedule (`llm.llm_engine.vllm_config.scheduler_config`). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    return scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+
+
 def keep_cpu_experts_plain() -> None:
     """Patch: on CPU, vLLM pads and repacks a fused MoE layer's expert weights after loading
     (`CPUUnquantizedExperts.process_weights_after_loading`, for its `cpu_fused_moe` kernel), so a later refit
@@ -181,14 +191,21 @@ def keep_cpu_experts_plain() -> None:
         self._use_zentorch = False
 
     def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, *args: Any, **kwargs: Any) -> None:
-        if str(getattr(activation, "value", activation)).lower() != "silu":
-            raise NotImplementedError(f"qarl's plain CPU experts compute SiLU x up, not {activation}")
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, *args: Any, apply_router_weight_on_input: bool = False,
+              **kwargs: Any) -> None:
+        unsupported = {"activation other than SiLU": str(getattr(activation, "value", activation)).lower() != "silu",
+                       "an expert map (expert parallelism)": expert_map is not None,
+                       "router weights applied to the input": apply_router_weight_on_input,
+                       "expert biases": self.w1_bias is not None or self.w2_bias is not None}
+        if any(unsupported.values()):
+            raise NotImplementedError(f"qarl's plain CPU experts do not compute {[k for k, v in unsupported.items() if v]}")
+        weights = topk_weights.to(hidden_states.dtype)  # (transformers' router hands them over in the model's dtype)
         total = torch.zeros_like(hidden_states)
         for expert in topk_ids.unique().tolist():
             token, slot = (topk_ids == expert).nonzero(as_tuple=True)
             gate, up = F.linear(hidden_states[token], w1[expert]).chunk(2, dim=-1)
-            out = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token, slot, None]
+            out = F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None]
             total.index_add_(0, token, out.to(total.dtype))
         output.copy_(total)
 

@@ -141,9 +141,14 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
+        elif config_has_experts(model_dir):
+            print("note: Mixture-of-Experts rollouts on a GPU have not been tested with qarl yet (vLLM's FusedMoE may "
+                  "lay expert weights out for its kernels after loading, which a refit would not follow): compare "
+                  "mismatch/kl with a dense model's", flush=True)
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact = exact
+        self._decode_steps, self._told_waves = False, False  # (an exact engine's: see _waves)
         if exact:
             exact_kernels.enable_batch_invariance()
         self.sleeps = sleeps_between_rollouts(cfg)
@@ -206,6 +211,9 @@ class VLLMEngine:
 
             config = load_pretrained(AutoConfig, self.model_dir, trust_remote_code=False)
             exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype))
+            self._decode_steps = not exact_kernels.decode_matches_prefill(
+                config.num_attention_heads, config.num_key_value_heads, exact_kernels.head_size(config),
+                getattr(torch, self.dtype), torch.device("cuda"))
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
@@ -451,7 +459,9 @@ class VLLMEngine:
             )
             requests.append({"prompt_token_ids": list(prompt)})
         if self._sampled is None:
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapters.request)
+            outputs = [out for wave in self._waves(requests)
+                       for out in self.llm.generate(requests[wave], params[wave], use_tqdm=False,
+                                                    lora_request=self.adapters.request)]
             logprobs = [_sampled_logprobs(out.outputs[0].logprobs, out.outputs[0].token_ids) for out in outputs]
         else:
             with self._sampled.recording():
@@ -460,6 +470,29 @@ class VLLMEngine:
         return [Completion(request["prompt_token_ids"], list(out.outputs[0].token_ids), sample_logprobs,
                            out.outputs[0].finish_reason)
                 for request, out, sample_logprobs in zip(requests, outputs, logprobs)]
+
+
+    def _waves(self, requests: list[dict]) -> list[slice]:
+        """The requests in one go, or, for an exact engine whose policy computes completion tokens as decode steps
+        (qarl/generation/exact.py), in consecutive waves that the scheduler prefills each in one step: within its
+        per-step request and token limits, so no step mixes prefills with decode steps."""
+        if not (self.exact and self._decode_steps):
+            return [slice(None)]
+        most_requests, most_tokens = vllm_compat.scheduler_limits(self.llm)
+        waves, start, tokens = [], 0, 0
+        for i, request in enumerate(requests):
+            size = len(request["prompt_token_ids"])
+            if i > start and (i - start >= most_requests or tokens + size > most_tokens):
+                waves.append(slice(start, i))
+                start, tokens = i, 0
+            tokens += size
+        waves.append(slice(start, len(requests)))
+        if len(waves) > 1 and not self._told_waves:
+            self._told_waves = True
+            print(f"exact forward: a rollout runs in waves of at most {most_requests} requests and {most_tokens} "
+                  "prompt tokens, the prompts a step of vLLM's scheduler prefills, so that decode steps never share a "
+                  f"step with prefills ({len(waves)} waves this time)", flush=True)
+        return waves
 
 
 def _sampled_logprobs(flat, token_ids) -> list[float]:

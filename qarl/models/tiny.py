@@ -124,11 +124,20 @@ def _qwen3moe(common: dict, head_dim: int) -> PretrainedConfig:  # Mixture-of-Ex
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
+def _qwen2moe(common: dict, head_dim: int) -> PretrainedConfig:  # Mixture-of-Experts beside a gated shared expert
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**common, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=common["intermediate_size"] // 4,
+                          shared_expert_intermediate_size=common["intermediate_size"] // 2, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[])
+
+
 # The families an embedded model comes in (`embedded:tiny-<family>`; plain `embedded:tiny` is qwen2), each a
 # config of one family's architecture at the tiny shape; the weights are random, drawn from the seed.
 FAMILIES: dict[str, Callable[[dict, int], PretrainedConfig]] = {
     "qwen2": _qwen2, "qwen3": _qwen3, "llama3": _llama3, "mistral": _mistral, "gemma3": _gemma3, "phi3": _phi3,
-    "qwen3moe": _qwen3moe,
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe,
 }
 
 

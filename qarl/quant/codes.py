@@ -153,14 +153,21 @@ def encode_nvfp4(w_q: torch.Tensor, master: torch.Tensor, amax: torch.Tensor, na
     return weight
 
 
-def best_divisor(w: NVFP4Weight, dtype: torch.dtype, radius: int = 4) -> tuple[torch.Tensor, int]:
+def stacked(weights: list[NVFP4Weight]) -> NVFP4Weight:
+    """Layers that share a global scale (fused siblings) as one weight, their rows one under the other."""
+    return NVFP4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.block_scale for w in weights]),
+                       weights[0].global_scale)
+
+
+def best_divisor(w: NVFP4Weight, dtype: torch.dtype, radius: int = 4,
+                 candidates: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """The fp32 divisor G near 1/g whose `c * (e / G)` reproduces the most of the layer's weights.
 
     Returns (G, number of elements that still differ from the kernel's `c * (e * g)`). Whether an
     element matches depends only on its (block scale, E2M1 code) pair, so candidates are scored on the
     distinct pairs weighted by their counts. Candidates: fl(1/g) and `radius` fp32 neighbours on each
-    side (the fewest mismatches wins; fl(1/g) on ties). Widening the radius to 32 found nothing better
-    on the embedded model.
+    side (the fewest mismatches wins; fl(1/g) on ties), or the given ones. Widening the radius to 32 found
+    nothing better on the embedded model.
     """
     codes = torch.stack([w.packed & 0x0F, w.packed >> 4], dim=-1).flatten(-2).long()
     scale_bits = w.block_scale.view(torch.uint8).long().repeat_interleave(NVFP4_BLOCK, dim=-1)
@@ -169,12 +176,13 @@ def best_divisor(w: NVFP4Weight, dtype: torch.dtype, radius: int = 4) -> tuple[t
     e = (pairs // 16).to(torch.uint8).view(torch.float8_e4m3fn).float()
     c = E2M1_VALUES[pairs % 8] * torch.where(pairs % 16 >= 8, -1.0, 1.0)
     want = (c * (e * w.global_scale.float())).to(dtype)
-    start = (1.0 / w.global_scale.double()).float()
-    candidates, up, down = [start], start, start
-    for _ in range(radius):
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(0.0))
-        candidates += [up, down]
+    if candidates is None:
+        start = (1.0 / w.global_scale.double()).float()
+        candidates, up, down = [start], start, start
+        for _ in range(radius):
+            up = torch.nextafter(up, torch.tensor(float("inf")))
+            down = torch.nextafter(down, torch.tensor(0.0))
+            candidates += [up, down]
     scored = [(int(counts[pairs][~same_bits((c * (e / g_inv)).to(dtype), want)].sum()), i, g_inv)
               for i, g_inv in enumerate(candidates)]
     bad, _, best = min(scored)

@@ -8,6 +8,7 @@ sees three verbs: `quantize_policy`, `folded_weights`, `quantizer_state`/`load_q
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from qarl.quant.fastpath.lean_forward import enable_fast_inputs, enable_lean_att
 from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, invalidate
 from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, quantized_meta_model
 from qarl.models.experts import FUSED as FUSED_EXPERTS
-from qarl.models.experts import expert_weights, is_fused_experts
+from qarl.models.experts import expert_layers, expert_weights, is_fused_experts
 from qarl.quant.modelopt_compat import (expert_weight_quantizers, is_static_block_quantizer, pass_through_bwd,
                                         pre_quant_scale, resmooth_fused, to_static_block_quantizer)
 from qarl.quant.packed import PackedWeightMixin
@@ -45,6 +46,48 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(getattr(module, "weight_quantizer", None), quantizer_cls) and getattr(module, "weight", None) is not None:
             yield name, module
+
+
+@dataclass
+class QuantizedWeight:
+    """One weight a format quantizes, under the name a checkpoint gives its layer (its tensors: `name + ".weight"`,
+    ...): a linear layer's weight, or one expert's gate, up or down matrix, whose quantizer (that expert's) applies to
+    the expert's whole fused slice (`whole`), of which this weight is `rows`."""
+
+    name: str
+    weight_quantizer: nn.Module
+    input_quantizer: nn.Module | None
+    whole: torch.Tensor
+    rows: slice = field(default_factory=lambda: slice(None))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The unquantized weight (a view: writing it writes the model)."""
+        return self.whole[self.rows]
+
+    def quantized(self) -> torch.Tensor:
+        """Q(W), as the quantized forward computes it."""
+        return self.weight_quantizer(self.whole)[self.rows]
+
+
+def quantized_weights(model: nn.Module) -> Iterator[QuantizedWeight]:
+    """Every weight of `model` with an enabled weight quantizer: its linear layers' and, of a Mixture-of-Experts
+    layer's fused experts, each expert's gate, up and down matrix by its checkpoint name (qarl/models/experts.py)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            for fused in FUSED_EXPERTS:
+                quantizers = expert_weight_quantizers(module, fused)
+                for expert, quantizer in enumerate(quantizers or ()):
+                    if quantizer.is_enabled:
+                        whole = module._parameters[fused][expert]
+                        inputs = module._modules.get(f"{fused}_input_quantizer")
+                        for layer, rows in expert_layers(f"{name}.", fused, expert, whole.shape[0], model_type):
+                            yield QuantizedWeight(layer, quantizer, inputs, whole, rows)
+    for name, module in quantized_linears(model):
+        if module.weight_quantizer.is_enabled:
+            yield QuantizedWeight(name, module.weight_quantizer, module._modules.get("input_quantizer"),
+                                  module._parameters["weight"])
 
 
 def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:

@@ -18,7 +18,8 @@ from tests.loops import GRPO
 
 FAMILIES = [f for f in tiny.FAMILIES if f != "qwen2"]  # qwen2: the embedded default, tested everywhere else
 MOE = "qwen3moe"
-FORMATS = {MOE: ["nvfp4_a16"]}  # experts quantize weights only (activation formats are refused: tests/unit/test_experts.py)
+FORMATS = {f: ["nvfp4_a16"] for f in (MOE, "qwen2moe")}  # experts quantize weights only (activation formats are
+# refused: tests/unit/test_experts.py)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

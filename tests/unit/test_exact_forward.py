@@ -212,3 +212,20 @@ def test_fused_weights_are_kept_until_a_part_changes():
     with torch.inference_mode():
         kept = EngineLinear.fused(owner, "w", parts)
     assert not kept.is_inference()  # a later training pass may save it for its backward
+
+
+def test_an_exact_rollout_runs_in_waves_the_scheduler_prefills_in_one_step(monkeypatch, capsys):
+    """Where the policy computes completion tokens as decode steps, no scheduler step may mix prefills with decode
+    steps: the requests go in consecutive waves within the scheduler's per-step request and token limits (here 3
+    requests, 100 tokens); a prompt longer than the budget goes alone. Other engines generate in one go."""
+    from qarl.generation import vllm_compat
+    from qarl.generation.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(vllm_compat, "scheduler_limits", lambda llm: (3, 100))
+    engine = VLLMEngine.__new__(VLLMEngine)  # (no vLLM: only the wave split is under test)
+    engine.llm, engine.exact, engine._decode_steps, engine._told_waves = None, True, True, False
+    requests = [{"prompt_token_ids": [0] * n} for n in (40, 40, 30, 10, 5, 120, 1)]
+    assert [(w.start, w.stop) for w in engine._waves(requests)] == [(0, 2), (2, 5), (5, 6), (6, 7)]
+    assert "4 waves" in capsys.readouterr().out
+    engine._decode_steps = False
+    assert engine._waves(requests) == [slice(None)]

@@ -1,7 +1,8 @@
 """Mixture-of-Experts without vLLM (qarl/models/experts.py): transformers' fused experts named as the checkpoint names
 each expert; the fold the rollout engine loads is the quantized forward's weights, expert by expert; what cannot run
-on experts is refused by name (activation formats, unmapped MoE families, the packed export); the dequantized
-export is a plain model with the policy's logits; the memory plan counts a token's experts. The engine side (vLLM's
+on experts is refused by name (activation formats, unmapped MoE families); the packed export writes each expert and
+decodes to the policy, the dequantized one is a plain model with the policy's logits; the memory plan counts a token's
+experts. The engine side (vLLM's
 FusedMoE refitted with these names, parity at the fp32 floor): tests/e2e/test_families.py."""
 
 from __future__ import annotations
@@ -73,13 +74,29 @@ def test_what_experts_cannot_run_is_refused_by_name(moe_dir):
     assert "deepseek_v3" not in CHECKPOINT_NAMES
 
 
-def test_the_dequantized_export_is_the_policy_and_the_packed_one_is_refused(task, moe_dir, tmp_path):
+@pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors"])
+def test_the_packed_export_writes_each_expert_and_decodes_to_the_policy(task, moe_dir, tmp_path, target):
+    """Each expert's gate, up and down as a quantized layer of its own, one global scale for an expert's gate and
+    up (vLLM fuses them), decoding to the policy's weights (bit for bit in ModelOpt's format; compressed-tensors
+    stores the global scale as a divisor, README) and logits."""
     from qarl.export.core import export_policy
+    from qarl.export.verify import verify_export
+
+    policy = tiny_policy(task, moe_dir, W4A16)
+    summary = export_policy(policy, f"export/{target}.yaml", tmp_path / target)
+    assert summary["quantized_layers"] == 2 * (4 + 8 * 3) and summary["fused_groups_sharing_scales"] == 2 * (1 + 8)
+    report = verify_export(tmp_path / target, policy=policy)
+    assert report["ok"] and report["fused_scales"]["shared"], report
+    quantized = report["weights"]["quantized"]
+    assert quantized["params"] - quantized["bit_identical"] == summary["weights_differing"]
+    assert summary["weights_differing"] == 0 if "modelopt" in target else quantized["max_abs_diff"] < 1e-6
+    assert report["loaders"]["qarl-decode"]["max_abs_logit_diff"] < 1e-5
+
+
+def test_the_dequantized_export_is_the_policy(task, moe_dir, tmp_path):
     from qarl.export.dequantized import export_dequantized
 
     policy = tiny_policy(task, moe_dir, W4A16)
-    with pytest.raises(ConfigError, match="Mixture-of-Experts.*--dequantized"):
-        export_policy(policy, "export/nvfp4_w4a16_modelopt.yaml", tmp_path / "packed")
     export_dequantized(policy, tmp_path / "plain", dtype="float32")
     assert any(".experts.3.down_proj.weight" in k for k in load_file(str(tmp_path / "plain" / "model.safetensors")))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32)
