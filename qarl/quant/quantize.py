@@ -90,12 +90,23 @@ def quantized_weights(model: nn.Module) -> Iterator[QuantizedWeight]:
                                   module._parameters["weight"])
 
 
+def _blocked_inputs(model: nn.Module) -> Iterator[tuple[str, int, list[nn.Module | None]]]:
+    """(name, input width, quantizers) of every quantized layer: linear layers, and each fused experts tensor with
+    its experts' weight quantizers."""
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            for fused in FUSED_EXPERTS:
+                yield (f"{name}.{fused}", module._parameters[fused].shape[-1],
+                       list(expert_weight_quantizers(module, fused) or ()))
+    for name, module in quantized_linears(model):
+        yield name, module.weight.shape[-1], [module.weight_quantizer, getattr(module, "input_quantizer", None)]
+
+
 def check_block_sizes(model: nn.Module, fmt: QuantFormat) -> None:
     """Every quantized layer's input width must be a multiple of the format's block size."""
     bad = []
-    for name, module in quantized_linears(model):
-        width = module.weight.shape[-1]
-        for quantizer in (module.weight_quantizer, getattr(module, "input_quantizer", None)):
+    for name, width, quantizers in _blocked_inputs(model):
+        for quantizer in quantizers:
             block = block_size(quantizer) if quantizer is not None else None
             if block and width % block:
                 bad.append(f"{name} (input width {width}, block size {block})")

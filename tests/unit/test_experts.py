@@ -74,6 +74,20 @@ def test_what_experts_cannot_run_is_refused_by_name(moe_dir):
     assert "deepseek_v3" not in CHECKPOINT_NAMES
 
 
+def test_an_expert_width_the_block_does_not_divide_is_refused_before_loading(moe_dir, tmp_path):
+    from transformers import AutoConfig
+
+    from qarl.quant import resolve_format
+    from qarl.quant.quantize import check_format_fits
+
+    config = AutoConfig.from_pretrained(moe_dir)
+    config.moe_intermediate_size = 40  # the down projections' input width; NVFP4 blocks are 16
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"experts\.down_proj \(input width 40, block size 16\)"):
+        check_format_fits(str(tmp_path), resolve_format(W4A16))
+    check_format_fits(moe_dir, resolve_format(W4A16))
+
+
 @pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors"])
 def test_the_packed_export_writes_each_expert_and_decodes_to_the_policy(task, moe_dir, tmp_path, target):
     """Each expert's gate, up and down as a quantized layer of its own, one global scale for an expert's gate and
