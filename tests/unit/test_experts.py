@@ -48,7 +48,7 @@ def test_the_fold_is_what_the_quantized_forward_computes_with(task, moe_dir):
     policy = tiny_policy(task, moe_dir, W4A16)
     folded = dict(folded_weights(policy.model))
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in folded and not any(k.endswith("gate_up_proj") for k in folded)
-    plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32, experts_implementation="eager")
     unquantized = {k: v.clone() for k, v in plain.state_dict().items()}
     missing, unexpected = plain.load_state_dict(fuse_expert_weights(folded, "qwen3_moe"), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -113,7 +113,8 @@ def test_the_dequantized_export_is_the_policy(task, moe_dir, tmp_path):
     policy = tiny_policy(task, moe_dir, W4A16)
     export_dequantized(policy, tmp_path / "plain", dtype="float32")
     assert any(".experts.3.down_proj.weight" in k for k in load_file(str(tmp_path / "plain" / "model.safetensors")))
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32,
+                                                  experts_implementation="eager")
     ids = torch.tensor([policy.tokenizer(p.prompt).input_ids for p in task.eval[:4]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, policy.model(ids).logits)
