@@ -65,12 +65,16 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
     import torch
 
     from qarl.calibration import calibration_batches
+    from qarl.models.experts import has_experts
     from qarl.policy import build_policy
     from qarl.quant import resolve_format
     from qarl.quant.quantize import quantized_linears
 
     settings = dataclasses.replace(cfg.policy, lora=LoraConfig())  # the weights' own errors: no adapters
     plain = build_policy(settings, [], model_dir=model_dir, fmt=None)
+    if has_experts(plain.model):
+        print(f"diagnose {model_dir}: the linear layers only; a Mixture-of-Experts layer's experts (fused weights, "
+              "their inputs routed token by token) are not diagnosed", flush=True)
     batches = list(calibration_batches(calibration, plain.tokenizer, cfg.policy, plain.device))
     quantized = {key: build_policy(settings, calibration, model_dir=model_dir, fmt=resolve_format(spec))
                  for key, spec in FORMATS.items()}
