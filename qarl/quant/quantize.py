@@ -48,6 +48,15 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def _fused_experts(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, nn.ModuleList]]:
+    """(the experts module's name and a dot, fused parameter name, the module, its per-expert weight quantizers,
+    empty where ModelOpt gave it none) of each fused 3-D expert parameter of a Mixture-of-Experts model."""
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            for fused in FUSED_EXPERTS:
+                yield f"{name}.", fused, module, expert_weight_quantizers(module, fused) or nn.ModuleList()
+
+
 @dataclass
 class QuantizedWeight:
     """One weight a format quantizes, under the name a checkpoint gives its layer (its tensors: `name + ".weight"`,
@@ -74,16 +83,13 @@ def quantized_weights(model: nn.Module) -> Iterator[QuantizedWeight]:
     """Every weight of `model` with an enabled weight quantizer: its linear layers' and, of a Mixture-of-Experts
     layer's fused experts, each expert's gate, up and down matrix by its checkpoint name (qarl/models/experts.py)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for name, module in model.named_modules():
-        if is_fused_experts(module):
-            for fused in FUSED_EXPERTS:
-                quantizers = expert_weight_quantizers(module, fused)
-                for expert, quantizer in enumerate(quantizers or ()):
-                    if quantizer.is_enabled:
-                        whole = module._parameters[fused][expert]
-                        inputs = module._modules.get(f"{fused}_input_quantizer")
-                        for layer, rows in expert_layers(f"{name}.", fused, expert, whole.shape[0], model_type):
-                            yield QuantizedWeight(layer, quantizer, inputs, whole, rows)
+    for prefix, fused, module, quantizers in _fused_experts(model):
+        for expert, quantizer in enumerate(quantizers):
+            if quantizer.is_enabled:
+                whole = module._parameters[fused][expert]
+                inputs = module._modules.get(f"{fused}_input_quantizer")
+                for layer, rows in expert_layers(prefix, fused, expert, whole.shape[0], model_type):
+                    yield QuantizedWeight(layer, quantizer, inputs, whole, rows)
     for name, module in quantized_linears(model):
         if module.weight_quantizer.is_enabled:
             yield QuantizedWeight(name, module.weight_quantizer, module._modules.get("input_quantizer"),
@@ -93,11 +99,8 @@ def quantized_weights(model: nn.Module) -> Iterator[QuantizedWeight]:
 def _blocked_inputs(model: nn.Module) -> Iterator[tuple[str, int, list[nn.Module | None]]]:
     """(name, input width, quantizers) of every quantized layer: linear layers, and each fused experts tensor with
     its experts' weight quantizers."""
-    for name, module in model.named_modules():
-        if is_fused_experts(module):
-            for fused in FUSED_EXPERTS:
-                yield (f"{name}.{fused}", module._parameters[fused].shape[-1],
-                       list(expert_weight_quantizers(module, fused) or ()))
+    for prefix, fused, module, quantizers in _fused_experts(model):
+        yield f"{prefix}{fused}", module._parameters[fused].shape[-1], list(quantizers)
     for name, module in quantized_linears(model):
         yield name, module.weight.shape[-1], [module.weight_quantizer, getattr(module, "input_quantizer", None)]
 
@@ -304,16 +307,13 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
     (`adapter_param_names`: a qlora adapter, which the engine receives separately). `only`: just these
     names (a refit that skips weights it already holds); each weight is folded when it is yielded.
     """
-    owners, skipped, experts = {}, set(), {}
+    owners, skipped = {}, set()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    experts = {prefix + fused: (prefix, fused, quantizers if any(q.is_enabled for q in quantizers) else None)
+               for prefix, fused, _, quantizers in _fused_experts(model)}
     for name, module in model.named_modules():  # class-level and _modules lookups: ModelOpt's layers answer
         prefix = f"{name}." if name else ""      # instance attributes through a slow dynamic __getattr__
         skipped.update(prefix + p for p in getattr(type(module), "adapter_param_names", ()))
-        if is_fused_experts(module):
-            for fused in FUSED_EXPERTS:
-                quantizers = expert_weight_quantizers(module, fused)
-                enabled = quantizers is not None and any(q.is_enabled for q in quantizers)
-                experts[prefix + fused] = (prefix, fused, quantizers if enabled else None)
         quantizer = module._modules.get("weight_quantizer")
         # a packed weight exists only as its quantizer's codes (which refuse to serve a disabled quantizer)
         quantized = isinstance(quantizer, PackedWeightMixin) or (isinstance(quantizer, _quantizer_modules())
