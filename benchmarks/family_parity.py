@@ -1,8 +1,7 @@
 """`qarl parity` on each family's embedded variant (`embedded:tiny-<family>`), fp32 on CPU, one table.
 
     python benchmarks/family_parity.py [--out benchmarks/results/family_parity_cpu.md] [--families qwen3 ...]
-
-The Mixture-of-Experts families run NVFP4 W4A16 only (its experts' inputs are not quantized by the engine).
+    python benchmarks/family_parity.py --out benchmarks/results/moe_parity_cpu.md --families qwen3moe qwen2moe
 
 Per family and format: the synced mismatch (mean |Δ log-prob| between the engine's sampled tokens and the policy's
 scores, max, flipped tokens), the unsynced one (the engine unquantized) and the unquantized floor.
@@ -25,9 +24,7 @@ def main() -> None:
     lines = ["| family | format | synced mean / max, flipped | unsynced mean | floor mean / max |", "|---|---|---|---|---|"]
     for family in args.families:
         name = "embedded:tiny" if family == "qwen2" else f"embedded:tiny-{family}"
-        formats = ["parity.formats=[quant_configs/nvfp4_a16.yaml]"] if family.endswith("moe") else []
-        results = run_parity(load_recipe("recipes/parity_tiny.yaml", [f"policy.model_name={name}", *formats],
-                                         RecipeConfig))
+        results = run_parity(load_recipe("recipes/parity_tiny.yaml", [f"policy.model_name={name}"], RecipeConfig))
         for fmt, r in results.items():
             s, u, f = r["synced"], r["unsynced"], r["unquantized"]
             lines.append(f"| {family} | {fmt} | {s['mean_abs']:.2e} / {s['max_abs']:.2e}, {s['flipped_tokens']} of "

@@ -34,6 +34,12 @@
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
 #   user_shape_long  QA-GRPO NVFP4 W4A16 of that model with completions of 16,384 tokens, 8 a step
 #   user_shape_qad  QAD NVFP4 W4A4 of that model with a bf16 teacher of the same shape, completions of 4,096 tokens
+#   families  `qarl parity` bf16 of a real-shape model of each family (benchmarks/user_shape.py; arguments: the shapes,
+#             default every dense one and qwen3-moe-2b, which runs NVFP4 W4A16 only)
+#   moe_tests the GPU tests of MoE refits into vLLM's fused experts under CUDA graphs (tests/integration/test_gpu_moe.py)
+#   moe_rollout  rollout tokens/s of the qwen3-moe-2b shape: plain vLLM against qarl's engine, unquantized and W4A16
+#   moe_export  one short QA-GRPO NVFP4 W4A16 step of the qwen3-moe-2b shape (32 x 128 tokens), its checkpoint exported
+#             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
 #             graphs (tests/integration/test_gpu_lora.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
@@ -270,6 +276,39 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
     user_run distill benchmarks/recipes/user_shape_qad.yaml user_shape_qad_4k "teacher.model_name=$shape_dir" \
       policy.generation.max_new_tokens=4096 policy.generation.max_model_len=4200 "$@"
+    ;;
+  families)
+    shapes="${*:3}"; [ -n "$shapes" ] || shapes="qwen3-1.7b llama3.2-1b mistral-7b-8l gemma3-1b phi3-mini-8l qwen3-moe-2b"
+    for name in $shapes; do
+      dir="runs/$(echo "$name" | tr .- p_)_shape"
+      python3 benchmarks/user_shape.py make "$dir" --shape "$name" 2>&1 | tail -1
+      formats=(); [[ $name == *moe* ]] && formats=("parity.formats=[quant_configs/nvfp4_a16.yaml]")
+      qarl parity recipes/parity_0p5b_gpu.yaml "policy.model_name=$dir" policy.dtype=bfloat16 "${formats[@]}" --json \
+        > "$out/parity_$name.json" 2> "$out/parity_$name.log"
+      echo "== $name (exit $?)"; grep -E "Error|error:" "$out/parity_$name.log" | tail -3; show_parity "$out/parity_$name.json"
+    done
+    ;;
+  moe_tests)
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_moe.py 2>&1 | tail -15
+    ;;
+  moe_rollout)
+    python3 benchmarks/user_shape.py make runs/qwen3_moe_2b_shape --shape qwen3-moe-2b 2>&1 | tail -1
+    python3 benchmarks/gpu_rollout.py --model runs/qwen3_moe_2b_shape --formats none nvfp4_a16 --batches 64 256 \
+      --repeats 2 --out "$out/gpu_rollout_qwen3_moe_2b.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
+    ;;
+  moe_export)
+    python3 benchmarks/user_shape.py make runs/qwen3_moe_2b_shape --shape qwen3-moe-2b 2>&1 | tail -1
+    qarl train benchmarks/recipes/user_shape_grpo.yaml policy.model_name=runs/qwen3_moe_2b_shape \
+      policy.quant_cfg=quant_configs/nvfp4_a16.yaml run.dir=runs/moe_export_run trainer.steps=1 trainer.batch_size=32 \
+      policy.generation.max_new_tokens=128 checkpoint.every=1 > "$out/moe_export_run.log" 2>&1
+    echo "train exit $?"; grep -E "Error|error:" "$out/moe_export_run.log" | tail -3
+    targets="${*:3}"; [ -n "$targets" ] || targets="nvfp4_w4a16_compressed_tensors nvfp4_w4a16_modelopt"
+    for target in $targets; do
+      qarl export runs/moe_export_run --target "export/$target.yaml" --out "exports/moe_$target" \
+        --overwrite --then-verify --vllm > "$out/export_moe_$target.json" 2> "$out/export_moe_$target.log"
+      echo "== $target (exit $?)"; grep -E "Error|error:" "$out/export_moe_$target.log" | tail -3
+      tail -25 "$out/export_moe_$target.json"
+    done
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3

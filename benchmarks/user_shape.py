@@ -5,6 +5,8 @@ model samples ids the tokenizer decodes to ''; fine for memory and speed).
     python benchmarks/user_shape.py make DIR --shape qwen3-8b       # 36 x 4096, vocabulary 151,936, untied head
     python benchmarks/user_shape.py make DIR --shape llama3.2-1b     # 16 x 2048, vocabulary 128,256, Llama 3's scaled RoPE
     python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
+    python benchmarks/user_shape.py make DIR --shape qwen3-moe-2b    # Qwen3-30B-A3B's layers, 12 of them, 32 experts
+    python benchmarks/user_shape.py make DIR --shape mistral-7b-8l   # (also gemma3-1b, phi3-mini-8l: SHAPES)
     python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
 
 `benchmarks/gpu_runs.sh user_shape` (and `user_shape_long`, `user_shape_qad`) run the shipped recipe on the
@@ -38,6 +40,29 @@ SHAPES = {
     # a user's directory small enough for the CPU machine, with the real vocabulary
     "qwen2-2l-151k": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2),
+    # Qwen3-30B-A3B's layers (hidden 2048, 32 / 4 heads of 128, experts of width 768, 8 a token, an untied head),
+    # 12 layers of 32 experts instead of 48 of 128: ~2.4B parameters
+    "qwen3-moe-2b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=32,
+                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], tie_word_embeddings=False),
+    # Mistral-7B v0.3's layers (hidden 4096, MLP 14336, 32 / 8 heads of 128, no sliding window, its 32,768-token
+    # vocabulary, an untied head), 8 of its 32 layers
+    "mistral-7b-8l": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32_768,
+                          sliding_window=None, tie_word_embeddings=False),
+    # Gemma-3-1B's text layers: 26 x hidden 1152, MLP 6912, 4 / 1 heads of 256, five sliding layers (window 512) to
+    # one global, scaled embeddings, its 262,144-token vocabulary
+    "gemma3-1b": dict(family="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                      sliding_window=512, vocab_size=262_144, max_position_embeddings=32_768,
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # Phi-3-mini's layers (hidden 3072, MLP 8192, 32 heads of 96, q/k/v and gate/up fused in the checkpoint, its
+    # 32,064-token vocabulary, an untied head), 8 of its 32 layers
+    "phi3-mini-8l": dict(family="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+                         num_attention_heads=32, num_key_value_heads=32, vocab_size=32_064, max_position_embeddings=4096,
+                         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
 }
 VOCAB = 151_936
 H100_BF16_DENSE_FLOPS = 989e12
@@ -55,8 +80,7 @@ def spread(completions: list[str], answers: list[str]) -> list[float]:
 def make(out: Path, shape: str) -> Path:
     """A model directory of `shape`, random weights (seed 0) in bf16, with the embedded tokenizer."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from qarl.models.tiny import build_tokenizer
 
@@ -64,18 +88,16 @@ def make(out: Path, shape: str) -> Path:
         return out
     spec = dict(SHAPES[shape])
     family = spec.pop("family")
-    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     tokenizer = build_tokenizer()
     spec.setdefault("tie_word_embeddings", True)
     spec.setdefault("vocab_size", VOCAB)
     spec.setdefault("max_position_embeddings", 40_960)
     spec.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 1e6})
-    config = config_class(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id, **spec)
+    config = AutoConfig.for_model(family, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **spec)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = model_class(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

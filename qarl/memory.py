@@ -46,6 +46,7 @@ class ModelShape:
     attention_width: int  # q + k + v output features of one layer
     query_width: int  # q's output features (the attention output projection's input)
     experts: int = 0  # a Mixture-of-Experts model's experts a layer (0: dense); `intermediate` is then a token's share
+    experts_per_token: int = 0
     expert_params: int = 0  # all its experts' weights
 
     @classmethod
@@ -64,7 +65,7 @@ class ModelShape:
         return cls(params=parameter_count(model_dir, trust_remote_code), layers=config.num_hidden_layers,
                    hidden=config.hidden_size, intermediate=intermediate, vocab=config.vocab_size,
                    attention_width=(heads + 2 * kv_heads) * head_dim, query_width=heads * head_dim, experts=experts,
-                   expert_params=expert_params)
+                   experts_per_token=config.num_experts_per_tok if experts else 0, expert_params=expert_params)
 
     @property
     def linear_params(self) -> int:
@@ -75,8 +76,12 @@ class ModelShape:
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the
-        attention output, the MLP's gate/up, activation and down-projection input, the residual stream."""
-        width = 6 * self.hidden + self.attention_width + 4 * self.intermediate
+        attention output, the MLP's gate/up, activation and down-projection input, the residual stream; in a MoE
+        layer also about four hidden-wide tensors for each expert the token is routed to (transformers' eager experts
+        gather its input, and keep the expert's output and its weighted copy; fitted to the H100 runs of
+        benchmarks/results/gpu/moe)."""
+        routed = 4 * self.experts_per_token * self.hidden
+        width = 6 * self.hidden + self.attention_width + 4 * self.intermediate + routed
         return width * dtype_bytes + 4 * 4 * self.hidden
 
 

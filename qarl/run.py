@@ -27,8 +27,8 @@ from omegaconf import OmegaConf
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
-from qarl.generation import (Completion, RefitTiming, VLLMEngine, adapter_hooks, engine_adapter_rank, runs_eager,
-                             sleeps_between_rollouts)
+from qarl.generation import (Completion, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
+                             engine_adapter_rank, runs_eager, sleeps_between_rollouts)
 from qarl.lora import check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
@@ -95,6 +95,7 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
+    check_expert_inputs(plan, rollout_format)
     runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
                adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
     if cfg.policy.lora.mode != "none":

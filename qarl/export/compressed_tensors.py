@@ -53,13 +53,18 @@ def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[
 
 def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str) -> dict[str, Any]:
     """config.json's `quantization_config`, built from compressed-tensors' own schema objects and laid
-    out as its ModelCompressor.update_config writes it. Every nn.Linear that is not exported quantized
-    (e.g. lm_head) is listed in `ignore`."""
+    out as its ModelCompressor.update_config writes it. Every linear layer that is not exported quantized
+    (e.g. lm_head, a MoE router, which transformers holds as its own module with a 2-D weight) is listed in
+    `ignore`, where vLLM looks before it builds a layer quantized."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
-    ignore = sorted(name for name, module in model.named_modules()
-                    if isinstance(module, torch.nn.Linear) and name not in layers)
+    def linear(module: torch.nn.Module) -> bool:
+        weight = module._parameters.get("weight")
+        return isinstance(module, torch.nn.Linear) or (
+            weight is not None and weight.dim() == 2 and not isinstance(module, torch.nn.Embedding))
+
+    ignore = sorted(name for name, module in model.named_modules() if linear(module) and name not in layers)
     group = preset_name_to_scheme(PRESET[scheme], ["Linear"])
     group.format = FORMAT[scheme]
     quant = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT[scheme],

@@ -5,7 +5,9 @@ folded weights. For an activation format each (fused) linear layer whose input i
 subclass of its own vLLM class (`qarl.quant.mixins.with_mixin`) that calls one fake-quant op on its
 input (`qarl.quant.ops.fake_quant_input`) and then vLLM's own forward. Its amax is a buffer of
 the layer, written in place by every refit, so a captured CUDA graph reads the new value; fused
-siblings (q/k/v, gate/up) share one amax on the policy side and so in the engine.
+siblings (q/k/v, gate/up) share one amax on the policy side and so in the engine. A MoE layer's experts share
+one input quantizer per projection on the policy side (ModelOpt's fused experts); the engine's MoE layer gets
+one `ExpertInput` per projection, which vLLM's experts call (`vllm_compat.EXPERT_INPUTS`; CPU only).
 
 The layers are installed by qarl's model loader ("qarl", vLLM's load-format seam) right after the
 weights load, i.e. before vLLM traces the model and captures its graphs. The plan travels in vLLM's
@@ -22,7 +24,7 @@ from qarl.config import ConfigError
 from qarl.generation import exact, vllm_compat
 from qarl.quant.kernels import install as install_kernels
 from qarl.quant.mixins import with_mixin, without_mixin
-from qarl.quant.ops import InputQuant, fake_quant_input
+from qarl.quant.ops import EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, fake_quant_input
 
 PLAN_KEY = "qarl_input_quant"  # vLLM additional_config key: {HF layer name: InputQuant.as_dict()}
 LOAD_FORMAT = "qarl"
@@ -38,6 +40,28 @@ class QuantizedInput:
         return super().forward(quantized)
 
 
+class ExpertInput(nn.Module):
+    """The fake quantization of one projection's input in an engine's MoE layer, for all its experts (the policy's
+    experts share one input quantizer per projection): called by vLLM's experts, its amax written by every refit."""
+
+    def __init__(self, spec: InputQuant, policy_name: str, device: torch.device):
+        super().__init__()
+        self.input_quant, self.policy_name = spec, policy_name  # policy_name: the plan's key (`expert_input_key`)
+        self.register_buffer("input_amax", torch.zeros((), dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quant_input(x, self.input_amax, self.input_quant)
+
+
+def _expert_inputs(model: nn.Module, plan: dict[str, InputQuant]) -> list[tuple[nn.Module, str, str]]:
+    """(engine MoE layer, its attribute for an `ExpertInput`, the plan key) of each projection of each MoE layer
+    whose input `plan` quantizes."""
+    return [(module, attribute, expert_input_key(name, quantizer))
+            for name, module in vllm_compat.expert_layers(model).items()
+            for quantizer, attribute in zip(EXPERT_INPUT_QUANTIZERS, vllm_compat.EXPERT_INPUTS)
+            if expert_input_key(name, quantizer) in plan]
+
+
 def _quantized_input_class(cls: type) -> type:
     return with_mixin(QuantizedInput, cls, "QuantizedInput", globals())
 
@@ -50,9 +74,9 @@ def policy_names(model: nn.Module, engine_name: str) -> list[str]:
 
 
 def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
-    """Give every engine linear layer whose input `plan` quantizes the quantized-input forward; returns
-    how many. Fused parts must agree, and every planned layer must exist in the engine: both are
-    checked before any layer changes."""
+    """Give every engine linear layer whose input `plan` quantizes the quantized-input forward, and every MoE layer
+    whose experts' inputs it quantizes an `ExpertInput` per projection; returns how many. Fused parts must agree,
+    and every planned layer must exist in the engine: both are checked before any layer changes."""
     linear_layer = vllm_compat.linear_layer_class()
     chosen, covered = [], set()
     for name, module in model.named_modules():
@@ -66,6 +90,8 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
                               f"({[plan.get(p) for p in parts]}); one fused matrix takes one input quantizer")
         if specs != {None}:
             chosen.append((module, specs.pop()))
+    experts = _expert_inputs(model, plan)
+    covered.update(key for _, _, key in experts)
     missing = sorted(set(plan) - covered)
     if missing:
         raise ConfigError(f"the format quantizes the inputs of {missing[:4]}, which the engine has no linear "
@@ -77,15 +103,20 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
         module.input_quant = spec
         module.register_buffer("input_amax", torch.zeros((), dtype=torch.float32, device=module.weight.device))
         module.register_buffer("input_pre_quant_scale", None)
-    return len(chosen)
+    for module, attribute, key in experts:
+        setattr(module, attribute, ExpertInput(plan[key], key, module.w13_weight.device))
+    return len(chosen) + len(experts)
 
 
 def uninstall(model: nn.Module) -> None:
     """Back to vLLM's own layers (an eager engine changing format)."""
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, QuantizedInput):
             module.__class__ = without_mixin(type(module))  # QuantizedInputX -> X
             del module.input_quant, module.input_amax, module.input_pre_quant_scale
+        for attribute in vllm_compat.EXPERT_INPUTS:
+            if isinstance(getattr(module, attribute, None), ExpertInput):
+                delattr(module, attribute)
 
 
 def plan_to_config(plan: dict[str, InputQuant]) -> dict:

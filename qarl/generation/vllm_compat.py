@@ -51,8 +51,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "pointer_to_data", "unmap_and_release",
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
-    # the CPU MoE experts
+    # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
+    "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts",
     # the scheduler's limits
     "scheduler_config", "max_num_batched_tokens",
     # model loading and layers
@@ -64,6 +65,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the samplers
     "vllm.v1", "speculative_config", "discard_request_mask", "returns_logprobs", "max_num_logprobs",
     "logprobs_tensors", "logprob_token_ids", "idx_mapping_np", "num_sampled", "_qarl_recorder", "_qarl_runner",
+    "_qarl_layer",
     # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
     "CPUFp8PerTensorScaledMMLinearKernel",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
@@ -176,19 +178,26 @@ def scheduler_limits(llm: Any) -> tuple[int, int]:
     return scheduler.max_num_seqs, scheduler.max_num_batched_tokens
 
 
+# modules a MoE layer of the engine may carry that quantize its experts' inputs, before the gate/up and before the
+# down projection (qarl/generation/engine_quant.py installs them; the CPU experts below call them)
+EXPERT_INPUTS = ("qarl_w13_input", "qarl_w2_input")
+
+
 def keep_cpu_experts_plain() -> None:
     """Patch: on CPU, vLLM pads and repacks a fused MoE layer's expert weights after loading
     (`CPUUnquantizedExperts.process_weights_after_loading`, for its `cpu_fused_moe` kernel), so a later refit
     would write per-expert weights into a repacked layout. The patch keeps `w13_weight` [experts, 2 x
     intermediate, hidden] and `w2_weight` plain and computes the experts with torch ops in the order transformers'
     eager experts do (per expert hit: gate and up in one matmul, SiLU(gate) x up, down, scaled by the routing
-    weight, summed into the token's output), so the policy's and the engine's MoE agree to fp32 rounding. Before
+    weight, summed into the token's output), so the policy's and the engine's MoE agree to fp32 rounding; the inputs
+    of both matmuls go through the layer's `EXPERT_INPUTS` where it has them (an activation format). Before
     the engine loads. CPU only; checked: 0.32.0 (CPU)."""
     check_version()
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     def plain_weights(self, layer: nn.Module) -> None:
         self._use_zentorch = False
+        self._qarl_layer = layer  # (where apply finds the layer's `EXPERT_INPUTS`)
 
     def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
@@ -202,15 +211,47 @@ def keep_cpu_experts_plain() -> None:
             raise NotImplementedError(f"qarl's plain CPU experts do not compute {[k for k, v in unsupported.items() if v]}")
         weights = topk_weights.to(hidden_states.dtype)  # (transformers' router hands them over in the model's dtype)
         total = torch.zeros_like(hidden_states)
+        first, second = (getattr(self._qarl_layer, name, None) or nn.Identity() for name in EXPERT_INPUTS)
+        quantized = first(hidden_states)  # (row by row, as each expert's rows would be: per-tensor amax, row blocks)
         for expert in topk_ids.unique().tolist():
             token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(hidden_states[token], w1[expert]).chunk(2, dim=-1)
-            out = F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None]
+            gate, up = F.linear(quantized[token], w1[expert]).chunk(2, dim=-1)
+            out = F.linear(second(F.silu(gate) * up), w2[expert]) * weights[token, slot, None]
             total.index_add_(0, token, out.to(total.dtype))
         output.copy_(total)
 
     CPUUnquantizedExperts.process_weights_after_loading = plain_weights
     CPUUnquantizedExperts.apply = apply
+
+
+# vLLM's unquantized MoE backends that leave `w13_weight` and `w2_weight` as loaded, [experts, 2 x intermediate,
+# hidden] and [experts, hidden, intermediate], the layout a refit's `load_weights` writes into (the FlashInfer and
+# ROCm AITER ones reorder or shuffle them after loading)
+KEEPS_EXPERT_LAYOUT = ("TRITON", "BATCHED_TRITON", "CPU")
+
+
+def expert_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{Hugging Face name of a MoE layer's experts (`model.layers.0.mlp.experts`): the engine module holding their
+    `w13_weight` and `w2_weight`}. vLLM's MoE layer keeps them in a child `routed_experts`. Checked: 0.26.0 (GPU),
+    0.32.0 (CPU)."""
+    check_version()
+    return {name.removesuffix(".routed_experts"): module for name, module in model.named_modules()
+            if hasattr(module, "w13_weight")}
+
+
+def experts_in_changed_layout(model: nn.Module) -> dict[str, str]:
+    """The MoE layers of an engine whose backend lays the expert weights out for its kernels after loading, so that a
+    refit would write into a layout the kernels no longer read: layer name -> backend (empty: every layer keeps the
+    loaded layout). Read from each layer's `quant_method.unquantized_backend`; a layer with another quant method is
+    reported by its class name. Checked: 0.26.0 (GPU: Triton on an H100), 0.32.0 (CPU)."""
+    changed = {}
+    for name, module in expert_layers(model).items():
+        method = getattr(module, "quant_method", None)
+        if type(method).__name__ != "UnquantizedFusedMoEMethod":
+            changed[name] = type(method).__name__
+        elif method.unquantized_backend.name not in KEEPS_EXPERT_LAYOUT:
+            changed[name] = method.unquantized_backend.name
+    return changed
 
 
 def add_load_format(load_format: str, after_load: Callable[[nn.Module, dict], None]) -> None:

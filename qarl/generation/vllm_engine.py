@@ -48,7 +48,8 @@ from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
-from qarl.quant.ops import InputQuant, input_quant_plan, input_spec
+from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, input_quant_plan, input_spec,
+                            is_expert_input)
 from qarl.torch_compat import reset_dynamo, tensor_version
 
 
@@ -114,6 +115,17 @@ def runs_eager(cfg: GenerationConfig, smoothing: bool = False, adapter_hooks: st
     return mode == "true" or blocker is not None
 
 
+def check_expert_inputs(plan: dict[str, InputQuant], fmt: QuantFormat | None) -> None:
+    """Refuse a plan that quantizes MoE experts' inputs on a GPU, where vLLM's fused MoE kernel computes the experts
+    without qarl's input quantization (the CPU engine's experts have it: `vllm_compat.keep_cpu_experts_plain`)."""
+    experts = [name for name in plan if is_expert_input(name)]
+    if experts and torch.cuda.is_available():
+        raise ConfigError(
+            f"{fmt.source} quantizes the inputs of Mixture-of-Experts experts ({experts[0]}, ...), which vLLM's fused "
+            "MoE kernel on the GPU computes without qarl's input quantization: quantize the experts' weights only "
+            "(nvfp4_a16), or disable their input quantizers ('*experts*input_quantizer': enable: false)")
+
+
 @runtime_checkable
 class ShardedPolicy(Protocol):
     """A policy that is not one Hugging Face module tree (the Megatron backend's tensor-parallel shards): it
@@ -141,10 +153,6 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
-        elif config_has_experts(model_dir):
-            print("note: Mixture-of-Experts rollouts on a GPU have not been tested with qarl yet (vLLM's FusedMoE may "
-                  "lay expert weights out for its kernels after loading, which a refit would not follow): compare "
-                  "mismatch/kl with a dense model's", flush=True)
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact = exact
@@ -161,6 +169,7 @@ class VLLMEngine:
         """What an engine for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its adapters
         need forward hooks (None: vLLM's LoRA serves them, or there are none)."""
         plan = input_quant_plan(self.model_dir, fmt)
+        check_expert_inputs(plan, fmt)
         hooks = (hooks_needed(self.adapter_rank, self.dtype, bool(plan), config_has_experts(self.model_dir))
                  if self.adapter_rank else None)
         return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
@@ -181,6 +190,9 @@ class VLLMEngine:
             print(f"qlora adapters by qarl's forward hooks, eagerly: {hooks}")
         if vllm_lora:
             extra |= lora_engine_options(self.adapter_rank)
+        experts = config_has_experts(self.model_dir)
+        if experts and torch.cuda.is_available():
+            extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         self.llm = LLM(
             model=self.model_dir,
             dtype=self.dtype,
@@ -201,6 +213,11 @@ class VLLMEngine:
         self._worker = vllm_compat.in_process_worker(self.llm)
         runner = vllm_compat.worker_runner(self._worker)
         self.model: nn.Module = vllm_compat.runner_model(runner)
+        if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
+            raise NotImplementedError(
+                f"vLLM computes these MoE layers with a backend that lays their expert weights out for its kernels "
+                f"after loading, where a refit cannot reach them: {changed}; qarl refits experts computed by "
+                f"{vllm_compat.KEEPS_EXPERT_LAYOUT}")
         # the sampled tokens' log-probs are kept at the sampler, except in an exact engine, whose GPU tests ran with
         # vLLM returning them (None: vLLM returns them)
         self._sampled = None if self.exact else SampledLogprobs.attach(runner)
@@ -272,13 +289,21 @@ class VLLMEngine:
             if isinstance(policy_model, ShardedPolicy):
                 quantizers = policy_model.input_quantizers()
             else:
-                policy_modules = dict(policy_model.named_modules())
-                quantizers = {n: m.input_quantizer for n, m in policy_modules.items() if hasattr(m, "input_quantizer")}
+                quantizers = {}
+                for n, m in policy_model.named_modules():
+                    if hasattr(m, "input_quantizer"):
+                        quantizers[n] = m.input_quantizer
+                    for kind in EXPERT_INPUT_QUANTIZERS:  # a MoE layer's experts: one for all of them
+                        if hasattr(m, kind):
+                            quantizers[expert_input_key(n, kind)] = getattr(m, kind)
             links = []
             for name, layer in self.model.named_modules():
-                if not isinstance(layer, engine_quant.QuantizedInput):
+                if isinstance(layer, engine_quant.ExpertInput):
+                    source_name = layer.policy_name
+                elif isinstance(layer, engine_quant.QuantizedInput):
+                    source_name = engine_quant.policy_names(self.model, name)[0]
+                else:
                     continue
-                source_name = engine_quant.policy_names(self.model, name)[0]
                 source = quantizers.get(source_name)
                 if (source is None or not source.is_enabled or source.amax is None or source.amax.numel() != 1
                         or input_spec(source_name, source, layer.input_quant.smoothing) != layer.input_quant):

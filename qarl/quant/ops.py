@@ -118,8 +118,24 @@ def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     )
 
 
+# ModelOpt's input quantizers of a fused experts module (shared by all its experts), by the projection they feed
+EXPERT_INPUT_QUANTIZERS = ("gate_up_proj_input_quantizer", "down_proj_input_quantizer")
+
+
+def expert_input_key(experts: str, quantizer: str) -> str:
+    """The plan's key for the input of one projection of the experts module `experts` (e.g.
+    `model.layers.0.mlp.experts.gate_up_proj_input`): a name no linear layer has."""
+    return f"{experts}.{quantizer.removesuffix('_quantizer')}"
+
+
+def is_expert_input(key: str) -> bool:
+    """Whether a plan key names a MoE layer's experts' input (`expert_input_key`), not a linear layer."""
+    return any(key.endswith("." + q.removesuffix("_quantizer")) for q in EXPERT_INPUT_QUANTIZERS)
+
+
 def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code: bool = False) -> dict[str, InputQuant]:
-    """{Hugging Face layer name: InputQuant} of every layer whose input `fmt` quantizes, read from
+    """{Hugging Face layer name (a MoE layer's experts: `expert_input_key`): InputQuant} of every layer whose input
+    `fmt` quantizes, read from
     ModelOpt's quantizers on a meta-device copy of the model (no weights load). Weight-only formats
     give {}: their engine is a plain vLLM model. Other enabled quantizers are refused: the engine
     serves folded weights and quantized inputs, nothing else."""
@@ -129,22 +145,21 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
 
     model = quantized_meta_model(model_dir, fmt, trust_remote_code)
     smoothing = fmt.calibration in SMOOTHING_ALGORITHMS
-    plan, unsupported, expert_inputs = {}, [], []
+    plan, unsupported = {}, []
     for name, module in model.named_modules():
         if not isinstance(module, TensorQuantizer) or not module.is_enabled:
             continue
         layer, _, kind = name.rpartition(".")
         if kind == "input_quantizer":
             plan[layer] = input_spec(layer, module, smoothing)
-        elif kind.endswith("_input_quantizer"):  # a MoE layer's experts (one input quantizer for all of them)
-            expert_inputs.append(name)
+        elif kind in EXPERT_INPUT_QUANTIZERS:  # a MoE layer's experts: one input quantizer for all of them
+            if smoothing:
+                raise ConfigError(f"quant config {fmt.source} smooths the inputs of Mixture-of-Experts experts "
+                                  f"({name}), which the engine's experts do not scale: calibrate with max, or "
+                                  "quantize the experts' weights only (nvfp4_a16)")
+            plan[expert_input_key(layer, kind)] = input_spec(name, module, smoothing)
         elif kind != "weight_quantizer" and not layer.endswith("_weight_quantizers"):  # (experts': one each)
             unsupported.append(name)
-    if expert_inputs:
-        raise ConfigError(f"quant config {fmt.source} quantizes the inputs of Mixture-of-Experts experts "
-                          f"({expert_inputs[:2]}{' ...' if len(expert_inputs) > 2 else ''}), which vLLM's fused MoE "
-                          "layer computes without qarl's input quantization: use a weight-only format for the experts "
-                          "(nvfp4_a16), or disable their input quantizers ('*experts*input_quantizer': enable: false)")
     if unsupported:
         raise ConfigError(f"quant config {fmt.source} enables quantizers the rollout engine does not run: "
                           f"{unsupported[:4]}{' ...' if len(unsupported) > 4 else ''}. qarl quantizes weights and "

@@ -19,14 +19,12 @@ from tests.loops import GRPO, QAD
 
 FAMILIES = [f for f in tiny.FAMILIES if f != "qwen2"]  # qwen2: the embedded default, tested everywhere else
 MOE = "qwen3moe"
-FORMATS = {f: ["nvfp4_a16"] for f in (MOE, "qwen2moe")}  # experts quantize weights only (activation formats are
-# refused: tests/unit/test_experts.py)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_of_each_family_is_at_the_fp32_floor(family):
     """`qarl parity` in this process (a subprocess each would spend most of its time importing vLLM)."""
-    formats = FORMATS.get(family, ["fp8_w8a8", "nvfp4_a16", "nvfp4_w4a4"])
+    formats = ["fp8_w8a8", "nvfp4_a16", "nvfp4_w4a4"]
     cfg = load_recipe("recipes/parity_tiny.yaml", [f"policy.model_name=embedded:tiny-{family}", "parity.num_prompts=8",
                                                   "parity.max_new_tokens=16",
                                                   f"parity.formats=[{','.join(f'quant_configs/{f}.yaml' for f in formats)}]"],
@@ -55,10 +53,10 @@ def test_each_family_trains_the_embedded_task(tmp_path, family, lora):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_distills(tmp_path, family):
-    """QAD (the recipe's NVFP4 W4A4; W4A16 for the MoE families) from the family's warm start, the engine synced."""
-    formats = [f"policy.quant_cfg=quant_configs/{FORMATS[family][0]}.yaml"] if family in FORMATS else []
+    """QAD (the recipe's NVFP4 W4A4, the MoE families' experts included) from the family's warm start, the engine
+    synced."""
     run_dir = tmp_path / family
-    subprocess.run(QAD.command(run_dir, f"policy.model_name=embedded:tiny-{family}", *formats), check=True, timeout=900)
+    subprocess.run(QAD.command(run_dir, f"policy.model_name=embedded:tiny-{family}"), check=True, timeout=900)
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "distill/kl" in r]
     assert len(steps) == QAD.steps and all(0.0 <= r["distill/kl"] < 100 for r in steps)
     assert max(abs(r["mismatch/kl"]) for r in steps) < 1e-4

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -204,6 +205,18 @@ def test_vllm_loads_modelopt_fp8_on_cpu(exports):
     vllm = report["loaders"]["vllm"]
     assert vllm["status"] == "ok", vllm
     assert vllm["max_abs_logprob_diff"] < 0.2  # bf16 activations against the fp32 fake-quant policy
+
+
+def test_an_export_vllm_cannot_load_is_not_ok(exports, tmp_path):
+    """Weights bit for bit but an architecture vLLM does not know: asked to load it, the report says not ok."""
+    out, _ = exports["fp8_w8a8_modelopt"]
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    report = verify_export(broken, vllm=True)  # (the copied manifest names the run's checkpoint)
+    assert report["weights"]["quantized"]["max_abs_diff"] == 0.0
+    assert report["loaders"]["vllm"]["status"] == "error" and not report["ok"], report["loaders"]["vllm"]
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, dict]:

@@ -1,11 +1,13 @@
 """Mixture-of-Experts without vLLM (qarl/models/experts.py): transformers' fused experts named as the checkpoint names
 each expert; the fold the rollout engine loads is the quantized forward's weights, expert by expert; what cannot run
-on experts is refused by name (activation formats, unmapped MoE families); the packed export writes each expert and
+on experts is refused by name (smoothed expert inputs, activation formats on the GPU, unmapped MoE families); the packed export writes each expert and
 decodes to the policy, the dequantized one is a plain model with the policy's logits; the memory plan counts a token's
 experts. The engine side (vLLM's
 FusedMoE refitted with these names, parity at the fp32 floor): tests/e2e/test_families.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -59,14 +61,25 @@ def test_the_fold_is_what_the_quantized_forward_computes_with(task, moe_dir):
         assert torch.equal(plain(ids).logits, policy.model(ids).logits)
 
 
-def test_what_experts_cannot_run_is_refused_by_name(moe_dir):
+def test_what_experts_can_run_is_planned_and_the_rest_is_refused_by_name(moe_dir):
+    from qarl.generation import check_expert_inputs
     from qarl.quant import resolve_format
-    from qarl.quant.ops import input_quant_plan
+    from qarl.quant.formats import with_calibration
+    from qarl.quant.ops import input_quant_plan, is_expert_input
 
-    for quant_cfg in ("quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"):
-        with pytest.raises(ConfigError, match="inputs of Mixture-of-Experts experts.*nvfp4_a16"):
-            input_quant_plan(moe_dir, resolve_format(quant_cfg))
     assert input_quant_plan(moe_dir, resolve_format(W4A16)) == {}
+    for quant_cfg in ("quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"):  # one input for all experts
+        plan = input_quant_plan(moe_dir, resolve_format(quant_cfg))
+        experts = sorted(name for name in plan if is_expert_input(name))
+        assert experts == [f"model.layers.{i}.mlp.experts.{p}_input" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+        assert "model.layers.0.mlp.down_proj" not in plan and "model.layers.0.self_attn.q_proj" in plan
+        if torch.cuda.is_available():  # vLLM's fused MoE kernel has no input quantization
+            with pytest.raises(ConfigError, match="inputs of Mixture-of-Experts experts.*nvfp4_a16"):
+                check_expert_inputs(plan, resolve_format(quant_cfg))
+        else:
+            check_expert_inputs(plan, resolve_format(quant_cfg))
+    with pytest.raises(ConfigError, match="smooths the inputs of Mixture-of-Experts experts"):
+        input_quant_plan(moe_dir, with_calibration(resolve_format("quant_configs/nvfp4_w4a4.yaml"), "awq_lite"))
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     check_experts("qwen3_moe", model)
     with pytest.raises(ConfigError, match="deepseek_v3.*supported MoE families"):
@@ -88,16 +101,30 @@ def test_an_expert_width_the_block_does_not_divide_is_refused_before_loading(moe
     check_format_fits(moe_dir, resolve_format(W4A16))
 
 
-@pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors"])
+@pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors", "nvfp4_w4a4_modelopt",
+                                    "fp8_w8a8_compressed_tensors"])
 def test_the_packed_export_writes_each_expert_and_decodes_to_the_policy(task, moe_dir, tmp_path, target):
     """Each expert's gate, up and down as a quantized layer of its own, one global scale for an expert's gate and
-    up (vLLM fuses them), decoding to the policy's weights (bit for bit in ModelOpt's format; compressed-tensors
-    stores the global scale as a divisor, README) and logits."""
+    up (vLLM fuses them), the experts' shared input scale where the format quantizes inputs, decoding to the
+    policy's weights (bit for bit in ModelOpt's format; compressed-tensors stores the global scale as a divisor,
+    README) and logits; the routers stay unquantized (listed in compressed-tensors' `ignore`, where vLLM looks)."""
+    import json
+
     from qarl.export.core import export_policy
     from qarl.export.verify import verify_export
 
-    policy = tiny_policy(task, moe_dir, W4A16)
+    quant_cfg = {"nvfp4_w4a4": "quant_configs/nvfp4_w4a4.yaml", "fp8_w8a8": "quant_configs/fp8_w8a8.yaml"}
+    policy = tiny_policy(task, moe_dir, quant_cfg.get(target.rsplit("_", 1)[0].removesuffix("_compressed"), W4A16))
     summary = export_policy(policy, f"export/{target}.yaml", tmp_path / target)
+    if "compressed_tensors" in target:
+        ignored = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]["ignore"]
+        assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"} <= set(ignored)
+    if "w4a16" not in target:
+        tensors = load_file(str(tmp_path / target / "model.safetensors"))
+        for projections in (("gate_proj", "up_proj"), ("down_proj",)):  # one input quantizer each for all experts
+            scales = [v for k, v in tensors.items() if k.startswith("model.layers.0.mlp.experts.") and "input" in k
+                      and k.split(".")[6] in projections]
+            assert len(scales) == 8 * len(projections) and all(torch.equal(v, scales[0]) for v in scales)
     assert summary["quantized_layers"] == 2 * (4 + 8 * 3) and summary["fused_groups_sharing_scales"] == 2 * (1 + 8)
     report = verify_export(tmp_path / target, policy=policy)
     assert report["ok"] and report["fused_scales"]["shared"], report
@@ -128,3 +155,8 @@ def test_the_memory_plan_counts_a_tokens_experts(moe_dir):
     dense_mlp = 3 * shape.layers * shape.hidden * shape.intermediate
     assert shape.linear_params == shape.layers * shape.hidden * (shape.attention_width + shape.query_width)
     assert shape.params > shape.linear_params + dense_mlp  # every expert's weights are held
+    # each expert a token is routed to keeps hidden-wide copies in transformers' eager experts (its gathered input,
+    # output and weighted output): the H100 run that under-planned by 11 GiB without them (benchmarks/results/gpu/moe)
+    assert shape.experts_per_token == 2
+    dense = dataclasses.replace(shape, experts=0, experts_per_token=0)
+    assert shape.layer_activation_bytes(2) - dense.layer_activation_bytes(2) == 4 * 2 * shape.hidden * 2
