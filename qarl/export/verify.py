@@ -342,8 +342,8 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     if disk_format == "compressed_tensors" and has_experts(policy.model):
         loaders["transformers+compressed-tensors"] = {
             "status": "unsupported", "why": "transformers fuses a Mixture-of-Experts checkpoint's experts as it loads "
-            "and drops their NVFP4 / FP8 scales (its load report calls them unexpected), so it decompresses the experts "
-            "wrongly; vLLM loads them"}
+            "and drops their scales (seen with NVFP4: its load report calls each expert's weight_global_scale "
+            "unexpected), so it decompresses the experts wrongly"}
     elif disk_format == "compressed_tensors":
         loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference, None)
         if scheme.startswith("nvfp4"):

@@ -24,7 +24,7 @@ from qarl.config import ConfigError
 from qarl.generation import exact, vllm_compat
 from qarl.quant.kernels import install as install_kernels
 from qarl.quant.mixins import with_mixin, without_mixin
-from qarl.quant.ops import EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, fake_quant_input
+from qarl.quant.ops import EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, fake_quant_input, is_expert_input
 
 PLAN_KEY = "qarl_input_quant"  # vLLM additional_config key: {HF layer name: InputQuant.as_dict()}
 LOAD_FORMAT = "qarl"
@@ -93,6 +93,15 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
     experts = _expert_inputs(model, plan)
     covered.update(key for _, _, key in experts)
     missing = sorted(set(plan) - covered)
+    if missing_experts := [key for key in missing if is_expert_input(key)]:
+        raise ConfigError(f"the format quantizes the experts' inputs of {missing_experts[:4]}, whose MoE layers the "
+                          "engine does not have under these names")
+    unread = sorted({key.rpartition(".")[0] for module, _, key in experts
+                     if not vllm_compat.experts_read_inputs(module)})
+    if unread:
+        raise ConfigError(f"the engine's experts of {unread[:4]} are not computed by qarl's plain experts, which "
+                          "quantize their inputs (vllm_compat.keep_cpu_experts_plain): quantize the experts' weights "
+                          "only (nvfp4_a16)")
     if missing:
         raise ConfigError(f"the format quantizes the inputs of {missing[:4]}, which the engine has no linear "
                           "layer for (e.g. lm_head); keep them unquantized in the quant config (enable: false)")

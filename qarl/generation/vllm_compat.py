@@ -53,7 +53,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
     # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
-    "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts",
+    "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
     # the scheduler's limits
     "scheduler_config", "max_num_batched_tokens",
     # model loading and layers
@@ -237,6 +237,17 @@ def expert_layers(model: nn.Module) -> dict[str, nn.Module]:
     check_version()
     return {name.removesuffix(".routed_experts"): module for name, module in model.named_modules()
             if hasattr(module, "w13_weight")}
+
+
+def experts_read_inputs(layer: nn.Module) -> bool:
+    """Whether the experts that compute the MoE `layer` are `keep_cpu_experts_plain`'s, reading this layer's
+    `EXPERT_INPUTS` (`layer.quant_method.moe_kernel.fused_experts`). Checked: 0.32.0 (CPU)."""
+    check_version()
+    try:
+        experts = layer.quant_method.moe_kernel.fused_experts
+    except AttributeError:
+        return False
+    return getattr(experts, "_qarl_layer", None) is layer
 
 
 def experts_in_changed_layout(model: nn.Module) -> dict[str, str]:

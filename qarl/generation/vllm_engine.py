@@ -214,6 +214,8 @@ class VLLMEngine:
         runner = vllm_compat.worker_runner(self._worker)
         self.model: nn.Module = vllm_compat.runner_model(runner)
         if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
+            vllm_compat.shutdown_engine(self.llm)
+            self.llm = self.model = None
             raise NotImplementedError(
                 f"vLLM computes these MoE layers with a backend that lays their expert weights out for its kernels "
                 f"after loading, where a refit cannot reach them: {changed}; qarl refits experts computed by "

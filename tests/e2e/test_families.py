@@ -39,11 +39,13 @@ def test_parity_of_each_family_is_at_the_fp32_floor(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, lora", [(f, "none") for f in FAMILIES] + [(MOE, "qlora")])
-def test_each_family_trains_the_embedded_task(tmp_path, family, lora):
+@pytest.mark.parametrize("family, lora, fmt", [(f, "none", "nvfp4_a16") for f in FAMILIES]
+                         + [(MOE, "qlora", "nvfp4_a16"), (MOE, "none", "nvfp4_w4a4")])
+def test_each_family_trains_the_embedded_task(tmp_path, family, lora, fmt):
+    """A few QA-GRPO steps (the MoE model also with qlora, and with its experts' inputs quantized), synced."""
     run_dir = tmp_path / family
-    subprocess.run(GRPO.command(run_dir, f"policy.model_name=embedded:tiny-{family}", f"policy.lora.mode={lora}"),
-                   check=True, timeout=900)
+    subprocess.run(GRPO.command(run_dir, f"policy.model_name=embedded:tiny-{family}", f"policy.lora.mode={lora}",
+                                f"policy.quant_cfg=quant_configs/{fmt}.yaml"), check=True, timeout=900)
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = rows[:-1]
     assert max(r["mismatch/max_abs_logprob_diff"] for r in steps) < 1e-4  # synced at the fp32 floor

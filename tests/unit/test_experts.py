@@ -72,12 +72,14 @@ def test_what_experts_can_run_is_planned_and_the_rest_is_refused_by_name(moe_dir
         plan = input_quant_plan(moe_dir, resolve_format(quant_cfg))
         experts = sorted(name for name in plan if is_expert_input(name))
         assert experts == [f"model.layers.{i}.mlp.experts.{p}_input" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
-        assert "model.layers.0.mlp.down_proj" not in plan and "model.layers.0.self_attn.q_proj" in plan
+        assert "model.layers.0.self_attn.q_proj" in plan
         if torch.cuda.is_available():  # vLLM's fused MoE kernel has no input quantization
             with pytest.raises(ConfigError, match="inputs of Mixture-of-Experts experts.*nvfp4_a16"):
                 check_expert_inputs(plan, resolve_format(quant_cfg))
         else:
             check_expert_inputs(plan, resolve_format(quant_cfg))
+    shared = input_quant_plan(resolve_model_dir("embedded:tiny-qwen2moe"), resolve_format("quant_configs/fp8_w8a8.yaml"))
+    assert {"model.layers.0.mlp.shared_expert.down_proj", "model.layers.0.mlp.experts.down_proj_input"} <= set(shared)
     with pytest.raises(ConfigError, match="smooths the inputs of Mixture-of-Experts experts"):
         input_quant_plan(moe_dir, with_calibration(resolve_format("quant_configs/nvfp4_w4a4.yaml"), "awq_lite"))
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
@@ -119,6 +121,7 @@ def test_the_packed_export_writes_each_expert_and_decodes_to_the_policy(task, mo
     if "compressed_tensors" in target:
         ignored = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]["ignore"]
         assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"} <= set(ignored)
+        assert not {"model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.self_attn.q_proj"} & set(ignored)
     if "w4a16" not in target:
         tensors = load_file(str(tmp_path / target / "model.safetensors"))
         for projections in (("gate_proj", "up_proj"), ("down_proj",)):  # one input quantizer each for all experts
