@@ -211,6 +211,8 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     _check_settings(cfg)
     from qarl.models.checks import tokenizer_differences
     from qarl.models.resolve import resolve_model_dir
+    from qarl.generation import check_expert_inputs
+    from qarl.quant.ops import input_quant_plan
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task, model_prompt_format
     from qarl.run import initial_model_dir, initial_model_key
@@ -264,6 +266,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     for precision in precisions:
         if precision.format is not None:
             check_format_fits(base_dir, precision.format, trust)
+            check_expert_inputs(input_quant_plan(base_dir, precision.format, trust), precision.format)  # the engine
     prompts = model_prompt_format(base_dir, cfg.task, trust)
     if warm:
         base = ModelSource(WARM_START, initial_model_dir(cfg, task))

@@ -163,3 +163,14 @@ def test_the_memory_plan_counts_a_tokens_experts(moe_dir):
     assert shape.experts_per_token == 2
     dense = dataclasses.replace(shape, experts=0, experts_per_token=0)
     assert shape.layer_activation_bytes(2) - dense.layer_activation_bytes(2) == 4 * 2 * shape.hidden * 2
+
+
+def test_the_matrix_refuses_smoothed_expert_inputs_before_any_model_loads(moe_dir, tmp_path):
+    from qarl.config import RecipeConfig, load_recipe
+    from qarl.matrix import plan_matrix
+
+    cfg = load_recipe("benchmarks/recipes/moe_matrix_cpu.yaml", [], RecipeConfig)
+    cfg = dataclasses.replace(cfg, matrix=dataclasses.replace(
+        cfg.matrix, base=moe_dir, models={"plain": [moe_dir]}, ptq_methods=["max", "awq_lite"], out=str(tmp_path)))
+    with pytest.raises(ConfigError, match="awq_lite.*smooths the inputs of Mixture-of-Experts experts"):
+        plan_matrix(cfg)
