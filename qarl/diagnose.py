@@ -1,6 +1,7 @@
 """`qarl diagnose MODEL [MODEL ...]`: how quantizable is each layer, and did training change it?
 
-Per linear layer that the formats quantize, on the recipe's calibration data:
+Per linear layer that the formats quantize (and per expert's gate, up and down projection of a Mixture-of-Experts
+layer, on the rows routed to that expert), on the recipe's calibration data:
   weights      kurtosis (3 for a Gaussian), outlier fraction (|w - mean| > 3 std; 0.27 % for a Gaussian);
   activations  the same two statistics of the layer's inputs;
   error        relative reconstruction error ||Q(t) - t|| / ||t|| of the weight and of the inputs in NVFP4
@@ -60,39 +61,78 @@ def layer_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
     return {n: torch.cat([x[mask] for x, mask in zip(xs, masks)])[:MAX_TOKENS] for n, xs in captured.items()}
 
 
+MIN_EXPERT_ROWS = 8  # an expert the calibration data routes fewer tokens to is left out of the report
+
+
+def expert_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inputs of each expert's gate, up and down projection (by checkpoint name) over the calibration batches: the
+    rows routed to the expert, and act(gate) x up of those rows, at most MAX_TOKENS each; experts with fewer than
+    MIN_EXPERT_ROWS rows are left out."""
+    import torch
+
+    from qarl.models.experts import expert_layers, is_fused_experts
+
+    model_type = model.config.model_type
+    captured: dict[str, list[torch.Tensor]] = {}
+    mask: list[torch.Tensor] = []  # the current batch's non-padding tokens, flattened as the experts see them
+
+    def capture(module: torch.nn.Module, args: tuple, kwargs: dict, prefix: str) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        for expert in range(module.gate_up_proj.shape[0]):
+            rows = hidden[(index == expert).any(-1) & mask[-1]]
+            gate, up = torch.nn.functional.linear(rows, module.gate_up_proj[expert]).chunk(2, dim=-1)
+            (gate_name, _), (up_name, _) = expert_layers(prefix, "gate_up_proj", expert, 2, model_type)
+            (down_name, _), = expert_layers(prefix, "down_proj", expert, 1, model_type)
+            for name, x in ((gate_name, rows), (up_name, rows), (down_name, module.act_fn(gate) * up)):
+                captured.setdefault(name, []).append(x.detach())
+
+    hooks = [m.register_forward_pre_hook(lambda m, args, kwargs, prefix=f"{n}.": capture(m, args, kwargs, prefix),
+                                         with_kwargs=True)
+             for n, m in model.named_modules() if is_fused_experts(m)]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask.append(batch["attention_mask"].bool().flatten())
+                model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    inputs = {n: torch.cat(xs)[:MAX_TOKENS] for n, xs in captured.items()}
+    return {n: x for n, x in inputs.items() if len(x) >= MIN_EXPERT_ROWS}
+
+
 def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) -> dict[str, dict[str, Any]]:
     """{layer: statistics} of one model (see the module docstring)."""
     import torch
 
     from qarl.calibration import calibration_batches
-    from qarl.models.experts import has_experts
+    from qarl.models.experts import split_expert_weights
     from qarl.policy import build_policy
     from qarl.quant import resolve_format
-    from qarl.quant.quantize import quantized_linears
+    from qarl.quant.quantize import quantized_weights
 
     settings = dataclasses.replace(cfg.policy, lora=LoraConfig())  # the weights' own errors: no adapters
     plain = build_policy(settings, [], model_dir=model_dir, fmt=None)
-    if has_experts(plain.model):
-        print(f"diagnose {model_dir}: the linear layers only; a Mixture-of-Experts layer's experts (fused weights, "
-              "their inputs routed token by token) are not diagnosed", flush=True)
     batches = list(calibration_batches(calibration, plain.tokenizer, cfg.policy, plain.device))
     quantized = {key: build_policy(settings, calibration, model_dir=model_dir, fmt=resolve_format(spec))
                  for key, spec in FORMATS.items()}
-    layers = {key: {n: m for n, m in quantized_linears(p.model) if m.weight_quantizer.is_enabled}
-              for key, p in quantized.items()}
+    layers = {key: {w.name: w for w in quantized_weights(p.model)} for key, p in quantized.items()}
     names = set.intersection(*(set(v) for v in layers.values()))
-    inputs = layer_inputs(plain.model, batches, names)
     plain_modules = dict(plain.model.named_modules())
+    inputs = {**layer_inputs(plain.model, batches, names & set(plain_modules)), **expert_inputs(plain.model, batches)}
+    weights = split_expert_weights(plain.model, dict(plain.model.named_parameters()))
+    order = [n for n in dict.fromkeys(m.rpartition(".")[0] for m in weights) if n in names and n in inputs]
     report = {}
     with torch.no_grad():
-        for name in sorted(names, key=list(plain_modules).index):
-            weight, x = plain_modules[name].weight, inputs[name]
+        for name in order:
+            weight, x = weights[f"{name}.weight"], inputs[name]
             row = {**{f"weight_{k}": v for k, v in moments(weight).items()},
                    **{f"input_{k}": v for k, v in moments(x).items()}}
             exact = x @ weight.T
             for key in FORMATS:
                 layer = layers[key][name]
-                qw, qx = layer.weight_quantizer(weight), layer.input_quantizer(x)
+                qw, qx = layer.quantized(), layer.input_quantizer(x)
                 row[f"weight_error_{key}"] = relative_error(qw, weight)
                 row[f"input_error_{key}"] = relative_error(qx, x)
                 row[f"output_error_{key}"] = relative_error(qx @ qw.T, exact)
@@ -137,7 +177,7 @@ def plot(report: dict[str, dict[str, dict[str, Any]]], out: Path) -> Path:
 
     panels = [("output_error_nvfp4", "NVFP4 W4A4 output error (%)", 100), ("weight_kurtosis", "weight kurtosis", 1),
               ("input_kurtosis", "input kurtosis", 1)]
-    layers = list(next(iter(report.values())))
+    layers = [n for n in next(iter(report.values())) if all(n in rows for rows in report.values())]
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.5 * len(layers)), 2.6 * len(panels)), sharex=True)
     width = 0.8 / len(report)
     for ax, (key, title, scale) in zip(axes, panels):

@@ -174,3 +174,26 @@ def test_the_matrix_refuses_smoothed_expert_inputs_before_any_model_loads(moe_di
         cfg.matrix, base=moe_dir, models={"plain": [moe_dir]}, ptq_methods=["max", "awq_lite"], out=str(tmp_path)))
     with pytest.raises(ConfigError, match="awq_lite.*smooths the inputs of Mixture-of-Experts experts"):
         plan_matrix(cfg)
+
+
+def test_diagnose_reports_each_expert_on_the_rows_routed_to_it(moe_dir, monkeypatch):
+    from qarl.config import RecipeConfig, load_recipe
+    from qarl.diagnose import diagnose_model, expert_inputs
+    from qarl.tasks import build_task
+
+    cfg = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.quant_calib_size=16"], RecipeConfig)
+    calibration = build_task(cfg.task, 0).calibration_texts(16)
+    report = diagnose_model(cfg, moe_dir, calibration)
+    experts = {n for n in report if ".experts." in n}
+    assert "model.layers.0.self_attn.q_proj" in report
+    assert {n.rpartition(".")[2] for n in experts} == {"gate_proj", "up_proj", "down_proj"} and len(experts) >= 12
+    for row in report.values():  # 4-bit is coarser than 8-bit, for weights, inputs and outputs alike
+        for kind in ("weight", "input", "output"):
+            assert 0 < row[f"{kind}_error_fp8"] < row[f"{kind}_error_nvfp4"] < 0.5
+    # an expert's gate sees exactly the tokens routed to it, padding left out: each real token top_k times in all
+    monkeypatch.setattr("qarl.diagnose.MIN_EXPERT_ROWS", 1)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]])}
+    rows = expert_inputs(model, [batch])
+    routed = sum(len(x) for n, x in rows.items() if n.startswith("model.layers.0.") and n.endswith("gate_proj"))
+    assert routed == 5 * model.config.num_experts_per_tok
