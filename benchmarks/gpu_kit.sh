@@ -7,10 +7,12 @@
 # A machine keeps /tmp only while warm (~30 s after a call): if it went back, send part 1 again.
 # Users with a network install vLLM with pip instead (README, "GPU machines").
 #   bash benchmarks/gpu_kit.sh            (QARL_GPU_KIT: where the kit lives, default ../shared/gpu-kit)
+#   bash benchmarks/gpu_kit.sh --moe      (with vLLM's MoE kernels, for the moe_* stages: three parts, one call each,
+#                                          the last one sourcing .gpu-kit/part3/assemble.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kit="${QARL_GPU_KIT:-../shared/gpu-kit}"
 [ -f "$kit/build.sh" ] || { echo "no GPU kit at $kit (set QARL_GPU_KIT)" >&2; exit 2; }
 mkdir -p .git/info
 grep -qx '/.gpu-kit/' .git/info/exclude 2>/dev/null || echo /.gpu-kit/ >> .git/info/exclude
-bash "$kit/build.sh" .gpu-kit
+bash "$kit/build.sh" .gpu-kit "$@"
