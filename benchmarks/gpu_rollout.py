@@ -14,6 +14,9 @@ sampled token's log-prob, a seed per sample), to tell what those cost.
 All engines are started first and then timed in interleaved rounds (engine A, B, C, ..., then again), so
 that what the host machine does meanwhile hits them alike: one `generate` call per engine and batch size
 per round, tokens/s = generated tokens / its wall time, median over `--repeats` rounds after a warm-up round.
+Some models cannot share a process between engines (vLLM 0.26, the qwen3-moe-2b shape: the second engine's CUDA
+graphs fail with "CUDA graph capturing detected at an inappropriate time"); time those one engine per process
+(`--formats` with no format: plain vLLM alone; `--no-plain --formats F`: one qarl engine).
 """
 
 from __future__ import annotations
@@ -41,11 +44,11 @@ def _prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, 16), generator=generator).tolist()
 
 
-def plain_vllm(model_dir: str, dtype: str, tokens: int) -> Callable[[int], int]:
+def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float) -> Callable[[int], int]:
     """generate(batch) -> generated tokens, with vLLM's own defaults."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=MEMORY_PER_ENGINE)
+    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=memory)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, detokenize=False)
 
@@ -56,7 +59,7 @@ def plain_vllm(model_dir: str, dtype: str, tokens: int) -> Callable[[int], int]:
     return generate
 
 
-def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool,
+def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool, memory: float,
                 request_options: bool = False) -> dict[str, Callable[[int], int]]:
     """{name: generate(batch) -> generated tokens} of qarl's engine refitted from a policy in `fmt_name`;
     `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds."""
@@ -68,7 +71,7 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
     torch.manual_seed(0)
     policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64),
                           ArithmeticTask(num_train=400, num_eval=32, seed=0).calibration_texts(64), model_dir=model_dir)
-    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=MEMORY_PER_ENGINE,
+    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=memory,
                                 enforce_eager="true" if eager else "auto", sleep_between_rollouts="off")
     engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format)
     engine.refit(policy.model)
@@ -137,25 +140,26 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--formats", nargs="+", default=FORMATS)
+    parser.add_argument("--formats", nargs="*", default=FORMATS, help="qarl's engines (none: plain vLLM only)")
     parser.add_argument("--eager", action="store_true", help="qarl's engines with enforce_eager")
     parser.add_argument("--no-plain", action="store_true", help="skip plain vLLM")
     parser.add_argument("--request-options", action="store_true",
                         help="also the unquantized engine through vLLM's generate, with / without log-probs and seeds")
+    parser.add_argument("--memory", type=float, default=MEMORY_PER_ENGINE, help="each engine's share of the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from qarl.models.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens)}
+    engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens, args.memory)}
     for fmt in args.formats:
-        engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager,
+        engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager, args.memory,
                                    request_options=args.request_options and fmt == "none"))
     rows = interleaved(engines, args.batches, args.tokens, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "
-                   f"ignored), {device}, engines interleaved, median of {args.repeats} rounds; "
+                   f"ignored), {device}, {'engines interleaved, ' if len(engines) > 1 else ''}median of {args.repeats} rounds; "
                    f"`python benchmarks/gpu_rollout.py {' '.join(sys.argv[1:])}`")
     print(result)
     if args.out:

@@ -37,7 +37,8 @@
 #   families  `qarl parity` bf16 of a real-shape model of each family (benchmarks/user_shape.py; arguments: the shapes,
 #             default every dense one and qwen3-moe-2b, which runs NVFP4 W4A16 only)
 #   moe_tests the GPU tests of MoE refits into vLLM's fused experts under CUDA graphs (tests/integration/test_gpu_moe.py)
-#   moe_rollout  rollout tokens/s of the qwen3-moe-2b shape: plain vLLM against qarl's engine, unquantized and W4A16
+#   moe_rollout  rollout tokens/s of the qwen3-moe-2b shape: plain vLLM against qarl's engine, unquantized and W4A16,
+#             one engine per process
 #   moe_export  one short QA-GRPO NVFP4 W4A16 step of the qwen3-moe-2b shape (32 x 128 tokens), its checkpoint exported
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
@@ -293,8 +294,11 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   moe_rollout)
     python3 benchmarks/user_shape.py make runs/qwen3_moe_2b_shape --shape qwen3-moe-2b 2>&1 | tail -1
-    python3 benchmarks/gpu_rollout.py --model runs/qwen3_moe_2b_shape --formats none nvfp4_a16 --batches 64 256 \
-      --repeats 2 --out "$out/gpu_rollout_qwen3_moe_2b.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
+    for engine in plain none nvfp4_a16; do  # one engine per process: two MoE engines in one process break graphs
+      picked=(--no-plain --formats "$engine"); [ "$engine" = plain ] && picked=(--formats)
+      python3 benchmarks/gpu_rollout.py --model runs/qwen3_moe_2b_shape "${picked[@]}" --batches 64 256 --repeats 2 \
+        --memory 0.5 --out "$out/gpu_rollout_qwen3_moe_2b_$engine.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -3
+    done
     ;;
   moe_export)
     python3 benchmarks/user_shape.py make runs/qwen3_moe_2b_shape --shape qwen3-moe-2b 2>&1 | tail -1

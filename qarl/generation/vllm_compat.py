@@ -47,7 +47,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the in-process engine's insides
     ".llm_engine", ".engine_core", ".model_executor", "driver_worker", ".model_runner", ".get_model(", ".vllm_config",
     # CUDA graphs and sleep mode
-    "_global_graph_pool", "vllm.platforms", "current_platform", "vllm.device_allocator", "CuMemAllocator",
+    "_global_graph_pool", "vllm.compilation.monitor", "set_cudagraph_capturing_enabled", "vllm.platforms", "current_platform", "vllm.device_allocator", "CuMemAllocator",
     "pointer_to_data", "unmap_and_release",
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
@@ -129,6 +129,18 @@ def forget_graph_pool() -> None:
     from vllm.platforms import current_platform
 
     type(current_platform)._global_graph_pool = None
+
+
+def allow_graph_capture() -> None:
+    """Let the next engine of this process capture CUDA graphs (`set_cudagraph_capturing_enabled(True)`, from
+    vllm.compilation.monitor). vLLM's V1 model runner turns capture off process-wide once its graphs are captured;
+    its V2 runner (Qwen2-MoE and dense models by default) never turns it back on, so an engine on the V2 runner
+    started after one on the V1 runner (Qwen3-MoE) failed with "CUDA graph capturing detected at an inappropriate
+    time". Call it after an engine is closed. Checked: 0.26.0 (GPU: tests/integration/test_gpu_moe.py)."""
+    check_version()
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+
+    set_cudagraph_capturing_enabled(True)
 
 
 # -- sleep mode ------------------------------------------------------------------------------------------

@@ -258,6 +258,7 @@ class VLLMEngine:
         if not self.eager:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
             vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
+            vllm_compat.allow_graph_capture()  # and may capture its own, whichever model runner it gets
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
