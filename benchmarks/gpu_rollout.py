@@ -60,20 +60,31 @@ def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float) -> Callab
 
 
 def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool, memory: float,
-                request_options: bool = False) -> dict[str, Callable[[int], int]]:
+                request_options: bool = False, qlora: bool = False, packed: bool = False
+                ) -> dict[str, Callable[[int], int]]:
     """{name: generate(batch) -> generated tokens} of qarl's engine refitted from a policy in `fmt_name`;
-    `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds."""
-    from qarl.config import GenerationConfig, PolicyConfig
+    `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds;
+    `qlora`: the policy has rank-16 qlora adapters (vLLM's LoRA serves them); `packed`: the engine serves the
+    qlora base packed (vLLM's 4-bit kernel, qarl/generation/packed_base.py)."""
+    import tempfile
+    from pathlib import Path
+
+    from qarl.config import GenerationConfig, LoraConfig, PolicyConfig
     from qarl.generation import VLLMEngine
     from qarl.policy import build_policy
+    from qarl.run import write_packed_base
     from qarl.tasks import ArithmeticTask
 
     torch.manual_seed(0)
-    policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64),
+    lora = LoraConfig(mode="qlora" if qlora else "none")
+    policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64,
+                                       lora=lora),
                           ArithmeticTask(num_train=400, num_eval=32, seed=0).calibration_texts(64), model_dir=model_dir)
     settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=memory,
                                 enforce_eager="true" if eager else "auto", sleep_between_rollouts="off")
-    engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format)
+    base = write_packed_base(policy, Path(tempfile.mkdtemp(prefix="qarl-base-")) / "base") if packed else None
+    engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format, adapter_rank=lora.rank if qlora else 0,
+                        packed_base=base)
     engine.refit(policy.model)
     vocab = len(policy.tokenizer)
 
@@ -81,7 +92,8 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
         completions = engine.generate(_prompts(batch, vocab), max_new_tokens=tokens, ignore_eos=True)
         return sum(len(c.token_ids) for c in completions)
 
-    name = f"qarl {fmt_name}" + (" (eager)" if eager else "")
+    name = (f"qarl {fmt_name}" + (" qlora" if qlora else "") + (" packed base" if packed else "")
+            + (" (eager)" if eager else ""))
     runners = {name: generate}
     if request_options:
         from vllm import SamplingParams
@@ -145,6 +157,8 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip plain vLLM")
     parser.add_argument("--request-options", action="store_true",
                         help="also the unquantized engine through vLLM's generate, with / without log-probs and seeds")
+    parser.add_argument("--qlora", action="store_true", help="qarl's engines serve rank-16 qlora adapters")
+    parser.add_argument("--packed-base", action="store_true", help="with --qlora: the engines serve the base packed")
     parser.add_argument("--memory", type=float, default=MEMORY_PER_ENGINE, help="each engine's share of the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -155,7 +169,8 @@ def main() -> None:
     engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens, args.memory)}
     for fmt in args.formats:
         engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager, args.memory,
-                                   request_options=args.request_options and fmt == "none"))
+                                   request_options=args.request_options and fmt == "none", qlora=args.qlora,
+                                   packed=args.packed_base))
     rows = interleaved(engines, args.batches, args.tokens, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "

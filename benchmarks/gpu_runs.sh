@@ -42,7 +42,10 @@
 #   moe_export  one short QA-GRPO NVFP4 W4A16 step of the qwen3-moe-2b shape (32 x 128 tokens), its checkpoint exported
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
-#             graphs (tests/integration/test_gpu_lora.py), and `qarl parity` bf16 with qlora on the 0.5B model
+#             graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
+#             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
+#   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16, the same
+#             with qlora adapters, and the base packed (4-bit) with adapters, batches 8, 64, 256, one engine per process
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
@@ -314,9 +317,19 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       tail -25 "$out/export_moe_$target.json"
     done
     ;;
+  packed_rollout)  # rollout tokens/s of NVFP4 W4A16 engines of the user-shape model: folded bf16 base, + qlora, packed
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    for engine in folded qlora packed; do  # one engine per process
+      options=(); [ "$engine" != folded ] && options=(--qlora); [ "$engine" = packed ] && options+=(--packed-base)
+      python3 benchmarks/gpu_rollout.py --model "$shape_dir" --no-plain --formats nvfp4_a16 "${options[@]}" \
+        --batches 8 64 256 --repeats 2 --memory 0.5 --out "$out/gpu_rollout_${shape}_$engine.md" 2>&1 \
+        | grep -v -i "warn\|it/s\]" | tail -3
+    done
+    ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3
-    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py 2>&1 | grep -E "mean|passed|failed|Error" | tail -5
+    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py tests/integration/test_gpu_packed_base.py \
+      2>&1 | grep -E "mean|passed|failed|Error" | tail -6
     qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "parity.lora_modes=[qlora]" \
       "parity.formats=[quant_configs/nvfp4_a16.yaml]" --json > "$out/parity_qlora_bfloat16.json" 2> "$out/parity_qlora_bfloat16.log"
     tail -3 "$out/parity_qlora_bfloat16.log"; show_parity "$out/parity_qlora_bfloat16.json"

@@ -64,6 +64,10 @@ class GenerationConfig:
     # policy's compute weights become views into the engine's tensors after the first refit, so refits copy
     # only the rest and a sleeping engine keeps its weights (the policy trains with them). false: copy them all.
     share_weights: bool = True
+    # A qlora policy's frozen base in the engine (qarl/generation/packed_base.py). "auto": written once as a packed
+    # NVFP4 W4A16 checkpoint that vLLM serves with its own 4-bit kernel (FP4 Marlin) where it can (a CUDA GPU, an
+    # NVFP4 W4A16 qlora base), else folded in the compute dtype; "on": packed or refuse; "off": folded.
+    packed_base: str = "auto"  # auto | on | off
 
 
 @dataclass

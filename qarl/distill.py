@@ -43,7 +43,7 @@ from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import build_policy, DTYPES, Policy
 from qarl.quant import resolve_format
-from qarl.run import Rollout, Run, initial_model_dir, run_steps, start_engine, start_run
+from qarl.run import Rollout, Run, engine_in_format, initial_model_dir, run_steps, start_engine, start_run
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task
@@ -254,7 +254,7 @@ def distill(cfg: RecipeConfig) -> Path:
             first_row["eval/teacher_accuracy"] = evaluate(engine, run.prompts, eval_problems, run.rewards).accuracy
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
-    engine.set_quant_format(rollout_format)  # a graph engine restarts for it (once, after the teacher)
+    engine = engine_in_format(run, engine, rollout_format)  # a graph engine restarts for it (once, after the teacher)
     return run_steps(run, engine, QADSteps(run, engine), first_row)
 
 

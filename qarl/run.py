@@ -14,7 +14,9 @@ teacher) and its `Steps` (evaluation, rewards, update); nothing here asks which 
 
 from __future__ import annotations
 
+import json
 import random
+import weakref
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +29,9 @@ from omegaconf import OmegaConf
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
-from qarl.generation import (Completion, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
-                             engine_adapter_rank, runs_eager, sleeps_between_rollouts)
+from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
+                             engine_adapter_rank, runs_eager, serves_packed_base, sleeps_between_rollouts)
+from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
@@ -37,6 +40,7 @@ from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
 from qarl.quant import check_generation_matches, resolve_format
+from qarl.quant.formats import same_format
 from qarl.quant.ops import input_quant_plan
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
@@ -94,6 +98,7 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
+    serves_packed_base(cfg.policy, rollout_format, resolve_model_dir(cfg.policy.model_name))
     plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
     check_expert_inputs(plan, rollout_format)
     runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
@@ -170,7 +175,43 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward)
+                      adapter_rank=engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward,
+                      packed_base=packed_engine_base(run, fmt))
+
+
+def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:
+    """`engine` changed to `fmt` (in place, or restarted by the engine); where the engine should now serve the
+    policy's base packed (an engine that started for another model, e.g. QAD's teacher), a new engine."""
+    if engine.packed_base is None and packed_base_wanted(run, fmt):
+        engine.close()
+        return start_engine(run, fmt)
+    engine.set_quant_format(fmt)
+    return engine
+
+
+def packed_base_wanted(run: Run, fmt: Any) -> bool:
+    return same_format(fmt, run.policy.format) and serves_packed_base(run.cfg.policy, fmt, run.policy.model_dir)
+
+
+ENGINE_BASE_DIR = "engine_base"  # in the run directory while the engine runs (qarl/generation/packed_base.py)
+
+
+def packed_engine_base(run: Run, fmt: Any) -> PackedBase | None:
+    """The policy's frozen qlora base written for the engine to serve packed (`policy.generation.packed_base`), or
+    None: the engine holds the base folded."""
+    return write_packed_base(run.policy, run.dir / ENGINE_BASE_DIR) if packed_base_wanted(run, fmt) else None
+
+
+def write_packed_base(policy: Policy, out_dir: Path) -> PackedBase:
+    """`policy`'s quantized base as the checkpoint a packed engine starts from, written by the exporter (the policy's
+    own codes and scales, bit for bit; its tokenizer beside them)."""
+    from qarl.export import export_policy
+    from qarl.export.core import MANIFEST
+
+    print(f"writing the packed qlora base for the engine ({PACKED_EXPORT_TARGET}) to {out_dir}")
+    export_policy(policy, PACKED_EXPORT_TARGET, out_dir, source_dir=Path(policy.model_dir), overwrite=True)
+    layers = json.loads((out_dir / MANIFEST).read_text())["layers"]
+    return PackedBase(out_dir, frozenset(f"{name}.weight" for name in layers), weakref.ref(policy.model))
 
 
 # -- a step's prompts and rollout ----------------------------------------------------------------------

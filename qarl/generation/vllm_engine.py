@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import shutil
 import time
 import weakref
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import EngineAdapters
+from qarl.generation.packed_base import PackedBase
 from qarl.generation.sampled_logprobs import SampledLogprobs
 from qarl.generation.vllm_lora import VLLMAdapters, hooks_needed
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
@@ -140,11 +142,14 @@ class VLLMEngine:
     """`generate(prompts, ...)` -> completions with log-probs; `refit(model)` -> engine equals policy."""
 
     def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int,
-                 quant_format: QuantFormat | None = None, adapter_rank: int = 0, exact: bool = False):
+                 quant_format: QuantFormat | None = None, adapter_rank: int = 0, exact: bool = False,
+                 packed_base: PackedBase | None = None):
         """`quant_format`: the format the engine quantizes in (None: unquantized); `adapter_rank`: refits will
         bring qlora adapters of this rank (0: none), served by vLLM's LoRA where it can (qarl/generation/vllm_lora.py),
         else by forward hooks, eagerly (`runs_eager`); `exact`: the engine runs the kernels of the policy's exact
-        forward (qarl/generation/exact.py), for a policy built with `policy.exact_forward`."""
+        forward (qarl/generation/exact.py), for a policy built with `policy.exact_forward`; `packed_base`: the engine
+        starts from this checkpoint of the policy's packed qlora base and never takes those weights in a refit
+        (qarl/generation/packed_base.py; the engine deletes the checkpoint when it closes)."""
         if exact and adapter_rank:
             raise ConfigError("an exact engine (policy.exact_forward) cannot serve qlora adapters")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -155,7 +160,7 @@ class VLLMEngine:
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
-        self.exact = exact
+        self.exact, self.packed_base = exact, packed_base
         self._decode_steps, self._told_waves = False, False  # (an exact engine's: see _waves)
         if exact:
             exact_kernels.enable_batch_invariance()
@@ -194,7 +199,7 @@ class VLLMEngine:
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         self.llm = LLM(
-            model=self.model_dir,
+            model=str(self.packed_base.model_dir) if self.packed_base else self.model_dir,
             dtype=self.dtype,
             seed=self.seed,
             enforce_eager=eager,
@@ -238,8 +243,10 @@ class VLLMEngine:
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
         self.adapters = (VLLMAdapters(self.llm, self._worker, self.model, self.dtype) if vllm_lora
                          else EngineAdapters(self.model))
-        # one process holds all of each weight (tensor parallelism would split vLLM's tensors)
-        self._shared = SharedWeights(self.model) if self.cfg.share_weights and self.tensor_parallel_size == 1 else None
+        # one process holds all of each weight (tensor parallelism would split vLLM's tensors); a packed base's weights
+        # are vLLM's own 4-bit tensors, which no policy weight can be a view of
+        self._shared = (SharedWeights(self.model) if self.cfg.share_weights and self.tensor_parallel_size == 1
+                        and self.packed_base is None else None)
 
     def close(self) -> None:
         """Shut vLLM down and give its memory back, so that another engine can start in this process
@@ -255,6 +262,8 @@ class VLLMEngine:
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
+        if self.packed_base is not None:
+            shutil.rmtree(self.packed_base.model_dir, ignore_errors=True)
         if not self.eager:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
             vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
@@ -271,6 +280,9 @@ class VLLMEngine:
         restarts, since its compiled graphs hold the layers it started with."""
         if same_format(fmt, self.format):
             return  # (the matrix asks once per cell: no model is inspected again)
+        if self.packed_base is not None:
+            raise ConfigError(f"this engine serves the policy's packed {self.format.name} base; it cannot change to "
+                              f"{fmt.name if fmt else 'unquantized'} (start another engine)")
         plan, eager, hooks = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
         if plan == self._plan and eager == self.eager:
             self.format = fmt
@@ -357,11 +369,18 @@ class VLLMEngine:
 
         A frozen parameter (requires_grad=False: LoRA's base) changes only by a tracked in-place write,
         which bumps its version; one whose served weight is computed from trainable adapters (merged
-        LoRA) is always sent. So a qlora refit sends the base once and then only what changed."""
+        LoRA) is always sent. So a qlora refit sends the base once and then only what changed. A packed base's
+        weights are never sent: the engine started with them."""
         same_source = self._held_from is not None and self._held_from() is policy_model
         held = self._held if same_source else {}
         send, now = set(), {}
+        packed = self.packed_base.packed if self.packed_base is not None else frozenset()
         for name, param in policy_model.named_parameters():
+            if name in packed:
+                if param.requires_grad:
+                    raise ConfigError(f"{name} is trainable, but the engine holds it packed as the run started "
+                                      "(policy.generation.packed_base): only a frozen qlora base can be packed")
+                continue
             owner = modules.get(name.rpartition(".")[0])
             computed = hasattr(owner, "served_weight") and not getattr(owner, "serves_adapter", False)
             if param.requires_grad or computed:
@@ -393,6 +412,8 @@ class VLLMEngine:
                 self._shared.unlink()
             shared = None  # (its shards are not the engine's tensors)
         else:
+            if self.packed_base is not None:
+                self.packed_base.check_source(policy_model)
             modules = dict(policy_model.named_modules())
             weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
             shared = self._shared
