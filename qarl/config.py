@@ -66,7 +66,8 @@ class GenerationConfig:
     share_weights: bool = True
     # A qlora policy's frozen base in the engine (qarl/generation/packed_base.py). "auto": written once as a packed
     # NVFP4 W4A16 checkpoint that vLLM serves with its own 4-bit kernel (FP4 Marlin) where it can (a CUDA GPU, an
-    # NVFP4 W4A16 qlora base), else folded in the compute dtype; "on": packed or refuse; "off": folded.
+    # NVFP4 W4A16 qlora base in bf16/fp16), else folded in the compute dtype; "on": packed or refuse; "off": folded.
+    # (Training and QAD runs; `qarl eval`, `parity` and `matrix` keep the base folded.)
     packed_base: str = "auto"  # auto | on | off
 
 

@@ -32,7 +32,7 @@ from qarl.config import RecipeConfig, to_dict
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
                              engine_adapter_rank, runs_eager, serves_packed_base, sleeps_between_rollouts)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
-from qarl.lora import check_lora
+from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
                           report_run, weight_memory)
@@ -204,14 +204,17 @@ def packed_engine_base(run: Run, fmt: Any) -> PackedBase | None:
 
 def write_packed_base(policy: Policy, out_dir: Path) -> PackedBase:
     """`policy`'s quantized base as the checkpoint a packed engine starts from, written by the exporter (the policy's
-    own codes and scales, bit for bit; its tokenizer beside them)."""
+    own codes and scales, bit for bit; its tokenizer beside them). The engine holds every parameter of a packed layer
+    but its adapters as loaded: vLLM reorders a packed layer's bias for its kernel, where a refit could not write."""
     from qarl.export import export_policy
     from qarl.export.core import MANIFEST
 
     print(f"writing the packed qlora base for the engine ({PACKED_EXPORT_TARGET}) to {out_dir}")
     export_policy(policy, PACKED_EXPORT_TARGET, out_dir, source_dir=Path(policy.model_dir), overwrite=True)
     layers = json.loads((out_dir / MANIFEST).read_text())["layers"]
-    return PackedBase(out_dir, frozenset(f"{name}.weight" for name in layers), weakref.ref(policy.model))
+    held = {f"{name}.{part}" for name in layers
+            for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False) if part not in ADAPTER_PARAMS}
+    return PackedBase(out_dir, frozenset(held), weakref.ref(policy.model))
 
 
 # -- a step's prompts and rollout ----------------------------------------------------------------------

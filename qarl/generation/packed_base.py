@@ -13,6 +13,8 @@ against the folded engine's).
 
 Where it cannot serve the run (vLLM's CPU platform has no NVFP4 kernel; another format; MoE experts; the exact
 forward; tensor parallelism), "auto" keeps the folded engine and "on" refuses, naming why, before anything loads.
+Training and QAD runs serve the base packed; `qarl eval`, `parity` and `matrix` start engines of their own with the
+base folded.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ EXPORT_TARGET = "nvfp4_w4a16_modelopt"  # the export target the base is written 
 
 @dataclass(frozen=True)
 class PackedBase:
-    """The checkpoint a packed engine starts from, the policy's weights it holds packed (never refitted), and the
+    """The checkpoint a packed engine starts from (deleted once vLLM has loaded it), the policy's parameters it holds
+    as loaded (never refitted: each packed layer's weight and bias, which vLLM reorders for its kernel), and the
     policy model they came from (the only one whose refits the engine takes)."""
 
     model_dir: Path
@@ -59,8 +62,13 @@ def packed_base_blocker(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: s
     if fmt is None or quantizer_settings(fmt) != quantizer_settings(resolve_format(PACKED_FORMAT)):
         return (f"the base's format ({fmt.source if fmt else 'unquantized'}) is not NVFP4 W4A16 ({PACKED_FORMAT}), the "
                 "format whose packed weights vLLM computes with directly")
+    if fmt.calibration not in (None, "max"):
+        return (f"{fmt.source} calibrates with {fmt.calibration}, whose static block scales the policy keeps "
+                "unpacked")
     if not torch.cuda.is_available():
         return "vLLM's CPU platform has no NVFP4 kernel"
+    if cfg.dtype not in ("bfloat16", "float16"):
+        return f"vLLM's FP4 Marlin kernel computes in bf16 or fp16, not {cfg.dtype} (policy.dtype)"
     if cfg.backend != "hf":
         return f"the {cfg.backend} backend (its policy hands the engine folded weights)"
     if cfg.exact_forward:

@@ -149,7 +149,7 @@ class VLLMEngine:
         else by forward hooks, eagerly (`runs_eager`); `exact`: the engine runs the kernels of the policy's exact
         forward (qarl/generation/exact.py), for a policy built with `policy.exact_forward`; `packed_base`: the engine
         starts from this checkpoint of the policy's packed qlora base and never takes those weights in a refit
-        (qarl/generation/packed_base.py; the engine deletes the checkpoint when it closes)."""
+        (qarl/generation/packed_base.py; the engine deletes the checkpoint once vLLM has loaded it)."""
         if exact and adapter_rank:
             raise ConfigError("an exact engine (policy.exact_forward) cannot serve qlora adapters")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -215,6 +215,8 @@ class VLLMEngine:
             **extra,
         )
         self.eager, self._plan, self.format, self._asleep, self._hooks = eager, plan, fmt, None, hooks
+        if self.packed_base is not None:  # loaded (a packed engine never restarts; its sleep keeps weights in memory)
+            shutil.rmtree(self.packed_base.model_dir, ignore_errors=True)
         self._worker = vllm_compat.in_process_worker(self.llm)
         runner = vllm_compat.worker_runner(self._worker)
         self.model: nn.Module = vllm_compat.runner_model(runner)
@@ -262,8 +264,6 @@ class VLLMEngine:
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
-        if self.packed_base is not None:
-            shutil.rmtree(self.packed_base.model_dir, ignore_errors=True)
         if not self.eager:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
             vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
@@ -378,7 +378,7 @@ class VLLMEngine:
         for name, param in policy_model.named_parameters():
             if name in packed:
                 if param.requires_grad:
-                    raise ConfigError(f"{name} is trainable, but the engine holds it packed as the run started "
+                    raise ConfigError(f"{name} is trainable, but the engine holds its layer packed as the run started "
                                       "(policy.generation.packed_base): only a frozen qlora base can be packed")
                 continue
             owner = modules.get(name.rpartition(".")[0])

@@ -9,6 +9,7 @@ import json
 import shutil
 import weakref
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,12 +34,16 @@ def engine_weight(engine: VLLMEngine, name: str) -> torch.Tensor:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answers")
-def test_auto_keeps_the_folded_base_where_it_cannot_pack_and_on_refuses_naming_why(tiny_dir):
+def test_auto_keeps_the_folded_base_where_it_cannot_pack_and_on_refuses_naming_why(tmp_path):
     assert decided("auto") is False and decided("off") is False
     with pytest.raises(ConfigError, match="CPU platform has no NVFP4 kernel"):
         decided("on")
     with pytest.raises(ConfigError, match="not NVFP4 W4A16"):
         decided("on", "fp8_w8a8")
+    mse = tmp_path / "nvfp4_a16_mse.yaml"  # static block scales: the policy keeps such a base unpacked
+    mse.write_text(Path("quant_configs/nvfp4_a16.yaml").read_text().replace("algorithm: max", "algorithm: mse"))
+    with pytest.raises(ConfigError, match="calibrates with mse"):
+        decided("on", str(mse))
     with pytest.raises(ConfigError, match="only a qlora base is frozen"):
         decided("on", lora=LoraConfig(mode="merged"))
     with pytest.raises(ConfigError, match="pack_base=false"):
@@ -52,7 +57,10 @@ def test_refits_never_send_a_packed_weight_and_the_engine_serves_one_policy(task
     base = write_packed_base(policy, tmp_path / "engine_base")
     quantized = {n for n, m in policy.model.named_modules() if getattr(getattr(m, "weight_quantizer", None),
                                                                        "is_enabled", False)}
-    assert base.packed == {f"{n}.weight" for n in quantized} and base.source() is policy.model
+    # each packed layer's weight and bias (Qwen2's q/k/v have one: vLLM reorders it for its kernel), no adapter
+    held = {n for n, _ in policy.model.named_parameters() if n.rpartition(".")[0] in quantized and "lora_" not in n}
+    assert base.packed == held and {n.rpartition(".")[2] for n in held} == {"weight", "bias"}
+    assert base.source() is policy.model
     config = json.loads((base.model_dir / "config.json").read_text())
     assert config["quantization_config"]["quant_algo"] == "W4A16_NVFP4"
 
@@ -79,5 +87,5 @@ def test_refits_never_send_a_packed_weight_and_the_engine_serves_one_policy(task
         engine.refit(other.model)
     with pytest.raises(ConfigError, match="cannot change to unquantized"):
         engine.set_quant_format(None)
+    assert not plain.exists()  # the engine's checkpoint is deleted once vLLM has loaded it
     engine.close()
-    assert not plain.exists()  # the engine's checkpoint goes with it
