@@ -29,6 +29,8 @@ What the engine runs in this mode (vLLM 0.26, Hopper):
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -176,11 +178,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLa
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def decode_matches_prefill(heads: int, kv_heads: int, head_size: int, dtype: torch.dtype,
                            device: torch.device) -> bool:
     """Whether FlashAttention gives a token the same bits in a decode step as in a prefill, for this attention
-    shape: tried on random data over many tiles of keys. Where it does not, the policy computes the tokens the
-    engine decoded as decode steps (dearer: each reads its keys alone)."""
+    shape: tried on random data over many tiles of keys, once per shape for the policy and the engine. Where it
+    does not, the policy computes the tokens the engine decoded as decode steps (dearer: each reads its keys
+    alone)."""
     g = torch.Generator(device=device).manual_seed(0)
     n = 1000
     q = torch.randn(n, heads, head_size, device=device, generator=g).to(dtype)

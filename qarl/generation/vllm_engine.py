@@ -239,7 +239,7 @@ class VLLMEngine:
             exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype))
             self._decode_steps = not exact_kernels.decode_matches_prefill(
                 config.num_attention_heads, config.num_key_value_heads, exact_kernels.head_size(config),
-                getattr(torch, self.dtype), torch.device("cuda"))
+                getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()))  # (the policy's key)
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
