@@ -21,6 +21,18 @@ class ConfigError(ValueError):
     """A recipe, override or setting that cannot be used; the message says what to change."""
 
 
+SWITCH_MODES = ("auto", "on", "off")
+
+
+def switch_mode(value: object, key: str) -> str:
+    """A setting of SWITCH_MODES read from a recipe (`key`: its name, for the error). YAML reads a bare on/off as a
+    boolean: both spellings are accepted."""
+    mode = {"true": "on", "false": "off"}.get(str(value).lower(), str(value))
+    if mode not in SWITCH_MODES:
+        raise ConfigError(f"{key}={value!r}; choose one of {SWITCH_MODES}")
+    return mode
+
+
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (raised by qarl.optim's guard)."""
 
@@ -147,12 +159,7 @@ class PolicyConfig:
         if self.logprob_chunk_tokens < 0:
             raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens}: use a count of tokens, or 0 "
                               "for the whole vocabulary at once")
-        # YAML reads a bare on/off as a boolean: both spellings are accepted
-        self.gradient_checkpointing = {"true": "on", "false": "off"}.get(str(self.gradient_checkpointing).lower(),
-                                                                        str(self.gradient_checkpointing))
-        if self.gradient_checkpointing not in ("off", "on", "auto"):
-            raise ConfigError(f"policy.gradient_checkpointing={self.gradient_checkpointing!r}; choose one of "
-                              "('off', 'on', 'auto')")
+        self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
         if not self.exact_forward:
             return
         conflicts = [

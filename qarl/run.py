@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import random
-import weakref
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

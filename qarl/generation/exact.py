@@ -30,7 +30,6 @@ What the engine runs in this mode (vLLM 0.26, Hopper):
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch

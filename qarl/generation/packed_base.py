@@ -11,8 +11,8 @@ Numerics: Marlin dequantizes the same codes and scales the policy decodes, then 
 engine's log-probs differ from the policy's at the compute dtype's floor, not bit for bit (the GPU test measures it
 against the folded engine's).
 
-Where it cannot serve the run (vLLM's CPU platform has no NVFP4 kernel; another format; MoE experts; the exact
-forward; tensor parallelism), "auto" keeps the folded engine and "on" refuses, naming why, before anything loads.
+Where it cannot serve the run (vLLM's CPU platform has no NVFP4 kernel; another format or MSE calibration; an fp32
+engine; the Megatron backend; MoE experts; the exact forward; tensor parallelism), "auto" keeps the folded engine and "on" refuses, naming why, before anything loads.
 Training and QAD runs serve the base packed; `qarl eval`, `parity` and `matrix` start engines of their own with the
 base folded.
 """
@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-from qarl.config import ConfigError, PolicyConfig
+from qarl.config import ConfigError, PolicyConfig, switch_mode
 from qarl.distributed import world_size
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, resolve_format
 from qarl.quant.formats import quantizer_settings
 
-PACKED_BASE_MODES = ("auto", "on", "off")
 PACKED_FORMAT = "nvfp4_a16"  # the shipped format whose packed base vLLM serves (as ModelOpt's W4A16_NVFP4)
 EXPORT_TARGET = "nvfp4_w4a16_modelopt"  # the export target the base is written with (bit for bit)
 
@@ -82,11 +81,7 @@ def packed_base_blocker(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: s
 
 def serves_packed_base(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: str) -> bool:
     """`policy.generation.packed_base` decided for this policy: "auto" packs where it can, "on" packs or refuses."""
-    mode = {"true": "on", "false": "off"}.get(str(cfg.generation.packed_base).lower(),
-                                              str(cfg.generation.packed_base).lower())
-    if mode not in PACKED_BASE_MODES:  # YAML reads a bare on/off as a boolean: both spellings are accepted
-        raise ConfigError(f"policy.generation.packed_base={cfg.generation.packed_base!r}; choose one of "
-                          f"{PACKED_BASE_MODES}")
+    mode = switch_mode(cfg.generation.packed_base, "policy.generation.packed_base")
     if mode == "off":
         return False
     blocker = packed_base_blocker(cfg, fmt, model_dir)

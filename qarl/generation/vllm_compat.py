@@ -47,8 +47,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the in-process engine's insides
     ".llm_engine", ".engine_core", ".model_executor", "driver_worker", ".model_runner", ".get_model(", ".vllm_config",
     # CUDA graphs and sleep mode
-    "_global_graph_pool", "vllm.compilation.monitor", "set_cudagraph_capturing_enabled", "vllm.platforms", "current_platform", "vllm.device_allocator", "CuMemAllocator",
-    "pointer_to_data", "unmap_and_release",
+    "_global_graph_pool", "vllm.compilation.monitor", "set_cudagraph_capturing_enabled", "vllm.platforms",
+    "current_platform", "vllm.device_allocator", "CuMemAllocator", "pointer_to_data", "unmap_and_release",
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
     # the CPU MoE experts, and the GPU MoE backend

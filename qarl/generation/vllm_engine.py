@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from qarl.config import ConfigError, GenerationConfig
+from qarl.config import ConfigError, GenerationConfig, switch_mode
 from qarl.distributed import world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
@@ -81,15 +81,10 @@ class RefitTiming:
         return self.weights_s + self.amax_s
 
 
-SLEEP_MODES = ("auto", "on", "off")
-
-
 def sleeps_between_rollouts(cfg: GenerationConfig) -> bool:
     """Whether the engine sleeps while the policy trains: "auto" = on a GPU. vLLM's sleep mode needs
     CUDA, so "on" without it is refused (before any engine starts)."""
-    mode = {"true": "on", "false": "off"}.get(str(cfg.sleep_between_rollouts).lower(), str(cfg.sleep_between_rollouts))
-    if mode not in SLEEP_MODES:  # YAML reads a bare on/off as a boolean: both spellings are accepted
-        raise ConfigError(f"policy.generation.sleep_between_rollouts={cfg.sleep_between_rollouts!r}; choose one of {SLEEP_MODES}")
+    mode = switch_mode(cfg.sleep_between_rollouts, "policy.generation.sleep_between_rollouts")
     if mode == "on" and not torch.cuda.is_available():
         raise ConfigError("policy.generation.sleep_between_rollouts=on needs a CUDA GPU (vLLM's sleep mode); "
                           "use auto or off on this machine")

@@ -14,21 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qarl.config import ConfigError, RecipeConfig, TaskConfig
+from qarl.config import ConfigError, RecipeConfig, TaskConfig, switch_mode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CHAT_MODES = ("auto", "on", "off")
 _PROBE = "qarl-probe-answer"  # an assistant message whose rendering shows the token that closes a turn
 
 
 def chat_mode(cfg: TaskConfig) -> str:
-    """`task.chat_template` as one of CHAT_MODES (YAML reads a bare on/off as a boolean: both spellings work)."""
-    mode = {"true": "on", "false": "off"}.get(str(cfg.chat_template).lower(), str(cfg.chat_template))
-    if mode not in CHAT_MODES:
-        raise ConfigError(f"task.chat_template={cfg.chat_template!r}; choose one of {CHAT_MODES}")
-    return mode
+    """`task.chat_template` as one of auto, on, off."""
+    return switch_mode(cfg.chat_template, "task.chat_template")
 
 
 @dataclass(frozen=True)
