@@ -60,12 +60,13 @@ def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float) -> Callab
 
 
 def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool, memory: float,
-                request_options: bool = False, qlora: bool = False, packed: bool = False
+                request_options: bool = False, qlora: bool = False, packed: bool = False, adapters: bool = True
                 ) -> dict[str, Callable[[int], int]]:
     """{name: generate(batch) -> generated tokens} of qarl's engine refitted from a policy in `fmt_name`;
     `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds;
     `qlora`: the policy has rank-16 qlora adapters (vLLM's LoRA serves them); `packed`: the engine serves the
-    qlora base packed (vLLM's 4-bit kernel, qarl/generation/packed_base.py)."""
+    qlora base packed (vLLM's 4-bit kernel, qarl/generation/packed_base.py); `adapters=False` (with `packed`): the same
+    packed engine without vLLM's LoRA, serving the base as it loaded it (no refit)."""
     import tempfile
     from pathlib import Path
 
@@ -83,16 +84,20 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
     settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=memory,
                                 enforce_eager="true" if eager else "auto", sleep_between_rollouts="off")
     base = write_packed_base(policy, Path(tempfile.mkdtemp(prefix="qarl-base-")) / "base") if packed else None
-    engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format, adapter_rank=lora.rank if qlora else 0,
-                        packed_base=base)
-    engine.refit(policy.model)
+    if not adapters and not packed:
+        raise SystemExit("--no-adapters measures the packed engine without LoRA: pass --qlora --packed-base (a folded "
+                         "engine without adapters is the format's engine without --qlora)")
+    engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format,
+                        adapter_rank=lora.rank if qlora and adapters else 0, packed_base=base)
+    if adapters:
+        engine.refit(policy.model)
     vocab = len(policy.tokenizer)
 
     def generate(batch: int) -> int:
         completions = engine.generate(_prompts(batch, vocab), max_new_tokens=tokens, ignore_eos=True)
         return sum(len(c.token_ids) for c in completions)
 
-    name = (f"qarl {fmt_name}" + (" qlora" if qlora else "") + (" packed base" if packed else "")
+    name = (f"qarl {fmt_name}" + (" qlora" if qlora and adapters else "") + (" packed base" if packed else "")
             + (" (eager)" if eager else ""))
     runners = {name: generate}
     if request_options:
@@ -159,6 +164,8 @@ def main() -> None:
                         help="also the unquantized engine through vLLM's generate, with / without log-probs and seeds")
     parser.add_argument("--qlora", action="store_true", help="qarl's engines serve rank-16 qlora adapters")
     parser.add_argument("--packed-base", action="store_true", help="with --qlora: the engines serve the base packed")
+    parser.add_argument("--no-adapters", action="store_true",
+                        help="with --qlora --packed-base: the packed engine without vLLM's LoRA (the base only)")
     parser.add_argument("--memory", type=float, default=MEMORY_PER_ENGINE, help="each engine's share of the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -170,7 +177,7 @@ def main() -> None:
     for fmt in args.formats:
         engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager, args.memory,
                                    request_options=args.request_options and fmt == "none", qlora=args.qlora,
-                                   packed=args.packed_base))
+                                   packed=args.packed_base, adapters=not args.no_adapters))
     rows = interleaved(engines, args.batches, args.tokens, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "

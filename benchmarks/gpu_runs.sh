@@ -44,8 +44,8 @@
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
 #             graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
-#   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16, the same
-#             with qlora adapters, and the base packed (4-bit) with adapters, batches 8, 64, 256, one engine per process
+#   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
+#             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
@@ -317,10 +317,11 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       tail -25 "$out/export_moe_$target.json"
     done
     ;;
-  packed_rollout)  # rollout tokens/s of NVFP4 W4A16 engines of the user-shape model: folded bf16 base, + qlora, packed
+  packed_rollout)  # rollout tokens/s of NVFP4 W4A16 engines of the user-shape model: folded / packed base, +- qlora
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
-    for engine in folded qlora packed; do  # one engine per process
-      options=(); [ "$engine" != folded ] && options=(--qlora); [ "$engine" = packed ] && options+=(--packed-base)
+    for engine in folded qlora packed packed_qlora; do  # one engine per process
+      case "$engine" in folded) options=() ;; qlora) options=(--qlora) ;; packed) options=(--qlora --packed-base --no-adapters) ;;
+        packed_qlora) options=(--qlora --packed-base) ;; esac
       python3 benchmarks/gpu_rollout.py --model "$shape_dir" --no-plain --formats nvfp4_a16 "${options[@]}" \
         --batches 8 64 256 --repeats 2 --memory 0.5 --out "$out/gpu_rollout_${shape}_$engine.md" 2>&1 \
         | grep -v -i "warn\|it/s\]" | tail -3
