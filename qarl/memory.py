@@ -69,10 +69,10 @@ class ModelShape:
 
     @property
     def linear_params(self) -> int:
-        """The decoder's linear weights (q, k, v, o, and a dense model's gate, up, down): what a frozen quantized
-        model keeps packed (a MoE layer's fused experts stay in the compute dtype)."""
+        """The decoder's quantized weights (q, k, v, o, and the MLP's gate, up, down: a dense model's, or every
+        expert's of a MoE model): what a frozen quantized model keeps packed."""
         mlp = 0 if self.experts else 3 * self.intermediate
-        return self.layers * self.hidden * (self.attention_width + self.query_width + mlp)
+        return self.layers * self.hidden * (self.attention_width + self.query_width + mlp) + self.expert_params
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the

@@ -36,6 +36,7 @@ from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
                           report_run, weight_memory)
+from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
@@ -212,8 +213,10 @@ def write_packed_base(policy: Policy, out_dir: Path) -> PackedBase:
     print(f"writing the packed qlora base for the engine ({PACKED_EXPORT_TARGET}) to {out_dir}")
     export_policy(policy, PACKED_EXPORT_TARGET, out_dir, source_dir=Path(policy.model_dir), overwrite=True)
     layers = json.loads((out_dir / MANIFEST).read_text())["layers"]
-    held = {f"{name}.{part}" for name in layers
-            for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False) if part not in ADAPTER_PARAMS}
+    model_type = policy.model.config.model_type
+    held = {fused_parameter(name, model_type) for name in layers} - {None}  # an expert's: its fused parameter
+    held |= {f"{name}.{part}" for name in layers if fused_parameter(name, model_type) is None
+             for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False) if part not in ADAPTER_PARAMS}
     return PackedBase(out_dir, frozenset(held), weakref.ref(policy.model))
 
 

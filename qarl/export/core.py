@@ -176,7 +176,9 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
             input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
         w_q = found.quantized().detach()  # encoded where it was computed (FP8's kernel)
         weight = stored_codes(found.weight_quantizer)  # a packed frozen weight is stored already
-        if weight is None:
+        if weight is not None:
+            weight = weight.rows(found.rows)  # an expert's gate or up half of its gate/up codes
+        else:
             weight = (encode_nvfp4(w_q, found.weight.detach(), amax, name) if weight_kind == "nvfp4"
                       else encode_fp8(w_q, amax, name))
         weight = weight.to("cpu")
@@ -234,12 +236,14 @@ def master_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for key, value in split_expert_weights(model, model.state_dict()).items():
         if is_quantizer_key(key):
             continue
+        if is_placeholder(value):  # a packed weight is written from its codes: its entry stays a placeholder (one
+            out[key] = placeholder(value.shape, value.dtype, "cpu")  # element; an expert's gate and up share it)
+            continue
         ident = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
         if ident in seen:
             continue
         seen.add(ident)
-        # a packed weight is written from its codes: its entry stays a placeholder (one element, not a NaN tensor)
-        out[key] = placeholder(value.shape, value.dtype, "cpu") if is_placeholder(value) else value.detach().cpu()
+        out[key] = value.detach().cpu()
     return out
 
 

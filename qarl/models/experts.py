@@ -97,16 +97,31 @@ def split_expert_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
     return out
 
 
+def _expert_layer_pattern(model_type: str) -> re.Pattern:
+    """(experts module's name and a dot, expert, projection) of an expert's checkpoint layer name."""
+    gate_name, up_name, down_name = CHECKPOINT_NAMES[model_type]
+    return re.compile(rf"(.*\.experts\.)(\d+)\.({gate_name}|{up_name}|{down_name})")
+
+
+def fused_parameter(layer: str, model_type: str | None) -> str | None:
+    """The fused parameter (`...experts.gate_up_proj` or `...experts.down_proj`) that holds the expert checkpoint layer
+    `layer` (`...experts.3.up_proj`); None for any other layer."""
+    found = _expert_layer_pattern(model_type).fullmatch(layer) if model_type in CHECKPOINT_NAMES else None
+    if found is None:
+        return None
+    return found[1] + ("down_proj" if found[3] == CHECKPOINT_NAMES[model_type][2] else "gate_up_proj")
+
+
 def fuse_expert_weights(weights: Mapping[str, torch.Tensor], model_type: str | None) -> dict[str, torch.Tensor]:
     """The inverse of `expert_weights`: each experts module's per-expert checkpoint names stacked back into its fused
     `gate_up_proj` and `down_proj` (as a transformers model's state dict holds them); other names unchanged."""
     if model_type not in CHECKPOINT_NAMES:
         return dict(weights)
     gate_name, up_name, down_name = CHECKPOINT_NAMES[model_type]
-    pattern = re.compile(rf"(.*\.experts\.)(\d+)\.({gate_name}|{up_name}|{down_name})\.weight")
+    pattern = _expert_layer_pattern(model_type)
     out, parts = {}, {}
     for name, tensor in weights.items():
-        found = pattern.fullmatch(name)
+        found = pattern.fullmatch(name.removesuffix(".weight")) if name.endswith(".weight") else None
         if found is None:
             out[name] = tensor
         else:

@@ -68,6 +68,11 @@ class NVFP4Weight:
     def to(self, device: torch.device | str) -> NVFP4Weight:
         return NVFP4Weight(self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device))
 
+    def rows(self, rows: slice) -> NVFP4Weight:
+        """These rows of the weight (one expert's gate or up half of its fused gate/up codes), the global scale the
+        same value (a tensor of its own: a checkpoint stores each apart)."""
+        return NVFP4Weight(self.packed[rows], self.block_scale[rows], self.global_scale.clone())
+
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign << 3 | magnitude index) -> uint8, low nibble = even element."""
@@ -202,6 +207,9 @@ class FP8Weight:
 
     def to(self, device: torch.device | str) -> FP8Weight:
         return FP8Weight(self.codes.to(device), self.scale.to(device), self.kernel)
+
+    def rows(self, rows: slice) -> FP8Weight:
+        return FP8Weight(self.codes[rows], self.scale.clone(), self.kernel)
 
 
 def fp8_kernel_scale(amax: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -88,6 +88,14 @@ def expert_weight_quantizers(module: torch.nn.Module, fused: str) -> torch.nn.Mo
     return found if isinstance(found, torch.nn.ModuleList) else None
 
 
+def expert_index_of(module: torch.nn.Module, weight: torch.Tensor) -> int:
+    """The expert whose slice of the fused gate/up parameter `weight` is, as ModelOpt's fused-experts wrapper reads it
+    in the forward to pick that expert's weight quantizer (`_QuantFusedExperts._get_expert_idx_from_first_proj`: the
+    slice's storage offset over the parameter's stride along the experts). A packed experts placeholder must keep that
+    readable (qarl/quant/packed.py). Checked: 0.47.0 (CPU)."""
+    return int(module._get_expert_idx_from_first_proj(weight))
+
+
 def calibration_mode_names() -> list[str]:
     """The names ModelOpt's calibration algorithms are registered under (`CalibrateModeRegistry._name2descriptor`
     keys: "max_calibrate", "mse_calibrate", ..., and private ones starting with "_"). Checked: 0.47.0, CPU and H100."""

@@ -14,6 +14,12 @@ codes decode to W_q bit for bit, and frees the weight:
 * the layer's forward (`packed_linear`, through the lean forward's `quantized_linear`) decodes the weight again
   in the backward instead of saving it, so a decoded weight lives for one layer's matmul, forward or backward.
 
+A Mixture-of-Experts layer's fused experts (`gate_up_proj` and `down_proj`, [experts, rows, columns]) pack expert by
+expert with each expert's own quantizer; the fused parameter's placeholder holds one NaN an expert (stride 1 along the
+experts), because ModelOpt's fused-experts forward tells an expert's quantizer by the slice's storage offset
+(`modelopt_compat.expert_index_of`, checked at packing). That forward calls F.linear with the decoded weight, so
+autograd keeps each routed expert's decoded weight for the backward (gradient checkpointing bounds it to one layer).
+
 Frozen means frozen: the codes cannot be re-quantized with another amax (the wider weight is gone), so a packed
 quantizer whose amax changes value, or that is disabled or put into calibration, stops with an error naming
 `policy.lora.pack_base`. `unpack_frozen_weights` gives a model (a copy) real parameters back: W_q itself. A packed
@@ -34,7 +40,9 @@ from torch import nn
 from qarl.quant.codes import FP8Weight, NVFP4Weight, decode_fp8, decode_nvfp4, encode_fp8, encode_nvfp4
 from qarl.quant.formats import QuantFormat, quantizer_settings
 from qarl.quant.mixins import TracksQuantizerChanges, mix_in, without_mixin
-from qarl.quant.modelopt_compat import amax_buffer, quantizing
+from qarl.models.experts import FUSED as FUSED_EXPERTS
+from qarl.models.experts import is_fused_experts
+from qarl.quant.modelopt_compat import amax_buffer, expert_index_of, expert_weight_quantizers, quantizing
 from qarl.quant.ops import NVFP4, calibrated_spec
 from qarl.torch_compat import tensor_version
 
@@ -43,21 +51,29 @@ CODES, BLOCK_SCALE, SCALE = "packed_codes", "packed_block_scale", "packed_scale"
 
 class Placeholder(nn.Parameter):
     """The frozen parameter a packed weight leaves behind: its shape, dtype and device, every element the one NaN
-    it stores. A copy (`copy.deepcopy`) is another placeholder, not a materialized tensor of NaNs."""
+    it stores (fused experts: one an expert). A copy (`copy.deepcopy`) is another placeholder, not a materialized
+    tensor of NaNs."""
 
     def __deepcopy__(self, memo: dict) -> Placeholder:
-        memo[id(self)] = copy = placeholder(self.shape, self.dtype, self.device)
+        memo[id(self)] = copy = placeholder(self.shape, self.dtype, self.device, experts=self.stride(0) != 0)
         return copy
 
 
-def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Placeholder:
-    nan = torch.full((1,) * len(shape), float("nan"), dtype=dtype, device=device)
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device, experts: bool = False) -> Placeholder:
+    """`experts`: a fused experts parameter's ([experts, rows, columns]), whose slices stay told apart by their
+    storage offsets."""
+    stored = (shape[0],) + (1,) * (len(shape) - 1) if experts else (1,) * len(shape)
+    nan = torch.full(stored, float("nan"), dtype=dtype, device=device)
     return Placeholder(nan.expand(shape), requires_grad=False)
 
 
 def is_placeholder(tensor: torch.Tensor) -> bool:
-    """`tensor` is a placeholder (or a view of one, `.detach()`): one element behind every index."""
-    return tensor.numel() > 1 and all(s == 0 for s in tensor.stride())
+    """`tensor` is a placeholder (or a view of one, `.detach()`, an expert's slice): one element behind every index
+    (a fused experts placeholder: one an expert)."""
+    strides = tensor.stride()
+    if tensor.dim() == 3 and strides[0] == 1:
+        strides = strides[1:]
+    return tensor.numel() > 1 and all(s == 0 for s in strides)
 
 
 class PackedWeightMixin(TracksQuantizerChanges):
@@ -171,8 +187,35 @@ class PackReport:
         return line
 
 
-def _frozen_quantized(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
-    """(name, layer, weight quantizer) of every layer whose own, frozen weight a quantizer quantizes."""
+@dataclass
+class _FrozenWeight:
+    """A frozen parameter whose matrices quantizers quantize: a linear layer's weight (one quantizer), or a MoE layer's
+    fused experts parameter (each expert's slice by that expert's quantizer)."""
+
+    name: str
+    module: nn.Module
+    key: str  # the parameter's name in `module`
+    quantizers: list[nn.Module]  # one a matrix
+
+    @property
+    def experts(self) -> bool:
+        return self.key in FUSED_EXPERTS
+
+    def matrices(self) -> list[torch.Tensor]:
+        weight = self.module._parameters[self.key]
+        return list(weight) if self.experts else [weight]
+
+
+def _weight_quantizers(module: nn.Module) -> list[tuple[str, list[nn.Module | None]]]:
+    """(parameter name, the quantizers of its matrices) of a module: fused experts' two parameters, one quantizer an
+    expert; any other module's `weight` and its `weight_quantizer`."""
+    if is_fused_experts(module):
+        return [(fused, list(expert_weight_quantizers(module, fused) or [])) for fused in FUSED_EXPERTS]
+    return [("weight", [module._modules.get("weight_quantizer")])]
+
+
+def _frozen_quantized(model: nn.Module) -> Iterator[_FrozenWeight]:
+    """Every frozen parameter of its own module whose quantizers all quantize (none packed yet)."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
 
     users: dict[int, int] = {}
@@ -181,58 +224,93 @@ def _frozen_quantized(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Mod
             if p is not None:
                 users[id(p)] = users.get(id(p), 0) + 1
     for name, module in model.named_modules():
-        quantizer, weight = module._modules.get("weight_quantizer"), module._parameters.get("weight")
-        if (isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1
-                and isinstance(quantizer, TensorQuantizer) and not isinstance(quantizer, SequentialQuantizer)
-                and not isinstance(quantizer, PackedWeightMixin) and quantizing(quantizer)):
-            yield name, module, quantizer
+        for key, quantizers in _weight_quantizers(module):
+            weight = module._parameters.get(key)
+            if (isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1 and quantizers
+                    and all(isinstance(q, TensorQuantizer) and not isinstance(q, (SequentialQuantizer, PackedWeightMixin))
+                            and quantizing(q) for q in quantizers)):
+                yield _FrozenWeight(f"{name}.{key}" if key in FUSED_EXPERTS else name, module, key, quantizers)
+
+
+def _packable(quantizer: nn.Module, matrix: torch.Tensor) -> bool:
+    spec = calibrated_spec(quantizer)
+    return spec is not None and not (spec.kind == NVFP4 and spec.block_size != 16) and matrix.ndim == 2
+
+
+def _pack_matrix(quantizer: nn.Module, matrix: torch.Tensor, name: str) -> int:
+    """Encode W_q = quantizer(matrix) into `quantizer`'s buffers and make it answer with them; returns their bytes."""
+    kind = calibrated_spec(quantizer).kind
+    w_q = quantizer(matrix).detach()
+    amax = amax_buffer(quantizer)
+    stored = encode_nvfp4(w_q, matrix, amax, name) if kind == NVFP4 else encode_fp8(w_q, amax, name)
+    mix_in(quantizer, PackedWeightMixin, "Packed", globals())
+    if hasattr(quantizer, "qarl_invalidate"):
+        quantizer.qarl_invalidate()  # the weight cache's copy of W_q goes
+    if isinstance(stored, NVFP4Weight):
+        tensors = {CODES: stored.packed, BLOCK_SCALE: stored.block_scale, SCALE: stored.global_scale}
+    else:
+        tensors = {CODES: stored.codes, SCALE: stored.scale}
+        quantizer._qarl_packed_kernel = stored.kernel
+    for key, value in tensors.items():
+        quantizer.register_buffer(key, value.contiguous(), persistent=False)
+    quantizer._qarl_packed_kind, quantizer._qarl_packed_dtype = kind, matrix.dtype
+    quantizer._qarl_packed_amax = amax.detach().float().cpu().clone()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @torch.no_grad()
 def pack_frozen_weights(model: nn.Module) -> PackReport:
     """Store every frozen weight that a quantizer quantizes in a format with a packed form (NVFP4 with dynamic
-    16-element blocks, FP8 per tensor) as its codes (see the module docstring); others are kept and named."""
+    16-element blocks, FP8 per tensor) as its codes (see the module docstring), fused experts expert by expert;
+    others are kept and named."""
     report = PackReport()
-    for name, layer, quantizer in list(_frozen_quantized(model)):
-        spec = calibrated_spec(quantizer)
-        if spec is None or (spec.kind == NVFP4 and spec.block_size != 16) or layer.weight.ndim != 2:
-            report.kept.append(name)
+    for frozen in list(_frozen_quantized(model)):
+        matrices = frozen.matrices()
+        if not all(_packable(q, m) for q, m in zip(frozen.quantizers, matrices, strict=True)):
+            report.kept.append(frozen.name)
             continue
-        weight = layer._parameters["weight"]
-        w_q = quantizer(weight).detach()
-        amax = amax_buffer(quantizer)
-        stored = (encode_nvfp4(w_q, weight, amax, name) if spec.kind == NVFP4 else encode_fp8(w_q, amax, name))
-        mix_in(quantizer, PackedWeightMixin, "Packed", globals())
-        if hasattr(quantizer, "qarl_invalidate"):
-            quantizer.qarl_invalidate()  # the weight cache's copy of W_q goes
-        if isinstance(stored, NVFP4Weight):
-            tensors = {CODES: stored.packed, BLOCK_SCALE: stored.block_scale, SCALE: stored.global_scale}
-        else:
-            tensors = {CODES: stored.codes, SCALE: stored.scale}
-            quantizer._qarl_packed_kernel = stored.kernel
-        for key, value in tensors.items():
-            quantizer.register_buffer(key, value.contiguous(), persistent=False)
-        quantizer._qarl_packed_kind, quantizer._qarl_packed_dtype = spec.kind, weight.dtype
-        quantizer._qarl_packed_amax = amax.detach().float().cpu().clone()
-        layer._parameters["weight"] = placeholder(weight.shape, weight.dtype, weight.device)
-        report.packed += 1
+        for expert, (quantizer, matrix) in enumerate(zip(frozen.quantizers, matrices, strict=True)):
+            report.bytes_after += _pack_matrix(quantizer, matrix, f"{frozen.name}[{expert}]" if frozen.experts
+                                               else frozen.name)
+        weight = frozen.module._parameters[frozen.key]
+        frozen.module._parameters[frozen.key] = placeholder(weight.shape, weight.dtype, weight.device, frozen.experts)
+        if frozen.key == FUSED_EXPERTS[0]:
+            _check_experts_told_apart(frozen)
+        report.packed += len(matrices)
         report.bytes_before += weight.numel() * weight.element_size()
-        report.bytes_after += sum(t.numel() * t.element_size() for t in tensors.values())
     return report
+
+
+def _check_experts_told_apart(frozen: _FrozenWeight) -> None:
+    """ModelOpt's fused-experts forward must still find each expert's quantizer from its placeholder slice."""
+    for expert in {0, len(frozen.quantizers) - 1}:
+        read = expert_index_of(frozen.module, frozen.module._parameters[frozen.key][expert])
+        if read != expert:
+            raise RuntimeError(f"{frozen.name}: ModelOpt reads expert {read} from the packed placeholder's slice of "
+                               f"expert {expert}; this ModelOpt tells experts apart differently than the version "
+                               "qarl was checked with (modelopt_compat.expert_index_of). Set policy.lora.pack_base=false.")
+
+
+def _unpack(quantizer: nn.Module) -> torch.Tensor:
+    """W_q decoded, and `quantizer` a plain quantizer again."""
+    weight = quantizer.unpacked()
+    for key in (CODES, BLOCK_SCALE, SCALE):
+        quantizer._buffers.pop(key, None)
+    quantizer.__class__ = without_mixin(type(quantizer))
+    return weight
 
 
 @torch.no_grad()
 def unpack_frozen_weights(model: nn.Module) -> int:
     """Give every packed layer of `model` a real weight again (W_q, decoded) and its quantizer its class back;
-    returns how many. For a copy that must change weights (a merged export, a decoded comparison)."""
+    returns how many matrices (an expert's fused gate/up counts one). For a copy that must change weights (a merged
+    export, a decoded comparison)."""
     count = 0
     for module in model.modules():
-        quantizer = module._modules.get("weight_quantizer")
-        if isinstance(quantizer, PackedWeightMixin):
-            weight = quantizer.unpacked()
-            for key in (CODES, BLOCK_SCALE, SCALE):
-                quantizer._buffers.pop(key, None)
-            quantizer.__class__ = without_mixin(type(quantizer))
-            module._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
-            count += 1
+        for key, quantizers in _weight_quantizers(module):
+            if quantizers and all(isinstance(q, PackedWeightMixin) for q in quantizers):
+                matrices = [_unpack(q) for q in quantizers]
+                weight = torch.stack(matrices) if key in FUSED_EXPERTS else matrices[0]
+                module._parameters[key] = nn.Parameter(weight, requires_grad=False)
+                count += len(matrices)
     return count

@@ -89,3 +89,17 @@ def test_refits_never_send_a_packed_weight_and_the_engine_serves_one_policy(task
         engine.set_quant_format(None)
     assert not plain.exists()  # the engine's checkpoint is deleted once vLLM has loaded it
     engine.close()
+
+
+def test_a_moe_base_is_written_expert_by_expert_and_its_fused_experts_are_held(task, tmp_path):
+    """The engine's packed MoE base: each expert's gate, up and down in the checkpoint; the engine holds the policy's
+    fused expert parameters as loaded (the MoE engine itself: tests/integration/test_gpu_packed_base.py)."""
+    from qarl.models.resolve import resolve_model_dir
+
+    policy = lora_policy(task, resolve_model_dir("embedded:tiny-qwen3moe"), "qlora", W4A16)
+    base = write_packed_base(policy, tmp_path / "engine_base")
+    layers = json.loads((base.model_dir / "qarl_export.json").read_text())["layers"]
+    assert {"model.layers.1.mlp.experts.7.gate_proj", "model.layers.1.mlp.experts.7.up_proj"} <= set(layers)
+    experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"}
+    assert base.packed == experts | attention

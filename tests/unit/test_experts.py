@@ -156,8 +156,10 @@ def test_the_memory_plan_counts_a_tokens_experts(moe_dir):
     shape = ModelShape.of(moe_dir)
     assert shape.experts == 8 and shape.intermediate == 2 * 96  # two experts of 96 a token
     dense_mlp = 3 * shape.layers * shape.hidden * shape.intermediate
-    assert shape.linear_params == shape.layers * shape.hidden * (shape.attention_width + shape.query_width)
-    assert shape.params > shape.linear_params + dense_mlp  # every expert's weights are held
+    attention = shape.layers * shape.hidden * (shape.attention_width + shape.query_width)
+    assert shape.expert_params == shape.layers * 8 * 3 * shape.hidden * 96  # every expert's weights are held
+    assert shape.params > attention + shape.expert_params > attention + dense_mlp
+    assert shape.linear_params == attention + shape.expert_params  # what a frozen base packs
     # each expert a token is routed to keeps hidden-wide copies in transformers' eager experts (its gathered input,
     # output and weighted output): the H100 run that under-planned by 11 GiB without them (benchmarks/results/gpu/moe)
     assert shape.experts_per_token == 2
@@ -197,3 +199,50 @@ def test_diagnose_reports_each_expert_on_the_rows_routed_to_it(moe_dir, monkeypa
     rows = expert_inputs(model, [batch])
     routed = sum(len(x) for n, x in rows.items() if n.startswith("model.layers.0.") and n.endswith("gate_proj"))
     assert routed == 5 * model.config.num_experts_per_tok
+
+
+def test_a_qlora_base_packs_its_experts_expert_by_expert_with_the_same_bits(task, moe_dir, tmp_path):
+    """Each expert's gate/up and down stored as its own quantizer's codes (qarl/quant/packed.py): the logits, the
+    adapters' gradients and the fold the engine loads are the held base's bits; the fused parameters keep one element
+    an expert, which ModelOpt still reads each expert's index from; the packed export decodes to the held policy;
+    a copy stays packed and unpacks to W_q."""
+    import copy
+
+    from qarl.export.core import export_policy
+    from qarl.export.verify import verify_export
+    from qarl.memory import ModelShape, weight_bytes
+    from qarl.metrics import storage_bytes
+    from qarl.quant import folded_weights, resolve_format
+    from qarl.quant.packed import is_placeholder, unpack_frozen_weights
+    from tests.conftest import answer_loss, eval_logits, lora_policy
+
+    held, packed = (lora_policy(task, moe_dir, "qlora", W4A16, pack_base=pack) for pack in (False, True))
+    experts = packed.model.model.layers[0].mlp.experts
+    assert all(is_placeholder(experts._parameters[k]) for k in ("gate_up_proj", "down_proj"))
+    assert experts.gate_up_proj.untyped_storage().nbytes() == 8 * 4  # one fp32 NaN an expert
+    assert torch.equal(eval_logits(packed, task), eval_logits(held, task))
+    want, got = dict(folded_weights(held.model)), dict(folded_weights(packed.model))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    answer_loss(packed, task).backward()
+    answer_loss(held, task).backward()
+    grads = [[p.grad for _, p in sorted(m.named_parameters()) if p.requires_grad] for m in (packed.model, held.model)]
+    assert len(grads[0]) == 16 and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+    shape = ModelShape.of(moe_dir)  # the plan's packed weights are what the policy holds, experts included
+    held_bytes = storage_bytes(p for n, p in held.model.named_parameters() if "lora_" not in n)
+    packed_bytes = storage_bytes([*(p for n, p in packed.model.named_parameters() if "lora_" not in n),
+                                  *packed.model.buffers()])
+    planned_saving = weight_bytes(shape, "float32") - weight_bytes(shape, "float32", resolve_format(W4A16))
+    assert abs((held_bytes - packed_bytes) - planned_saving) < 0.02 * planned_saving, (held_bytes, packed_bytes)
+
+    summary = export_policy(packed, "export/nvfp4_w4a16_modelopt.yaml", tmp_path / "export")
+    report = verify_export(tmp_path / "export", policy=held)
+    assert summary["quantized_layers"] == 2 * (4 + 8 * 3) and summary["weights_differing"] == 0
+    assert report["ok"] and report["loaders"]["qarl-decode"]["max_abs_logit_diff"] == 0.0
+
+    copied = copy.deepcopy(packed.model)
+    assert copied.model.layers[0].mlp.experts.gate_up_proj.stride() == (1, 0, 0)
+    assert unpack_frozen_weights(copied) == 2 * (4 + 8 * 2)
+    unpacked = copied.model.layers[1].mlp.experts
+    assert torch.equal(unpacked.down_proj, torch.stack([q(w) for q, w in zip(
+        held.model.model.layers[1].mlp.experts.down_proj_weight_quantizers, held.model.model.layers[1].mlp.experts.down_proj)]))
