@@ -41,6 +41,8 @@
 #             one engine per process
 #   moe_export  one short QA-GRPO NVFP4 W4A16 step of the qwen3-moe-2b shape (32 x 128 tokens), its checkpoint exported
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
+#   moe_qlora qlora QA-GRPO NVFP4 W4A16 of a Qwen3-30B-A3B shape (32 of its 48 layers, 128 experts, ~20.5B), its
+#             experts packed on the policy, 2 steps of 32 x 512 tokens (making the model takes a call of its own)
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
 #             graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
@@ -326,6 +328,15 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         --batches 8 64 256 --repeats 2 --memory 0.5 --out "$out/gpu_rollout_${shape}_$engine.md" 2>&1 \
         | grep -v -i "warn\|it/s\]" | tail -3
     done
+    ;;
+  moe_qlora)  # qlora QA-GRPO NVFP4 W4A16 of a Qwen3-30B-A3B shape (32 of 48 layers), experts packed on the policy
+    shift 2
+    shape_dir=runs/qwen3_30b_a3b_32l_shape
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape qwen3-30b-a3b-32l 2>&1 | tail -1
+    # the engine holds a MoE base folded in bf16 (41 GB; packed_base serves dense bases only): its share is most of the GPU
+    user_run train benchmarks/recipes/user_shape_grpo.yaml moe_qlora policy.quant_cfg=quant_configs/nvfp4_a16.yaml \
+      policy.lora.mode=qlora trainer.steps=2 trainer.batch_size=32 policy.generation.max_new_tokens=512 \
+      policy.gradient_checkpointing=on policy.generation.gpu_memory_utilization=0.7 "$@"
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3

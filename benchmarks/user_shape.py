@@ -6,6 +6,7 @@ model samples ids the tokenizer decodes to ''; fine for memory and speed).
     python benchmarks/user_shape.py make DIR --shape llama3.2-1b     # 16 x 2048, vocabulary 128,256, Llama 3's scaled RoPE
     python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
     python benchmarks/user_shape.py make DIR --shape qwen3-moe-2b    # Qwen3-30B-A3B's layers, 12 of them, 32 experts
+    python benchmarks/user_shape.py make DIR --shape qwen3-30b-a3b-32l  # 32 of its 48 layers, all 128 experts
     python benchmarks/user_shape.py make DIR --shape mistral-7b-8l   # (also gemma3-1b, phi3-mini-8l: SHAPES)
     python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
 
@@ -46,6 +47,12 @@ SHAPES = {
                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=32,
                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=[], tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layers with all 128 experts, 32 of its 48 layers (~20.5B parameters: its bf16 checkpoint, 41 GB,
+    # and the engine's packed base fit the GPU machine's 64 GiB disk together; all 48 layers' 61 GB would not)
+    "qwen3-30b-a3b-32l": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
     # Mistral-7B v0.3's layers (hidden 4096, MLP 14336, 32 / 8 heads of 128, no sliding window, its 32,768-token
     # vocabulary, an untied head), 8 of its 32 layers
     "mistral-7b-8l": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
