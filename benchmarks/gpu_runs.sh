@@ -36,6 +36,8 @@
 #   user_shape_qad  QAD NVFP4 W4A4 of that model with a bf16 teacher of the same shape, completions of 4,096 tokens
 #   families  `qarl parity` bf16 of a real-shape model of each family (benchmarks/user_shape.py; arguments: the shapes,
 #             default every dense one and qwen3-moe-2b, which runs NVFP4 W4A16 only)
+#   families_grpo  4 steps of GRPO and of QA-GRPO NVFP4 W4A16 (64 x 256 tokens) on a real-shape model of each dense
+#             family (arguments: the shapes; default the five of `families`), step time and mismatch from the report
 #   moe_tests the GPU tests of MoE refits into vLLM's fused experts under CUDA graphs (tests/integration/test_gpu_moe.py)
 #   moe_rollout  rollout tokens/s of the qwen3-moe-2b shape: plain vLLM against qarl's engine, unquantized and W4A16,
 #             one engine per process
@@ -292,6 +294,19 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       qarl parity recipes/parity_0p5b_gpu.yaml "policy.model_name=$dir" policy.dtype=bfloat16 "${formats[@]}" --json \
         > "$out/parity_$name.json" 2> "$out/parity_$name.log"
       echo "== $name (exit $?)"; grep -E "Error|error:" "$out/parity_$name.log" | tail -3; show_parity "$out/parity_$name.json"
+    done
+    ;;
+  families_grpo)  # a few QA-GRPO W4A16 steps against GRPO per real-shape dense family; arguments: the shapes
+    shapes="${*:3}"; [ -n "$shapes" ] || shapes="qwen3-1.7b llama3.2-1b mistral-7b-8l gemma3-1b phi3-mini-8l"
+    for name in $shapes; do
+      shape_dir="runs/$(echo "$name" | tr .- p_)_shape"
+      python3 benchmarks/user_shape.py make "$shape_dir" --shape "$name" 2>&1 | tail -1
+      for fmt in none nvfp4_a16; do
+        quant="quant_configs/$fmt.yaml"; [ "$fmt" = none ] && quant=none
+        user_run train benchmarks/recipes/user_shape_grpo.yaml "family_${name}_$fmt" "policy.quant_cfg=$quant" \
+          trainer.batch_size=64 policy.generation.max_new_tokens=256 trainer.steps=4
+      done
+      rm -rf "runs/family_${name}_none" "runs/family_${name}_nvfp4_a16"
     done
     ;;
   moe_tests)
