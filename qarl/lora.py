@@ -83,6 +83,12 @@ class LoraLayer:
             return merged_weight(weight, self.lora_A, self.lora_B, self.lora_scale)
         return weight
 
+    @torch.no_grad()
+    def with_adapter(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` (the layer's Q(W)) with the adapter folded in, Q(W) + s B A: what an engine that runs no LoRA holds
+        (`policy.generation.qlora_adapters=merged`)."""
+        return merged_weight(weight, self.lora_A, self.lora_B, self.lora_scale)
+
     @property
     def serves_adapter(self) -> bool:
         """True when the adapter runs beside the weight (qlora): the engine needs A and B themselves."""

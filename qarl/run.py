@@ -30,7 +30,7 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
-                             engine_adapter_rank, runs_eager, serves_packed_base, sleeps_between_rollouts)
+                             engine_adapter_rank, merges_adapters, runs_eager, serves_packed_base, sleeps_between_rollouts)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
@@ -175,9 +175,10 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
+    merged = merges_adapters(cfg.policy)
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward,
-                      packed_base=packed_engine_base(run, fmt))
+                      adapter_rank=0 if merged else engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward,
+                      packed_base=packed_engine_base(run, fmt), merge_adapters=merged)
 
 
 def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:

@@ -56,6 +56,8 @@ def packed_base_blocker(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: s
     """Why the engine cannot serve this policy's base packed (None: it can)."""
     if cfg.lora.mode != "qlora":
         return f"only a qlora base is frozen (policy.lora.mode={cfg.lora.mode})"
+    if cfg.generation.qlora_adapters == "merged":
+        return "the engine merges the adapters into its weights (policy.generation.qlora_adapters=merged)"
     if not cfg.lora.pack_base:
         return "the policy keeps its base unpacked (policy.lora.pack_base=false)"
     if fmt is None or quantizer_settings(fmt) != quantizer_settings(resolve_format(PACKED_FORMAT)):

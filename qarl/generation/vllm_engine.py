@@ -138,15 +138,21 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, cfg: GenerationConfig, dtype: str, seed: int,
                  quant_format: QuantFormat | None = None, adapter_rank: int = 0, exact: bool = False,
-                 packed_base: PackedBase | None = None):
+                 packed_base: PackedBase | None = None, merge_adapters: bool = False):
         """`quant_format`: the format the engine quantizes in (None: unquantized); `adapter_rank`: refits will
         bring qlora adapters of this rank (0: none), served by vLLM's LoRA where it can (qarl/generation/vllm_lora.py),
         else by forward hooks, eagerly (`runs_eager`); `exact`: the engine runs the kernels of the policy's exact
         forward (qarl/generation/exact.py), for a policy built with `policy.exact_forward`; `packed_base`: the engine
         starts from this checkpoint of the policy's packed qlora base and never takes those weights in a refit
-        (qarl/generation/packed_base.py; the engine deletes the checkpoint once vLLM has loaded it)."""
-        if exact and adapter_rank:
+        (qarl/generation/packed_base.py; the engine deletes the checkpoint once vLLM has loaded it); `merge_adapters`:
+        refits fold a qlora policy's adapters into the weights they send (Q(W) + s B A), and the engine runs no LoRA
+        (`policy.generation.qlora_adapters=merged`)."""
+        if exact and (adapter_rank or merge_adapters):
             raise ConfigError("an exact engine (policy.exact_forward) cannot serve qlora adapters")
+        if merge_adapters and (adapter_rank or packed_base is not None):
+            raise ConfigError("an engine that merges qlora adapters into its weights (policy.generation.qlora_adapters="
+                              "merged) serves them without LoRA (adapter_rank=0) and holds its base unpacked "
+                              "(policy.generation.packed_base=off)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-step notices would drown the progress bar
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
@@ -155,7 +161,7 @@ class VLLMEngine:
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
-        self.exact, self.packed_base = exact, packed_base
+        self.exact, self.packed_base, self.merge_adapters = exact, packed_base, merge_adapters
         self._decode_steps, self._told_waves = False, False  # (an exact engine's: see _waves)
         if exact:
             exact_kernels.enable_batch_invariance()
@@ -364,8 +370,8 @@ class VLLMEngine:
 
         A frozen parameter (requires_grad=False: LoRA's base) changes only by a tracked in-place write,
         which bumps its version; one whose served weight is computed from trainable adapters (merged
-        LoRA) is always sent. So a qlora refit sends the base once and then only what changed. A packed base's
-        weights are never sent: the engine started with them."""
+        LoRA, and qlora's when the engine merges them) is always sent. So a qlora refit sends the base once and then
+        only what changed. A packed base's weights are never sent: the engine started with them."""
         same_source = self._held_from is not None and self._held_from() is policy_model
         held = self._held if same_source else {}
         send, now = set(), {}
@@ -377,7 +383,8 @@ class VLLMEngine:
                                       "(policy.generation.packed_base): only a frozen qlora base can be packed")
                 continue
             owner = modules.get(name.rpartition(".")[0])
-            computed = hasattr(owner, "served_weight") and not getattr(owner, "serves_adapter", False)
+            computed = hasattr(owner, "served_weight") and (self.merge_adapters
+                                                            or not getattr(owner, "serves_adapter", False))
             if param.requires_grad or computed:
                 send.add(name)
                 continue
@@ -410,7 +417,8 @@ class VLLMEngine:
             if self.packed_base is not None:
                 self.packed_base.check_source(policy_model)
             modules = dict(policy_model.named_modules())
-            weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules))
+            weights = folded_weights(policy_model, only=self._weights_to_send(policy_model, modules),
+                                     merge_adapters=self.merge_adapters)
             shared = self._shared
             if shared is not None:
                 weights = shared.unshared(policy_model, weights)
@@ -425,7 +433,8 @@ class VLLMEngine:
         if first is not None:
             with self.adapters.unwrapped():  # (vLLM's LoRA layers wrap the layers the weights load into)
                 self.model.load_weights(counted(itertools.chain([first], weights)))
-        adapters = {} if isinstance(policy_model, ShardedPolicy) else served_adapters(policy_model)
+        adapters = ({} if isinstance(policy_model, ShardedPolicy) or self.merge_adapters
+                    else served_adapters(policy_model))
         if adapters and isinstance(self.adapters, EngineAdapters) and not self.eager:
             raise ConfigError("the policy has qlora adapters, which this engine would add by forward hooks that its "
                               "CUDA graphs do not run: start the engine with adapter_rank=policy.lora.rank")

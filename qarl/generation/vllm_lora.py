@@ -53,9 +53,16 @@ def engine_adapter_rank(lora: LoraConfig | None) -> int:
     return lora.rank if lora is not None and lora.mode == "qlora" else 0
 
 
+def merges_adapters(cfg: PolicyConfig) -> bool:
+    """The training engine of a policy of `cfg` folds its qlora adapters into its weights
+    (`policy.generation.qlora_adapters=merged`) instead of computing them beside the base."""
+    return cfg.lora.mode == "qlora" and cfg.generation.qlora_adapters == "merged"
+
+
 def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool) -> str | None:
-    """Why a policy of `cfg`'s adapters need the engine's forward hooks (None: vLLM's LoRA serves them, or none)."""
-    rank = engine_adapter_rank(cfg.lora)
+    """Why a policy of `cfg`'s adapters need the engine's forward hooks (None: vLLM's LoRA serves them, the engine
+    merges them, or there are none)."""
+    rank = 0 if merges_adapters(cfg) else engine_adapter_rank(cfg.lora)
     return hooks_needed(rank, cfg.dtype, quantized_inputs) if rank else None
 
 

@@ -297,7 +297,8 @@ def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 @torch.no_grad()
-def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def folded_weights(model: nn.Module, only: set[str] | None = None,
+                   merge_adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight the engine holds, by its Hugging Face name (a layer's fused experts by each expert's checkpoint
     names: qarl/models/experts.py); quantized weights come quantized-dequantized.
 
@@ -306,6 +307,7 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
     (`served_weight()`: LoRA's merged W + s B A) and hold parameters that are not engine weights
     (`adapter_param_names`: a qlora adapter, which the engine receives separately). `only`: just these
     names (a refit that skips weights it already holds); each weight is folded when it is yielded.
+    `merge_adapters`: a qlora layer's weight comes as Q(W) + s B A (an engine that runs no LoRA).
     """
     owners, skipped = {}, set()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -333,6 +335,8 @@ def folded_weights(model: nn.Module, only: set[str] | None = None) -> Iterator[t
         module, quantizer = owners[name]
         weight = module.served_weight() if hasattr(type(module), "served_weight") else module._parameters["weight"]
         weight = (quantizer(weight) if quantizer is not None else weight).detach()
+        if merge_adapters and getattr(module, "serves_adapter", False):
+            weight = module.with_adapter(weight)
         scale = _weight_only_smoothing(module)
         yield name, weight * scale.to(weight.dtype) if scale is not None else weight
 

@@ -87,3 +87,37 @@ def test_merged_export_and_dequantized_merge_match_the_policy(task, tiny_dir, tm
     ids = qlora.tokenizer([p.prompt for p in task.eval[:4]], return_tensors="pt", padding=True)
     with torch.no_grad():
         assert (merged(**ids).logits - eval_logits(qlora, task)).abs().max() < 1e-4
+
+
+def test_an_engine_that_merges_qlora_adapters_runs_no_lora_and_follows_each_step(task, tiny_dir):
+    """`policy.generation.qlora_adapters=merged`: the engine holds Q(W) + s B A (no LoRA layer, no hook), at the fp32
+    floor of the qlora policy; every refit sends the adapted layers' weights again, and the engine follows."""
+    from dataclasses import replace
+
+    from qarl.config import ConfigError, LoraConfig, PolicyConfig
+    from qarl.generation import VLLMEngine, merges_adapters, serves_packed_base
+    from qarl.quant import resolve_format
+
+    policy = lora_policy(task, tiny_dir, "qlora", W4A16)
+    prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:8]]
+    engine = VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=16, kv_cache_gib=1), dtype="float32", seed=0,
+                        quant_format=policy.format, merge_adapters=True)
+    engine.refit(policy.model)
+    assert not isinstance(engine.adapters, VLLMAdapters) and not engine.adapters.hooked  # no adapter computed apart
+    assert_at_floor(measure(engine, policy, prompts, max_new_tokens=16, seed=0), W4A16)
+    adapted = sum(layer.weight.numel() * 4 for _, layer in lora_layers(policy.model))
+    with torch.no_grad():  # a training step changes the adapters: the merged weights go again
+        for _, layer in lora_layers(policy.model):
+            layer.lora_B.mul_(-2.0)
+    assert engine.refit(policy.model).bytes >= adapted
+    assert_at_floor(measure(engine, policy, prompts, max_new_tokens=16, seed=0), W4A16)
+    engine.close()
+
+    merged = PolicyConfig(lora=LoraConfig(mode="qlora"))
+    merged = replace(merged, generation=replace(merged.generation, qlora_adapters="merged"))
+    assert merges_adapters(merged) and not serves_packed_base(merged, resolve_format("nvfp4_a16"), tiny_dir)
+    with pytest.raises(ConfigError, match="qlora_adapters=merged"):
+        serves_packed_base(replace(merged, generation=replace(merged.generation, packed_base="on")),
+                           resolve_format("nvfp4_a16"), tiny_dir)
+    with pytest.raises(ConfigError, match="choose lora or merged"):
+        GenerationConfig(qlora_adapters="fused")
