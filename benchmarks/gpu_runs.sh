@@ -33,6 +33,8 @@
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
 #   user_shape_long  QA-GRPO NVFP4 W4A16 of that model with completions of 16,384 tokens, 8 a step
+#   user_shape_longest TOKENS  one qlora step of 2 completions of TOKENS tokens on that model (micro-batch 1,
+#             checkpointing): the longest completion that trains
 #   user_shape_qad  QAD NVFP4 W4A4 of that model with a bf16 teacher of the same shape, completions of 4,096 tokens
 #   families  `qarl parity` bf16 of a real-shape model of each family (benchmarks/user_shape.py; arguments: the shapes,
 #             default every dense one and qwen3-moe-2b, which runs NVFP4 W4A16 only)
@@ -278,6 +280,15 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     user_run train benchmarks/recipes/user_shape_grpo.yaml user_shape_long_16k policy.generation.max_new_tokens=16384 \
       policy.generation.max_model_len=16500 policy.generation.gpu_memory_utilization=0.45 trainer.batch_size=8 \
       trainer.steps=2 "$@"
+    ;;
+  user_shape_longest)  # one step of 2 completions of $3 tokens, qlora NVFP4 W4A16, checkpointing, micro-batch 1 (the
+    # longest completion that trains: SHAPE=qwen3-8b-128k for more than 40,960 positions); further arguments: overrides
+    tokens="$3"; shift 3
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
+    user_run train benchmarks/recipes/user_shape_grpo.yaml "user_shape_longest_$tokens" policy.lora.mode=qlora \
+      policy.quant_cfg=quant_configs/nvfp4_a16.yaml "policy.generation.max_new_tokens=$tokens" \
+      "policy.generation.max_model_len=$((tokens + 200))" trainer.batch_size=2 trainer.num_generations=2 \
+      trainer.micro_batch_size=1 trainer.steps=1 policy.gradient_checkpointing=on "$@"
     ;;
   user_shape_qad)  # QAD NVFP4 W4A4 with a bf16 teacher of the same shape, 4,096-token completions
     shift 2

@@ -3,6 +3,7 @@ model samples ids the tokenizer decodes to ''; fine for memory and speed).
 
     python benchmarks/user_shape.py make DIR --shape qwen3-1.7b     # 28 x 2048, vocabulary 151,936 (bf16, on a GPU)
     python benchmarks/user_shape.py make DIR --shape qwen3-8b       # 36 x 4096, vocabulary 151,936, untied head
+    python benchmarks/user_shape.py make DIR --shape qwen3-8b-128k  # the same, YaRN to 131,072 positions
     python benchmarks/user_shape.py make DIR --shape llama3.2-1b     # 16 x 2048, vocabulary 128,256, Llama 3's scaled RoPE
     python benchmarks/user_shape.py make DIR --shape qwen2-2l-151k   # 2 x 128, vocabulary 151,936 (CPU-sized)
     python benchmarks/user_shape.py make DIR --shape qwen3-moe-2b    # Qwen3-30B-A3B's layers, 12 of them, 32 experts
@@ -30,6 +31,12 @@ SHAPES = {
     # Qwen3-8B's layers: 36 x hidden 4096, MLP 12288, 32 / 8 heads of 128, q/k norms, an untied head
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    # the same with Qwen3's YaRN scaling to 131,072 positions (its long-context setting), for the longest completion
+    "qwen3-8b-128k": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                          max_position_embeddings=131_072,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                           "original_max_position_embeddings": 32_768}),
     # Llama-3.2-1B's layers: 16 x hidden 2048, MLP 8192, 32 / 8 heads of 64, Llama 3's scaled rotary embedding,
     # tied embeddings, its 128,256-token vocabulary
     "llama3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
