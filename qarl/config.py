@@ -84,7 +84,8 @@ class GenerationConfig:
     # How the engine computes a qlora policy's adapters. "lora": beside its base, in vLLM's LoRA layers (qarl's hooks
     # where they cannot serve); refits send only the adapters. "merged": folded into its weights as Q(W) + s B A (as
     # TRL syncs LoRA into vLLM): the engine's own speed without LoRA kernels, the adapted layers' whole weights sent at
-    # every refit, the base held in the compute dtype (not with packed_base=on). Training and QAD runs.
+    # every refit, the base held in the compute dtype (not with packed_base=on); weight-only formats (a quantized
+    # layer input would reach the merged adapter quantized). Training and QAD runs.
     qlora_adapters: str = "lora"  # lora | merged
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_
                              trainer_state)
 from qarl.config import RecipeConfig, to_dict
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
-                             engine_adapter_rank, merges_adapters, runs_eager, serves_packed_base, sleeps_between_rollouts)
+                             check_merged_adapters, engine_adapter_rank, merges_adapters, runs_eager,
+                             serves_packed_base, sleeps_between_rollouts)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
@@ -102,6 +103,7 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     serves_packed_base(cfg.policy, rollout_format, resolve_model_dir(cfg.policy.model_name))
     plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
     check_expert_inputs(plan, rollout_format)
+    check_merged_adapters(merges_adapters(cfg.policy), bool(plan))
     runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
                adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
     if cfg.policy.lora.mode != "none":
@@ -177,8 +179,8 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
     merged = merges_adapters(cfg.policy)
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=0 if merged else engine_adapter_rank(cfg.policy.lora), exact=cfg.policy.exact_forward,
-                      packed_base=packed_engine_base(run, fmt), merge_adapters=merged)
+                      adapter_rank=0 if merged else engine_adapter_rank(cfg.policy.lora),
+                      exact=cfg.policy.exact_forward, packed_base=packed_engine_base(run, fmt), merge_adapters=merged)
 
 
 def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:
@@ -217,7 +219,8 @@ def write_packed_base(policy: Policy, out_dir: Path) -> PackedBase:
     model_type = policy.model.config.model_type
     held = {fused_parameter(name, model_type) for name in layers} - {None}  # an expert's: its fused parameter
     held |= {f"{name}.{part}" for name in layers if fused_parameter(name, model_type) is None
-             for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False) if part not in ADAPTER_PARAMS}
+             for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False)
+             if part not in ADAPTER_PARAMS}
     return PackedBase(out_dir, frozenset(held), weakref.ref(policy.model))
 
 

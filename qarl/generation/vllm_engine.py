@@ -44,7 +44,7 @@ from qarl.generation import vllm_compat
 from qarl.generation.adapters import EngineAdapters
 from qarl.generation.packed_base import PackedBase
 from qarl.generation.sampled_logprobs import SampledLogprobs
-from qarl.generation.vllm_lora import VLLMAdapters, hooks_needed
+from qarl.generation.vllm_lora import VLLMAdapters, check_merged_adapters, hooks_needed
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.models.experts import config_has_experts
@@ -176,6 +176,7 @@ class VLLMEngine:
         need forward hooks (None: vLLM's LoRA serves them, or there are none)."""
         plan = input_quant_plan(self.model_dir, fmt)
         check_expert_inputs(plan, fmt)
+        check_merged_adapters(self.merge_adapters, bool(plan))
         hooks = (hooks_needed(self.adapter_rank, self.dtype, bool(plan), config_has_experts(self.model_dir))
                  if self.adapter_rank else None)
         return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks

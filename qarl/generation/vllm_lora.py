@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qarl.config import LoraConfig, PolicyConfig
+from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import engine_part
 from qarl.lora import adapter_weights
@@ -57,6 +57,15 @@ def merges_adapters(cfg: PolicyConfig) -> bool:
     """The training engine of a policy of `cfg` folds its qlora adapters into its weights
     (`policy.generation.qlora_adapters=merged`) instead of computing them beside the base."""
     return cfg.lora.mode == "qlora" and cfg.generation.qlora_adapters == "merged"
+
+
+def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
+    """Merged adapters compute what the policy does only where a layer's input reaches the adapter unquantized: the
+    policy computes fq(x) Q(W)^T + s B A x, an engine holding Q(W) + s B A would compute fq(x) (Q(W) + s B A)^T."""
+    if merging and quantized_inputs:
+        raise ConfigError("policy.generation.qlora_adapters=merged cannot serve a format that quantizes layer inputs: "
+                          "the engine would feed the adapters the quantized input, where the policy feeds them the "
+                          "input itself. Use policy.generation.qlora_adapters=lora")
 
 
 def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool) -> str | None:

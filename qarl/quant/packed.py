@@ -70,8 +70,8 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device, exp
 def is_placeholder(tensor: torch.Tensor) -> bool:
     """`tensor` is a placeholder (or a view of one, `.detach()`, an expert's slice): one element behind every index
     (a fused experts placeholder: one an expert)."""
-    strides = tensor.stride()
-    if tensor.dim() == 3 and strides[0] == 1:
+    strides = [s for s, n in zip(tensor.stride(), tensor.shape) if n > 1]  # a size-1 dimension's stride says nothing
+    if tensor.dim() == 3 and tensor.shape[0] > 1 and tensor.stride(0) == 1:
         strides = strides[1:]
     return tensor.numel() > 1 and all(s == 0 for s in strides)
 
@@ -183,7 +183,8 @@ class PackReport:
         line = (f"packed {self.packed} frozen quantized weights: {self.bytes_before / 2**20:.1f} MiB -> "
                 f"{self.bytes_after / 2**20:.1f} MiB")
         if self.kept:
-            line += f"; {len(self.kept)} kept in the compute dtype (no packed form for their format: {self.kept[:3]})"
+            line += (f"; {len(self.kept)} kept in the compute dtype (no packed form for their format, or an expert "
+                     f"left unquantized: {self.kept[:3]})")
         return line
 
 
@@ -215,7 +216,8 @@ def _weight_quantizers(module: nn.Module) -> list[tuple[str, list[nn.Module | No
 
 
 def _frozen_quantized(model: nn.Module) -> Iterator[_FrozenWeight]:
-    """Every frozen parameter of its own module whose quantizers all quantize (none packed yet)."""
+    """Every frozen parameter of its own module that a quantizer quantizes (a fused experts parameter: one of its
+    experts' at least; none packed yet)."""
     from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
 
     users: dict[int, int] = {}
@@ -227,12 +229,16 @@ def _frozen_quantized(model: nn.Module) -> Iterator[_FrozenWeight]:
         for key, quantizers in _weight_quantizers(module):
             weight = module._parameters.get(key)
             if (isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1 and quantizers
-                    and all(isinstance(q, TensorQuantizer) and not isinstance(q, (SequentialQuantizer, PackedWeightMixin))
-                            and quantizing(q) for q in quantizers)):
+                    and all(isinstance(q, TensorQuantizer) and not isinstance(q, (SequentialQuantizer,
+                                                                                   PackedWeightMixin))
+                            for q in quantizers) and any(quantizing(q) for q in quantizers)):
                 yield _FrozenWeight(f"{name}.{key}" if key in FUSED_EXPERTS else name, module, key, quantizers)
 
 
 def _packable(quantizer: nn.Module, matrix: torch.Tensor) -> bool:
+    """A matrix whose quantizer quantizes it in a format with a packed form (an expert left unquantized is not)."""
+    if not quantizing(quantizer):
+        return False
     spec = calibrated_spec(quantizer)
     return spec is not None and not (spec.kind == NVFP4 and spec.block_size != 16) and matrix.ndim == 2
 
@@ -288,7 +294,8 @@ def _check_experts_told_apart(frozen: _FrozenWeight) -> None:
         if read != expert:
             raise RuntimeError(f"{frozen.name}: ModelOpt reads expert {read} from the packed placeholder's slice of "
                                f"expert {expert}; this ModelOpt tells experts apart differently than the version "
-                               "qarl was checked with (modelopt_compat.expert_index_of). Set policy.lora.pack_base=false.")
+                               "qarl was checked with (modelopt_compat.expert_index_of). Set "
+                               "policy.lora.pack_base=false.")
 
 
 def _unpack(quantizer: nn.Module) -> torch.Tensor:

@@ -335,10 +335,12 @@ def folded_weights(model: nn.Module, only: set[str] | None = None,
         module, quantizer = owners[name]
         weight = module.served_weight() if hasattr(type(module), "served_weight") else module._parameters["weight"]
         weight = (quantizer(weight) if quantizer is not None else weight).detach()
-        if merge_adapters and getattr(module, "serves_adapter", False):
-            weight = module.with_adapter(weight)
         scale = _weight_only_smoothing(module)
-        yield name, weight * scale.to(weight.dtype) if scale is not None else weight
+        if scale is not None:
+            weight = weight * scale.to(weight.dtype)
+        if merge_adapters and getattr(module, "serves_adapter", False):  # after the scale: the adapter sees x itself
+            weight = module.with_adapter(weight)
+        yield name, weight
 
 
 def _weight_only_smoothing(module: nn.Module) -> torch.Tensor | None:

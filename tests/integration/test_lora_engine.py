@@ -121,3 +121,7 @@ def test_an_engine_that_merges_qlora_adapters_runs_no_lora_and_follows_each_step
                            resolve_format("nvfp4_a16"), tiny_dir)
     with pytest.raises(ConfigError, match="choose lora or merged"):
         GenerationConfig(qlora_adapters="fused")
+    # the policy feeds its adapters the input itself: an activation format cannot merge them
+    with pytest.raises(ConfigError, match="quantizes layer inputs"):
+        VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=16, kv_cache_gib=1), dtype="float32", seed=0,
+                   quant_format=resolve_format("nvfp4_w4a4"), merge_adapters=True)

@@ -213,7 +213,7 @@ def test_a_qlora_base_packs_its_experts_expert_by_expert_with_the_same_bits(task
     from qarl.memory import ModelShape, weight_bytes
     from qarl.metrics import storage_bytes
     from qarl.quant import folded_weights, resolve_format
-    from qarl.quant.packed import is_placeholder, unpack_frozen_weights
+    from qarl.quant.packed import is_placeholder, pack_frozen_weights, unpack_frozen_weights
     from tests.conftest import answer_loss, eval_logits, lora_policy
 
     held, packed = (lora_policy(task, moe_dir, "qlora", W4A16, pack_base=pack) for pack in (False, True))
@@ -240,9 +240,15 @@ def test_a_qlora_base_packs_its_experts_expert_by_expert_with_the_same_bits(task
     assert summary["quantized_layers"] == 2 * (4 + 8 * 3) and summary["weights_differing"] == 0
     assert report["ok"] and report["loaders"]["qarl-decode"]["max_abs_logit_diff"] == 0.0
 
+    partial = lora_policy(task, moe_dir, "qlora", W4A16, pack_base=False).model  # one expert left unquantized
+    partial.model.layers[0].mlp.experts.gate_up_proj_weight_quantizers[3].disable()
+    report = pack_frozen_weights(partial)
+    assert report.kept == ["model.layers.0.mlp.experts.gate_up_proj"] and "expert left unquantized" in report.summary()
+    assert not is_placeholder(partial.model.layers[0].mlp.experts.gate_up_proj)
+
     copied = copy.deepcopy(packed.model)
     assert copied.model.layers[0].mlp.experts.gate_up_proj.stride() == (1, 0, 0)
     assert unpack_frozen_weights(copied) == 2 * (4 + 8 * 2)
-    unpacked = copied.model.layers[1].mlp.experts
-    assert torch.equal(unpacked.down_proj, torch.stack([q(w) for q, w in zip(
-        held.model.model.layers[1].mlp.experts.down_proj_weight_quantizers, held.model.model.layers[1].mlp.experts.down_proj)]))
+    unpacked, experts = copied.model.layers[1].mlp.experts, held.model.model.layers[1].mlp.experts
+    assert torch.equal(unpacked.down_proj,
+                       torch.stack([q(w) for q, w in zip(experts.down_proj_weight_quantizers, experts.down_proj)]))

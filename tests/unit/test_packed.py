@@ -110,6 +110,15 @@ def head_logits(model) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def test_a_placeholder_is_told_from_a_tensor_whatever_its_shape():
+    from qarl.quant.packed import placeholder
+
+    shapes = [((8, 16), False), ((1, 16), False), ((16, 1), False), ((4, 8, 16), True), ((1, 8, 16), True)]
+    for shape, experts in shapes:
+        assert is_placeholder(placeholder(torch.Size(shape), torch.float32, "cpu", experts)), shape
+    assert not any(is_placeholder(t) for t in (torch.zeros(8, 16), torch.zeros(1, 16), torch.zeros(4, 8, 16)))
+
+
 def test_copies_stay_packed_and_unpacking_gives_the_held_weight_back(task, tiny_dir):
     policy = qlora(task, tiny_dir, W4A16, "bfloat16")
     want = eval_logits(policy, task)
