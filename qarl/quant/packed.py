@@ -225,13 +225,15 @@ def _frozen_quantized(model: nn.Module) -> Iterator[_FrozenWeight]:
         for p in module._parameters.values():
             if p is not None:
                 users[id(p)] = users.get(id(p), 0) + 1
+    def plain(quantizer: nn.Module | None) -> bool:
+        return (isinstance(quantizer, TensorQuantizer)
+                and not isinstance(quantizer, (SequentialQuantizer, PackedWeightMixin)))
+
     for name, module in model.named_modules():
         for key, quantizers in _weight_quantizers(module):
             weight = module._parameters.get(key)
-            if (isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1 and quantizers
-                    and all(isinstance(q, TensorQuantizer) and not isinstance(q, (SequentialQuantizer,
-                                                                                   PackedWeightMixin))
-                            for q in quantizers) and any(quantizing(q) for q in quantizers)):
+            frozen = isinstance(weight, nn.Parameter) and not weight.requires_grad and users[id(weight)] == 1
+            if frozen and quantizers and all(map(plain, quantizers)) and any(map(quantizing, quantizers)):
                 yield _FrozenWeight(f"{name}.{key}" if key in FUSED_EXPERTS else name, module, key, quantizers)
 
 
