@@ -156,6 +156,11 @@ class PolicyConfig:
     # Activation checkpointing of the decoder layers during the update: "off", "on", or "auto" (on only when the
     # memory plan finds the update does not fit without it; qarl/memory.py). The STE gradients are unchanged.
     gradient_checkpointing: str = "auto"
+    # Each RMSNorm layer compiled (torch.compile) into fused kernels instead of ~7 eager ones a pass
+    # (qarl/models/norms.py). Sums in another order: the policy's log-probs move within fp32 rounding, and the
+    # engine's own norm kernel differs from either, so synced parity stays at its floor. The HF backend; not with
+    # the exact forward.
+    compile_norms: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
     backend: str = "hf"
@@ -187,6 +192,7 @@ class PolicyConfig:
             "logits)" if self.generation.top_p < 1 else "",
             "policy.quant_weight_cache=false (the exact forward quantizes fused layers' shared input once, through "
             "qarl's fast input quantizers)" if not self.quant_weight_cache else "",
+            "policy.compile_norms (compiled norms sum in another order than the engine's)" if self.compile_norms else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:
