@@ -192,7 +192,8 @@ class PolicyConfig:
             "logits)" if self.generation.top_p < 1 else "",
             "policy.quant_weight_cache=false (the exact forward quantizes fused layers' shared input once, through "
             "qarl's fast input quantizers)" if not self.quant_weight_cache else "",
-            "policy.compile_norms (compiled norms sum in another order than the engine's)" if self.compile_norms else "",
+            "policy.compile_norms (compiled norms sum in another order than the engine's)"
+            if self.compile_norms else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:
