@@ -216,11 +216,14 @@ def write_packed_base(policy: Policy, out_dir: Path) -> PackedBase:
     print(f"writing the packed qlora base for the engine ({PACKED_EXPORT_TARGET}) to {out_dir}")
     export_policy(policy, PACKED_EXPORT_TARGET, out_dir, source_dir=Path(policy.model_dir), overwrite=True)
     layers = json.loads((out_dir / MANIFEST).read_text())["layers"]
-    model_type = policy.model.config.model_type
-    held = {fused_parameter(name, model_type) for name in layers} - {None}  # an expert's: its fused parameter
-    held |= {f"{name}.{part}" for name in layers if fused_parameter(name, model_type) is None
-             for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False)
-             if part not in ADAPTER_PARAMS}
+    held = set()
+    for name in layers:
+        fused = fused_parameter(name, policy.model.config.model_type)
+        if fused is not None:  # an expert's layer: the fused parameter holding it
+            held.add(fused)
+        else:
+            held.update(f"{name}.{part}" for part, _ in policy.model.get_submodule(name).named_parameters(recurse=False)
+                        if part not in ADAPTER_PARAMS)
     return PackedBase(out_dir, frozenset(held), weakref.ref(policy.model))
 
 

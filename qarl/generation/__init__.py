@@ -6,5 +6,5 @@ from qarl.generation.vllm_engine import (Completion, RefitTiming, VLLMEngine, ch
 from qarl.generation.vllm_lora import adapter_hooks, check_merged_adapters, engine_adapter_rank, merges_adapters
 
 __all__ = ["Completion", "PackedBase", "RefitTiming", "VLLMEngine", "adapter_hooks", "check_expert_inputs",
-           "check_merged_adapters",
-           "engine_adapter_rank", "merges_adapters", "runs_eager", "serves_packed_base", "sleeps_between_rollouts"]
+           "check_merged_adapters", "engine_adapter_rank", "merges_adapters", "runs_eager", "serves_packed_base",
+           "sleeps_between_rollouts"]

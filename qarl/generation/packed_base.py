@@ -12,7 +12,8 @@ engine's log-probs differ from the policy's at the compute dtype's floor, not bi
 against the folded engine's).
 
 Where it cannot serve the run (vLLM's CPU platform has no NVFP4 kernel; another format or MSE calibration; an fp32
-engine; the Megatron backend; MoE experts; the exact forward; tensor parallelism), "auto" keeps the folded engine and "on" refuses, naming why, before anything loads.
+engine; the Megatron backend; MoE experts; the exact forward; tensor parallelism; merged adapters), "auto" keeps the
+folded engine and "on" refuses, naming why, before anything loads.
 Training and QAD runs serve the base packed; `qarl eval`, `parity` and `matrix` start engines of their own with the
 base folded.
 """
