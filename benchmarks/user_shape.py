@@ -31,12 +31,6 @@ SHAPES = {
     # Qwen3-8B's layers: 36 x hidden 4096, MLP 12288, 32 / 8 heads of 128, q/k norms, an untied head
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    # the same with Qwen3's YaRN scaling to 131,072 positions (its long-context setting), for the longest completion
-    "qwen3-8b-128k": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                          max_position_embeddings=131_072,
-                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                           "original_max_position_embeddings": 32_768}),
     # Llama-3.2-1B's layers: 16 x hidden 2048, MLP 8192, 32 / 8 heads of 64, Llama 3's scaled rotary embedding,
     # tied embeddings, its 128,256-token vocabulary
     "llama3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -55,7 +49,7 @@ SHAPES = {
                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=[], tie_word_embeddings=False),
     # Qwen3-30B-A3B's layers with all 128 experts, 32 of its 48 layers (~20.5B parameters: its bf16 checkpoint, 41 GB,
-    # and the engine's packed base fit the GPU machine's 64 GiB disk together; all 48 layers' 61 GB would not)
+    # leaves room on the GPU machine's 64 GiB disk for the kit and the run; all 48 layers' 61 GB would not)
     "qwen3-30b-a3b-32l": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=32,
                               num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                               num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
@@ -78,6 +72,11 @@ SHAPES = {
                          num_attention_heads=32, num_key_value_heads=32, vocab_size=32_064, max_position_embeddings=4096,
                          tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
 }
+# Qwen3-8B with Qwen3's YaRN scaling to 131,072 positions (its long-context setting), for the longest completion
+SHAPES["qwen3-8b-128k"] = dict(SHAPES["qwen3-8b"], max_position_embeddings=131_072,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                "original_max_position_embeddings": 32_768})
+
 VOCAB = 151_936
 H100_BF16_DENSE_FLOPS = 989e12
 
