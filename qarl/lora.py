@@ -191,8 +191,6 @@ def pack_base(model: nn.Module, cfg: LoraConfig) -> None:
     """qlora with `cfg.pack_base`: the calibrated frozen base kept as its low-precision codes (qarl/quant/packed.py)."""
     if cfg.mode == "qlora" and cfg.pack_base:
         print(f"qlora base: {pack_frozen_weights(model).summary()}")
-        if torch.cuda.is_available():  # the unpacked weights' blocks go back to the device, for the engine to use
-            torch.cuda.empty_cache()
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLayer]]:

@@ -118,6 +118,17 @@ def free_device_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
 
 
+def device_memory_line() -> str:
+    """What the device has in use (the driver's view) and how much of it this process's torch allocator holds:
+    the difference is other processes, vLLM's pool and the CUDA context."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return (f"{(total - free) / 2**30:.2f} GiB of {total / 2**30:.1f} GiB in use on the device, torch's allocator "
+            f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, {torch.cuda.memory_reserved() / 2**30:.2f} GiB "
+            "reserved")
+
+
 def device_memory_gib(phase: str, released: int = 0) -> dict[str, float]:
     """GPU memory of a phase of the step ("rollout", "update"): in use on the whole device at its end (the driver's
     view: every allocator, vLLM's pool included), the peak of torch's allocator during the phase, and that peak less

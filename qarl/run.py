@@ -37,7 +37,7 @@ from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
                           report_run, weight_memory)
-from qarl.models.experts import fused_parameter
+from qarl.models.experts import config_has_experts, fused_parameter
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
@@ -100,14 +100,15 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
-    serves_packed_base(cfg.policy, rollout_format, resolve_model_dir(cfg.policy.model_name))
-    plan = input_quant_plan(resolve_model_dir(cfg.policy.model_name), rollout_format)
+    model_dir = resolve_model_dir(cfg.policy.model_name)
+    serves_packed_base(cfg.policy, rollout_format, model_dir)
+    plan = input_quant_plan(model_dir, rollout_format)
     check_expert_inputs(plan, rollout_format)
     check_merged_adapters(merges_adapters(cfg.policy), bool(plan))
     runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
-               adapter_hooks=adapter_hooks(cfg.policy, bool(plan)))
+               adapter_hooks=adapter_hooks(cfg.policy, bool(plan), config_has_experts(model_dir)))
     if cfg.policy.lora.mode != "none":
-        check_lora(cfg.policy, resolve_model_dir(cfg.policy.model_name))
+        check_lora(cfg.policy, model_dir)
 
 
 @dataclass

@@ -76,8 +76,8 @@ def packed_base_blocker(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: s
     if cfg.exact_forward:
         return "the exact forward runs its own kernels on folded weights (policy.exact_forward)"
     if config_has_experts(model_dir):
-        return ("Mixture-of-Experts experts (the policy packs them, but vLLM's NVFP4 MoE layer serving them has not "
-                "run with qarl on a GPU: tests/integration/test_gpu_packed_base.py)")
+        return ("Mixture-of-Experts experts (the policy packs them, but a MoE engine takes its adapters by qarl's "
+                "hooks, `vllm_lora.hooks_needed`, and the packed engine has run with vLLM's LoRA only)")
     if cfg.generation.tensor_parallel_size > 1 or world_size() > 1:
         return "tensor parallelism (the base is written whole, for one engine process)"
     return None

@@ -47,6 +47,7 @@ from qarl.generation.sampled_logprobs import SampledLogprobs
 from qarl.generation.vllm_lora import VLLMAdapters, check_merged_adapters, hooks_needed
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
+from qarl.metrics import device_memory_line
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
@@ -198,6 +199,10 @@ class VLLMEngine:
         if vllm_lora:
             extra |= lora_engine_options(self.adapter_rank)
         experts = config_has_experts(self.model_dir)
+        if torch.cuda.is_available():  # vLLM's share comes on top of what the process holds: what it freed goes back
+            gc.collect()  # (the bf16 weights a qlora base was packed from, the exporter's copy of a packed engine base)
+            torch.cuda.empty_cache()
+            print(f"before the engine starts: {device_memory_line()}")
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         self.llm = LLM(

@@ -38,6 +38,9 @@ def hooks_needed(rank: int, dtype: str, quantized_inputs: bool, experts: bool = 
     has Mixture-of-Experts layers."""
     if experts and not torch.cuda.is_available():
         return "vLLM's LoRA layer for fused MoE experts runs Triton kernels, which its CPU platform lacks"
+    if experts:  # vllm_compat.experts_in_changed_layout names the method; seen on an H100 with vLLM 0.26
+        return ("vLLM's LoRA computes a MoE layer's experts with its modular fused-MoE method, whose expert layout "
+                "qarl's refit has not been checked against")
     if quantized_inputs:
         return ("the engine quantizes layer inputs (an activation format), and vLLM's LoRA layers call the base "
                 "layer's kernel directly, past qarl's quantized input")
@@ -68,11 +71,11 @@ def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
                           "input itself. Use policy.generation.qlora_adapters=lora")
 
 
-def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool) -> str | None:
+def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool, experts: bool = False) -> str | None:
     """Why a policy of `cfg`'s adapters need the engine's forward hooks (None: vLLM's LoRA serves them, the engine
-    merges them, or there are none)."""
+    merges them, or there are none); `experts`: the model has Mixture-of-Experts layers."""
     rank = 0 if merges_adapters(cfg) else engine_adapter_rank(cfg.lora)
-    return hooks_needed(rank, cfg.dtype, quantized_inputs) if rank else None
+    return hooks_needed(rank, cfg.dtype, quantized_inputs, experts) if rank else None
 
 
 def engine_options(rank: int) -> dict:

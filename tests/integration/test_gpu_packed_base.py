@@ -1,7 +1,6 @@
 """The packed qlora base in the GPU engine (qarl/generation/packed_base.py): vLLM serves the policy's NVFP4 W4A16
 base from its 4-bit codes with its FP4 Marlin kernel, under CUDA graphs, with the adapters in vLLM's LoRA; its
-log-probs sit at the bf16 floor of the engine that holds the base folded; a MoE model's experts too. Needs CUDA;
-skipped without it."""
+log-probs sit at the bf16 floor of the engine that holds the base folded. Needs CUDA; skipped without it."""
 
 from __future__ import annotations
 
@@ -17,17 +16,15 @@ from tests.conftest import W4A16, tiny_policy
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model", ["embedded:tiny", "embedded:tiny-qwen3moe"])
-def test_the_engine_serves_the_packed_base_at_the_folded_engines_parity(model, task, tmp_path):
-    """The dense model, and a MoE model whose experts the policy packs expert by expert and vLLM loads as its NVFP4
-    MoE layer (the MoE case decides whether `packed_base_blocker` may let MoE through)."""
+def test_the_engine_serves_the_packed_base_at_the_folded_engines_parity(task, tmp_path):
+    """A dense model (`packed_base_blocker` keeps MoE models folded)."""
     from qarl.generation import VLLMEngine
     from qarl.generation.vllm_lora import VLLMAdapters
     from qarl.models.resolve import resolve_model_dir
     from qarl.parity import measure
     from qarl.run import write_packed_base
 
-    tiny_dir = resolve_model_dir(model)
+    tiny_dir = resolve_model_dir("embedded:tiny")
     policy = tiny_policy(task, tiny_dir, W4A16, trainable=True, dtype="bfloat16", lora=LoraConfig(mode="qlora"))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

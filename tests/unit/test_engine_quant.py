@@ -118,5 +118,7 @@ def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewh
     assert "quantizes layer inputs" in adapter_hooks(qlora, quantized_inputs=True)
     huge = dataclasses.replace(qlora, dtype="bfloat16", lora=LoraConfig(mode="qlora", rank=1024))
     assert "above the largest rank" in adapter_hooks(huge, quantized_inputs=False)
+    moe = adapter_hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False, experts=True)
+    assert "MoE" in moe and ("CPU" in moe) is not torch.cuda.is_available()  # hooks on both: vLLM's MoE LoRA unchecked
     assert (adapter_hooks(qlora, quantized_inputs=False) is None) is not torch.cuda.is_available()  # GPU: fp16/bf16
     assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
