@@ -47,7 +47,8 @@
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   moe_qlora qlora QA-GRPO NVFP4 W4A16 of a Qwen3-30B-A3B shape (32 of its 48 layers, 128 experts, ~20.5B), its
 #             experts packed on the policy, 2 steps of 32 x 512 tokens (making the model takes a call of its own)
-#   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py), qlora adapters through vLLM's LoRA with CUDA
+#   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py; the device memory packing leaves cached,
+#             benchmarks/gpu_pack_memory.py), qlora adapters through vLLM's LoRA with CUDA
 #             graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
@@ -92,9 +93,11 @@ timed_steps() { # NAME LABEL OVERRIDES...: 10 QA-GRPO steps of the 0.5B recipe a
   keep "runs/$name" "$name"
   show_steps "runs/$name" "$label"
 }
-user_run() { # COMMAND RECIPE NAME OVERRIDES...: a run on the user-shape model, its log and metrics kept, its report
+user_run() { # COMMAND RECIPE NAME OVERRIDES...: a run on the user-shape model, its log and metrics kept, its report;
+  # RUN_LIMIT=SECONDS stops the run after that long and keeps what it wrote (a call's time limit would keep nothing)
   local command="$1" recipe="$2" name="$3"; shift 3
-  qarl "$command" "$recipe" "policy.model_name=$shape_dir" "run.dir=runs/$name" "$@" > "$out/$name.log" 2>&1
+  timeout "${RUN_LIMIT:-0}" python3 -m qarl.cli "$command" "$recipe" "policy.model_name=$shape_dir" "run.dir=runs/$name" \
+    "$@" > "$out/$name.log" 2>&1
   echo "exit $? ($name)"; grep -E "memory plan|Error|error:|out of memory" "$out/$name.log" | tail -5
   keep "runs/$name" "$name"
   python3 benchmarks/user_shape.py report "runs/$name" | tee "$out/$name.txt"
@@ -279,7 +282,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
     user_run train benchmarks/recipes/user_shape_grpo.yaml user_shape_long_16k policy.generation.max_new_tokens=16384 \
       policy.generation.max_model_len=16500 policy.generation.gpu_memory_utilization=0.45 trainer.batch_size=8 \
-      trainer.steps=2 "$@"
+      trainer.steps=2 eval.every=0 "$@"
     ;;
   user_shape_longest)  # one step of 2 completions of $3 tokens, qlora NVFP4 W4A16, checkpointing, micro-batch 1 (the
     # longest completion that trains: SHAPE=qwen3-8b-128k for more than 40,960 positions); further arguments: overrides
@@ -288,7 +291,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     user_run train benchmarks/recipes/user_shape_grpo.yaml "user_shape_longest_$tokens" policy.lora.mode=qlora \
       policy.quant_cfg=quant_configs/nvfp4_a16.yaml "policy.generation.max_new_tokens=$tokens" \
       "policy.generation.max_model_len=$((tokens + 200))" trainer.batch_size=2 trainer.num_generations=2 \
-      trainer.micro_batch_size=1 trainer.steps=1 policy.gradient_checkpointing=on "$@"
+      trainer.micro_batch_size=1 trainer.steps=1 policy.gradient_checkpointing=on eval.every=0 "$@"
     ;;
   user_shape_qad)  # QAD NVFP4 W4A4 with a bf16 teacher of the same shape, 4,096-token completions
     shift 2
@@ -366,6 +369,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3
+    python3 benchmarks/gpu_pack_memory.py 2>&1 | grep "GiB ->"
     python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py tests/integration/test_gpu_packed_base.py \
       2>&1 | grep -E "mean|passed|failed|Error" | tail -6
     qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "parity.lora_modes=[qlora]" \

@@ -280,7 +280,7 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 10  # also at step 0 and at the end
+    every: int = 10  # also at step 0 and at the end; 0: no held-out evaluation (a long-completion run's costs a step)
     num_prompts: int = 100
 
 

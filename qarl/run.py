@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
-from qarl.config import RecipeConfig, to_dict
+from qarl.config import ConfigError, RecipeConfig, to_dict
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
                              check_merged_adapters, engine_adapter_rank, merges_adapters, runs_eager,
                              serves_packed_base, sleeps_between_rollouts)
@@ -98,6 +98,8 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_trainable_format(rollout_format, "policy.generation.quant_cfg")
     check_generation_matches(policy_format, rollout_format, cfg.policy.generation.allow_quant_mismatch)
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    if cfg.eval.every < 0:
+        raise ConfigError(f"eval.every={cfg.eval.every}: evaluate every N >= 1 steps, or 0 for no held-out evaluation")
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     model_dir = resolve_model_dir(cfg.policy.model_name)
@@ -329,7 +331,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
     for step in bar:
         step_start = time.perf_counter()
         row: dict[str, float | int | None] = {"step": step, **step_state, **((first_row or {}) if step == 0 else {})}
-        if step % cfg.eval.every == 0:
+        if cfg.eval.every and step % cfg.eval.every == 0:
             row.update(steps.evaluate())
 
         problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
@@ -361,7 +363,8 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
             save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
                             keep=cfg.checkpoint.keep)
 
-    metrics.write({"step": t.steps, **steps.evaluate()})
+    if cfg.eval.every:
+        metrics.write({"step": t.steps, **steps.evaluate()})
     metrics.close()
     report_run(run.dir, steps.panels, steps.summary)
     return run.dir

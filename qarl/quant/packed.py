@@ -272,6 +272,7 @@ def pack_frozen_weights(model: nn.Module) -> PackReport:
     16-element blocks, FP8 per tensor) as its codes (see the module docstring), fused experts expert by expert;
     others are kept and named."""
     report = PackReport()
+    staged: list[tuple[nn.Module, torch.device]] = []
     for frozen in list(_frozen_quantized(model)):
         matrices = frozen.matrices()
         if not all(_packable(q, m) for q, m in zip(frozen.quantizers, matrices, strict=True)):
@@ -280,13 +281,30 @@ def pack_frozen_weights(model: nn.Module) -> PackReport:
         for expert, (quantizer, matrix) in enumerate(zip(frozen.quantizers, matrices, strict=True)):
             report.bytes_after += _pack_matrix(quantizer, matrix, f"{frozen.name}[{expert}]" if frozen.experts
                                                else frozen.name)
+            if matrix.is_cuda:
+                staged.append((quantizer, matrix.device))
+                _move_codes(quantizer, torch.device("cpu"))
         weight = frozen.module._parameters[frozen.key]
         frozen.module._parameters[frozen.key] = placeholder(weight.shape, weight.dtype, weight.device, frozen.experts)
         if frozen.key == FUSED_EXPERTS[0]:
             _check_experts_told_apart(frozen)
         report.packed += len(matrices)
         report.bytes_before += weight.numel() * weight.element_size()
+    if staged:  # the freed weights' blocks go back to the device first; the codes then take fresh ones
+        torch.cuda.empty_cache()
+        for quantizer, device in staged:
+            _move_codes(quantizer, device)
     return report
+
+
+def _move_codes(quantizer: nn.Module, device: torch.device) -> None:
+    """A packed quantizer's codes and scales to `device`. On a GPU they wait in host memory until every weight is
+    packed and the cache emptied: encoded in place, they would be carved out of blocks the caching allocator holds
+    freed (calibration's activations, the weights packed before), and a block holding any of them never goes back to
+    the device."""
+    for key in (CODES, BLOCK_SCALE, SCALE):
+        if key in quantizer._buffers:
+            quantizer._buffers[key] = quantizer._buffers[key].to(device)
 
 
 def _check_experts_told_apart(frozen: _FrozenWeight) -> None:

@@ -25,6 +25,7 @@ BAD_INPUT = {
         (["policy.dtype=bfloat16", "policy.master_dtype=bfloat16", "policy.dtype=float32"], "narrower"),
         (["policy.dtype=int8"], "choose one of"),
         (["run.loggers=[nope]"], "unknown logger"),
+        (["eval.every=-1"], "0 for no held-out evaluation"),
         (["policy.backend=nope"], "choose one of"),
         (["policy.tensor_parallel_size=2"], "needs policy.backend=megatron"),
         (["policy.backend=megatron", "policy.lora.mode=qlora"], "trains whole models"),

@@ -104,6 +104,30 @@ def test_any_frozen_quantized_model_packs_and_formats_without_codes_are_named(ta
     assert pack_frozen_weights(trainable).packed == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator of a CUDA device")
+def test_packing_on_a_gpu_gives_the_weights_memory_back_to_the_device():
+    """The codes take device memory only once every weight is freed and the cache emptied (`packed._move_codes`):
+    carved out of a block the caching allocator holds freed (calibration's activations, a weight packed before), they
+    would keep that whole block from the device, and from the engine that starts next."""
+    import modelopt.torch.quantization as mtq
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(8)]).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    mtq.quantize(model, resolve_format(W4A16).modelopt_cfg, forward_loop=lambda m: m(x))
+    model.requires_grad_(False)
+    with torch.no_grad():
+        want = model(x)
+    weights = sum(layer.weight.numel() * layer.weight.element_size() for layer in model)
+    scratch = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # a calibration pass's activations, freed, cached
+    del scratch
+    assert pack_frozen_weights(model).packed == 8
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached < weights / 4, (cached, weights)  # neither the scratch block nor the weights' blocks are kept
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
 def head_logits(model) -> torch.Tensor:
     ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], device=next(model.parameters()).device)
     with torch.no_grad():
