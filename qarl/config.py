@@ -313,7 +313,7 @@ class DistillConfig:
     # "constant" (trainer.lr throughout) or "cosine" (trainer.lr decayed to 0 at trainer.steps): the
     # KL's gradient is a noisy estimate from one batch of samples, and a decaying step averages it out.
     lr_schedule: str = "constant"
-    eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0, in the engine
+    eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0 (never with eval.every=0)
 
 
 @dataclass

@@ -243,7 +243,7 @@ def distill(cfg: RecipeConfig) -> Path:
                     frozen_model=teacher_memory)
     # The engine: the teacher's own accuracy first (unquantized), then the student's format.
     rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
-    teacher_first = run.start_step == 0 and cfg.distill.eval_teacher_accuracy
+    teacher_first = run.start_step == 0 and cfg.distill.eval_teacher_accuracy and cfg.eval.every > 0
     engine = start_engine(run, None if teacher_first else rollout_format)
     first_row: dict[str, float] = {}
     if teacher_first:
