@@ -369,7 +369,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3
-    python3 benchmarks/gpu_pack_memory.py 2>&1 | grep "GiB ->"
+    python3 benchmarks/gpu_pack_memory.py 2>&1 | grep -E "GiB ->|Error"
     python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py tests/integration/test_gpu_packed_base.py \
       2>&1 | grep -E "mean|passed|failed|Error" | tail -6
     qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "parity.lora_modes=[qlora]" \

@@ -31,7 +31,7 @@ def row(name: str, run_dir: Path, wall: str) -> str:
     steps = [r for r in rows if "perf/refit_bytes" in r or "mismatch/kl" in r]
     refit = sum(r.get("perf/refit_bytes", 0.0) for r in steps) / max(len(steps), 1)
     mismatch = sum(r["mismatch/kl"] for r in steps) / max(len(steps), 1)
-    start = next(r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None)
+    start = next((r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None), float("nan"))  # eval.every=0
     params = trainable_params(latest_checkpoint(run_dir))
     accuracy = run_eval(str(run_dir), [])
     quantized = accuracy.get("quantized", float("nan"))

@@ -272,29 +272,37 @@ def pack_frozen_weights(model: nn.Module) -> PackReport:
     16-element blocks, FP8 per tensor) as its codes (see the module docstring), fused experts expert by expert;
     others are kept and named."""
     report = PackReport()
-    staged: list[tuple[nn.Module, torch.device]] = []
-    for frozen in list(_frozen_quantized(model)):
-        matrices = frozen.matrices()
-        if not all(_packable(q, m) for q, m in zip(frozen.quantizers, matrices, strict=True)):
-            report.kept.append(frozen.name)
-            continue
-        for expert, (quantizer, matrix) in enumerate(zip(frozen.quantizers, matrices, strict=True)):
-            report.bytes_after += _pack_matrix(quantizer, matrix, f"{frozen.name}[{expert}]" if frozen.experts
-                                               else frozen.name)
-            if matrix.is_cuda:
-                staged.append((quantizer, matrix.device))
-                _move_codes(quantizer, torch.device("cpu"))
-        weight = frozen.module._parameters[frozen.key]
-        frozen.module._parameters[frozen.key] = placeholder(weight.shape, weight.dtype, weight.device, frozen.experts)
-        if frozen.key == FUSED_EXPERTS[0]:
-            _check_experts_told_apart(frozen)
-        report.packed += len(matrices)
-        report.bytes_before += weight.numel() * weight.element_size()
-    if staged:  # the freed weights' blocks go back to the device first; the codes then take fresh ones
-        torch.cuda.empty_cache()
-        for quantizer, device in staged:
-            _move_codes(quantizer, device)
+    staged: list[tuple[nn.Module, torch.device]] = []  # on a GPU: quantizers whose codes wait in host memory
+    try:
+        for frozen in list(_frozen_quantized(model)):
+            _pack_frozen(frozen, report, staged)
+    finally:  # (on an error too: no layer is left with its codes off its device)
+        if staged:  # the freed weights' blocks go back to the device first; the codes then take fresh ones
+            torch.cuda.empty_cache()
+            for quantizer, device in staged:
+                _move_codes(quantizer, device)
     return report
+
+
+def _pack_frozen(frozen: _FrozenWeight, report: PackReport, staged: list[tuple[nn.Module, torch.device]]) -> None:
+    """Pack one frozen parameter's matrices (or keep it, named in `report`) and free it; its own function so that no
+    reference to the freed weight outlives it."""
+    matrices = frozen.matrices()
+    if not all(_packable(q, m) for q, m in zip(frozen.quantizers, matrices, strict=True)):
+        report.kept.append(frozen.name)
+        return
+    for expert, (quantizer, matrix) in enumerate(zip(frozen.quantizers, matrices, strict=True)):
+        report.bytes_after += _pack_matrix(quantizer, matrix, f"{frozen.name}[{expert}]" if frozen.experts
+                                           else frozen.name)
+        if matrix.is_cuda:
+            staged.append((quantizer, matrix.device))
+            _move_codes(quantizer, torch.device("cpu"))
+    weight = frozen.module._parameters[frozen.key]
+    frozen.module._parameters[frozen.key] = placeholder(weight.shape, weight.dtype, weight.device, frozen.experts)
+    if frozen.key == FUSED_EXPERTS[0]:
+        _check_experts_told_apart(frozen)
+    report.packed += len(matrices)
+    report.bytes_before += weight.numel() * weight.element_size()
 
 
 def _move_codes(quantizer: nn.Module, device: torch.device) -> None:
