@@ -29,21 +29,19 @@ from omegaconf import OmegaConf
 from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
 from qarl.config import ConfigError, RecipeConfig, to_dict
-from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, adapter_hooks, check_expert_inputs,
-                             check_merged_adapters, engine_adapter_rank, merges_adapters, runs_eager,
-                             serves_packed_base, sleeps_between_rollouts)
+from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
+                             serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
                           report_run, weight_memory)
-from qarl.models.experts import config_has_experts, fused_parameter
+from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
 from qarl.quant import check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
-from qarl.quant.ops import input_quant_plan
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.seeds import derived_seed
@@ -104,11 +102,8 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     sleeps_between_rollouts(cfg.policy.generation)
     model_dir = resolve_model_dir(cfg.policy.model_name)
     serves_packed_base(cfg.policy, rollout_format, model_dir)
-    plan = input_quant_plan(model_dir, rollout_format)
-    check_expert_inputs(plan, rollout_format)
-    check_merged_adapters(merges_adapters(cfg.policy), bool(plan))
-    runs_eager(cfg.policy.generation, smoothing=any(p.smoothing for p in plan.values()),
-               adapter_hooks=adapter_hooks(cfg.policy, bool(plan), config_has_experts(model_dir)))
+    engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype, training_engine_rank(cfg.policy),
+                merges_adapters(cfg.policy))  # what start_engine's engine will be asked
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, model_dir)
 
@@ -180,10 +175,9 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
-    merged = merges_adapters(cfg.policy)
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=0 if merged else engine_adapter_rank(cfg.policy.lora),
-                      exact=cfg.policy.exact_forward, packed_base=packed_engine_base(run, fmt), merge_adapters=merged)
+                      adapter_rank=training_engine_rank(cfg.policy), exact=cfg.policy.exact_forward,
+                      packed_base=packed_engine_base(run, fmt), merge_adapters=merges_adapters(cfg.policy))
 
 
 def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:

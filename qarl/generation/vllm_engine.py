@@ -113,6 +113,18 @@ def runs_eager(cfg: GenerationConfig, smoothing: bool = False, adapter_hooks: st
     return mode == "true" or blocker is not None
 
 
+def engine_mode(model_dir: str, fmt: QuantFormat | None, cfg: GenerationConfig, dtype: str, adapter_rank: int,
+                merge_adapters: bool) -> tuple[dict[str, InputQuant], bool, str | None]:
+    """What an engine of `model_dir` for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its
+    adapters need forward hooks (None: vLLM's LoRA serves them, or there are none); what it cannot serve is refused.
+    The engine asks at every start and format change, a run's settings check before anything loads."""
+    plan = input_quant_plan(model_dir, fmt)
+    check_expert_inputs(plan, fmt)
+    check_merged_adapters(merge_adapters, bool(plan))
+    hooks = hooks_needed(adapter_rank, dtype, bool(plan), config_has_experts(model_dir)) if adapter_rank else None
+    return plan, runs_eager(cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
+
+
 def check_expert_inputs(plan: dict[str, InputQuant], fmt: QuantFormat | None) -> None:
     """Refuse a plan that quantizes MoE experts' inputs on a GPU, where vLLM's fused MoE kernel computes the experts
     without qarl's input quantization (the CPU engine's experts have it: `vllm_compat.keep_cpu_experts_plain`)."""
@@ -173,14 +185,7 @@ class VLLMEngine:
         self._start(quant_format, *self._mode(quant_format))
 
     def _mode(self, fmt: QuantFormat | None) -> tuple[dict[str, InputQuant], bool, str | None]:
-        """What an engine for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its adapters
-        need forward hooks (None: vLLM's LoRA serves them, or there are none)."""
-        plan = input_quant_plan(self.model_dir, fmt)
-        check_expert_inputs(plan, fmt)
-        check_merged_adapters(self.merge_adapters, bool(plan))
-        hooks = (hooks_needed(self.adapter_rank, self.dtype, bool(plan), config_has_experts(self.model_dir))
-                 if self.adapter_rank else None)
-        return plan, runs_eager(self.cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
+        return engine_mode(self.model_dir, fmt, self.cfg, self.dtype, self.adapter_rank, self.merge_adapters)
 
     def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool, hooks: str | None) -> None:
         """Start vLLM for `fmt`: its quantized-input layers go in as the weights load, before any

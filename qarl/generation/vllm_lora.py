@@ -71,11 +71,10 @@ def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
                           "input itself. Use policy.generation.qlora_adapters=lora")
 
 
-def adapter_hooks(cfg: PolicyConfig, quantized_inputs: bool, experts: bool = False) -> str | None:
-    """Why a policy of `cfg`'s adapters need the engine's forward hooks (None: vLLM's LoRA serves them, the engine
-    merges them, or there are none); `experts`: the model has Mixture-of-Experts layers."""
-    rank = 0 if merges_adapters(cfg) else engine_adapter_rank(cfg.lora)
-    return hooks_needed(rank, cfg.dtype, quantized_inputs, experts) if rank else None
+def training_engine_rank(cfg: PolicyConfig) -> int:
+    """The adapter rank the engine of a training or QAD run of `cfg` serves (0: it merges the adapters, or there are
+    none)."""
+    return 0 if merges_adapters(cfg) else engine_adapter_rank(cfg.lora)
 
 
 def engine_options(rank: int) -> dict:

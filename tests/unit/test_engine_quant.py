@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qarl.config import ConfigError, GenerationConfig, LoraConfig, PolicyConfig
-from qarl.generation import adapter_hooks, engine_adapter_rank
+from qarl.generation import engine_adapter_rank, engine_mode, training_engine_rank
 from qarl.generation.vllm_engine import runs_eager
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.quant import resolve_format
@@ -109,16 +109,25 @@ def test_engine_modes_and_their_refusals():
             runs_eager(GenerationConfig(enforce_eager="false"))
 
 
-def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewhere():
+def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewhere(tiny_dir):
+    from qarl.models.resolve import resolve_model_dir
+
+    def hooks(cfg: PolicyConfig, quantized_inputs: bool, model_dir: str = tiny_dir) -> str | None:
+        """Why the engine of a run of `cfg` adds adapters by hooks (`engine_mode`, as the run's settings check asks)."""
+        fmt = resolve_format("nvfp4_w4a4" if quantized_inputs else "nvfp4_a16")
+        return engine_mode(model_dir, fmt, cfg.generation, cfg.dtype, training_engine_rank(cfg), False)[2]
+
     qlora = PolicyConfig(lora=LoraConfig(mode="qlora", rank=16))
     assert engine_adapter_rank(qlora.lora) == 16
     assert engine_adapter_rank(PolicyConfig().lora) == 0 == engine_adapter_rank(None)
-    assert adapter_hooks(PolicyConfig(), quantized_inputs=True) is None  # no adapters
-    assert adapter_hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False) is None
-    assert "quantizes layer inputs" in adapter_hooks(qlora, quantized_inputs=True)
+    merged = dataclasses.replace(qlora, generation=GenerationConfig(qlora_adapters="merged"))
+    assert training_engine_rank(qlora) == 16 and training_engine_rank(merged) == 0  # a merging engine serves none
+    assert hooks(PolicyConfig(), quantized_inputs=True) is None  # no adapters
+    assert hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False) is None
+    assert "quantizes layer inputs" in hooks(qlora, quantized_inputs=True)
     huge = dataclasses.replace(qlora, dtype="bfloat16", lora=LoraConfig(mode="qlora", rank=1024))
-    assert "above the largest rank" in adapter_hooks(huge, quantized_inputs=False)
-    moe = adapter_hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False, experts=True)
+    assert "above the largest rank" in hooks(huge, quantized_inputs=False)
+    moe = hooks(dataclasses.replace(qlora, dtype="bfloat16"), False, resolve_model_dir("embedded:tiny-qwen3moe"))
     assert "MoE" in moe and ("CPU" in moe) is not torch.cuda.is_available()  # hooks on both: vLLM's MoE LoRA unchecked
-    assert (adapter_hooks(qlora, quantized_inputs=False) is None) is not torch.cuda.is_available()  # GPU: fp16/bf16
+    assert (hooks(qlora, quantized_inputs=False) is None) is not torch.cuda.is_available()  # GPU: fp16/bf16
     assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
