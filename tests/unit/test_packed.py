@@ -6,6 +6,8 @@ tests/e2e/test_lora_runs.py; its export: tests/integration/test_lora_engine.py."
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -93,9 +95,12 @@ def test_gradient_checkpointing_through_a_packed_base_keeps_the_gradients(task, 
 
 def test_any_frozen_quantized_model_packs_and_formats_without_codes_are_named(task, tiny_dir):
     reference = tiny_policy(task, tiny_dir, W4A16).model.eval().requires_grad_(False)  # a KL reference
-    want = head_logits(reference)
+    want = head_logits(reference)  # a forward: each lean layer has planned its calls (`LinearPlan`)
+    weights = {n: weakref.ref(m.weight) for n, m in reference.named_modules() if hasattr(m, "weight_quantizer")}
     report = pack_frozen_weights(reference)
     assert report.packed == 14 and not report.kept and report.bytes_after < 0.3 * report.bytes_before
+    gc.collect()
+    assert not [n for n in packed_layers(reference) if weights[n]() is not None]  # not even the plans of the forward
     assert torch.equal(head_logits(reference), want)
     static = tiny_policy(task, tiny_dir, "NVFP4_FOUR_OVER_SIX_CFG").model.requires_grad_(False)
     report = pack_frozen_weights(static)  # static block scales: no packed form; kept and said so

@@ -21,6 +21,7 @@ state dicts are unchanged; a layer with a patched forward or a non-`TensorQuanti
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -109,9 +110,10 @@ class LinearPlan:
     (`QUANTIZER_CHANGES`: every write that changes a tracked quantizer counts), a held weight's amax still
     its quantizer's and not written in place (what `WeightCacheMixin.holds` checks at every call), and no
     hook on a quantizer it calls or skips. A layer makes one per change instead of
-    asking its three quantizers ~20 questions at every call."""
+    asking its three quantizers ~20 questions at every call. It names its weight by a weak reference: a plan outlives
+    a weight replaced without a call since (a frozen weight packed to its codes), and must not keep it alive."""
 
-    weight: torch.Tensor
+    weight: weakref.ref[torch.Tensor]
     version: int
     changes: int
     amax: torch.Tensor  # a held weight's amax (`_NO_AMAX` otherwise), and its version then
@@ -138,7 +140,7 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     quantizers = layer._modules
     weight_quantizer, input_quantizer, output_quantizer = (quantizers.get(name) for name in
                                                            ("weight_quantizer", "input_quantizer", "output_quantizer"))
-    key = (weight, tensor_version(weight), QUANTIZER_CHANGES.value)
+    key = (weakref.ref(weight), tensor_version(weight), QUANTIZER_CHANGES.value)
     checks_each_call = LinearPlan(*key, _NO_AMAX, 0, _NO_BUFFERS, (), False, None, None)
     if isinstance(weight_quantizer, PackedWeightMixin) or not all(q is None or isinstance(q, TracksQuantizerChanges)
                for q in (weight_quantizer, input_quantizer, output_quantizer)):
@@ -171,7 +173,7 @@ def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     layer of every forward."""
     weight = self._parameters["weight"]
     plan = self.__dict__.get("_qarl_plan")
-    if (plan is None or plan.weight is not weight or plan.version != tensor_version(weight)
+    if (plan is None or plan.weight() is not weight or plan.version != tensor_version(weight)
             or plan.changes != QUANTIZER_CHANGES.value or tensor_version(plan.amax) != plan.amax_version
             or plan.buffers.get(AMAX_BUFFER) is not plan.amax or any(plan.hooks)):
         plan = self.__dict__["_qarl_plan"] = plan_linear(self, weight)
