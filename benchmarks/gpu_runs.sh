@@ -47,9 +47,9 @@
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   moe_qlora qlora QA-GRPO NVFP4 W4A16 of a Qwen3-30B-A3B shape (32 of its 48 layers, 128 experts, ~20.5B), its
 #             experts packed on the policy, 2 steps of 32 x 512 tokens (making the model takes a call of its own)
-#   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py; the device memory packing leaves cached,
-#             benchmarks/gpu_pack_memory.py), qlora adapters through vLLM's LoRA with CUDA
-#             graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
+#   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py; test_memory.py: the driver-view peak; the
+#             device memory packing leaves cached, benchmarks/gpu_pack_memory.py), qlora adapters through vLLM's LoRA with
+#             CUDA graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
 #             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
@@ -368,7 +368,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       policy.gradient_checkpointing=on policy.generation.gpu_memory_utilization=0.7 "$@"
     ;;
   qlora)  # the packed base on the GPU's kernels, vLLM's LoRA under CUDA graphs, and qlora parity on the 0.5B model
-    python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py 2>&1 | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_packed.py tests/unit/test_memory.py 2>&1 | tail -3
     python3 benchmarks/gpu_pack_memory.py 2>&1 | grep -E "GiB ->|Error"
     python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_lora.py tests/integration/test_gpu_packed_base.py \
       2>&1 | grep -E "mean|passed|failed|Error" | tail -6

@@ -134,7 +134,8 @@ def report(run_dir: Path) -> dict[str, float]:
            "train_tokens_per_s": med("perf/train_tokens_per_s"), "completion_mean_length": med("completion/mean_length")}
     out["train_mfu"] = 6 * params * out["train_tokens_per_s"] / H100_BF16_DENSE_FLOPS
     for key in ("memory/update_peak_gib", "memory/planned_update_gib", "perf/torch_peak_update_gib",
-                "perf/gpu_mem_after_rollout_gib", "perf/gpu_mem_after_update_gib", "mismatch/kl"):
+                "memory/device_peak_rollout_gib", "memory/device_peak_update_gib", "perf/gpu_mem_after_rollout_gib",
+                "perf/gpu_mem_after_update_gib", "mismatch/kl"):
         if any(key in r for r in steady):
             out[key] = max(r[key] for r in steady if key in r) if "gib" in key else med(key)
     return out

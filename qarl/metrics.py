@@ -129,11 +129,69 @@ def device_memory_line() -> str:
             "reserved")
 
 
-def device_memory_gib(phase: str, released: int = 0) -> dict[str, float]:
-    """GPU memory of a phase of the step ("rollout", "update"): in use on the whole device at its end (the driver's
-    view: every allocator, vLLM's pool included), the peak of torch's allocator during the phase, and that peak less
-    `released`, the memory the sleeping engine gave back to the device but torch's allocator still counts as
-    allocated (vLLM's pool): what the phase really used at its peak. Nothing on CPU."""
+class DriverPeak:
+    """The most device memory in use from the driver's view (NVML, what nvidia-smi shows: every allocator and
+    process, vLLM's pool and the CUDA contexts included), sampled on a thread every `interval` seconds: torch's
+    counters miss what is not torch's, and the driver's view at a phase's end misses the phase's peak. `read` gives
+    the bytes in use; None: the current GPU's through NVML, and nothing at all without a GPU or NVML."""
+
+    def __init__(self, read: Callable[[], int] | None = None, interval: float = 0.02):
+        import threading
+
+        self._read = read if read is not None else _nvml_used_bytes()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if self._read is not None:
+            self._peak = self._read()
+            self._thread = threading.Thread(target=self._sample, args=(interval,), name="qarl-driver-peak", daemon=True)
+            self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            used = self._read()
+            with self._lock:
+                self._peak = max(self._peak, used)
+
+    def take(self) -> int | None:
+        """The peak since the last `take` (or the start), in bytes; the next period starts now. None: not measured."""
+        if self._read is None:
+            return None
+        used = self._read()
+        with self._lock:
+            peak, self._peak = max(self._peak, used), used
+        return peak
+
+    def __enter__(self) -> DriverPeak:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _nvml_used_bytes() -> Callable[[], int] | None:
+    """The current GPU's memory in use as NVML reports it, or None (no GPU, or no NVML: the `nvidia-ml-py` package
+    vLLM installs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    try:
+        torch.cuda.device_memory_used(device)
+    except (ImportError, ModuleNotFoundError, RuntimeError):
+        return None
+    return lambda: torch.cuda.device_memory_used(device)
+
+
+def device_memory_gib(phase: str, released: int = 0, driver_peak: DriverPeak | None = None) -> dict[str, float]:
+    """GPU memory of a phase of the step ("rollout": from the last update's end through the refit, any evaluation
+    and the rollout; "update"): in use on the whole device at its end and, with `driver_peak`, at its peak (the
+    driver's view: every allocator, vLLM's pool included), the peak of torch's allocator during the phase, and that
+    peak less `released`, the memory the sleeping engine gave back to the device but torch's allocator still counts
+    as allocated (vLLM's pool): what the phase really used at its peak. Nothing on CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -141,8 +199,10 @@ def device_memory_gib(phase: str, released: int = 0) -> dict[str, float]:
     free, total = torch.cuda.mem_get_info()
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    driver = driver_peak.take() if driver_peak is not None else None
     return {f"perf/gpu_mem_after_{phase}_gib": (total - free) / 2**30, f"perf/torch_peak_{phase}_gib": peak / 2**30,
-            f"memory/{phase}_peak_gib": (peak - released) / 2**30}
+            f"memory/{phase}_peak_gib": (peak - released) / 2**30,
+            **({f"memory/device_peak_{phase}_gib": driver / 2**30} if driver is not None else {})}
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:

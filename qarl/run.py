@@ -34,8 +34,8 @@ from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, en
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
-from qarl.metrics import (MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes, progress_bar,
-                          report_run, weight_memory)
+from qarl.metrics import (DriverPeak, MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes,
+                          progress_bar, report_run, weight_memory)
 from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
@@ -322,40 +322,43 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     bar = progress_bar(range(run.start_step, t.steps), steps.label)
     progress = ProgressFigures()
-    for step in bar:
-        step_start = time.perf_counter()
-        row: dict[str, float | int | None] = {"step": step, **step_state, **((first_row or {}) if step == 0 else {})}
-        if cfg.eval.every and step % cfg.eval.every == 0:
-            row.update(steps.evaluate())
+    with DriverPeak() as driver_peak:
+        for step in bar:
+            step_start = time.perf_counter()
+            row: dict[str, float | int | None] = {"step": step, **step_state,
+                                                  **((first_row or {}) if step == 0 else {})}
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                row.update(steps.evaluate())
 
-        problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
-        batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
-        judged = steps.judge(batch)
+            problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
+            batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
+            judged = steps.judge(batch)
 
-        rollout_memory = device_memory_gib("rollout")
-        train_start = time.perf_counter()
-        free = free_device_bytes()
-        engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
-        released = free_device_bytes() - free
-        update = update_or_name_the_knob(steps, step, batch, run.memory)
-        memory = {**rollout_memory, **device_memory_gib("update", released),
-                  "memory/planned_update_gib": run.memory.update / GiB,
-                  **weight_memory(policy.model, run.optimizer, engine.model)}
-        engine.wake()
-        refit_start = time.perf_counter()
-        step_state = policy.prepare_step(step + 1)
-        refit = engine.refit(policy.rollout_model())
-        done = time.perf_counter()
+            rollout_memory = device_memory_gib("rollout", driver_peak=driver_peak)
+            train_start = time.perf_counter()
+            free = free_device_bytes()
+            engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
+            released = free_device_bytes() - free
+            update = update_or_name_the_knob(steps, step, batch, run.memory)
+            memory = {**rollout_memory, **device_memory_gib("update", released, driver_peak),
+                      "memory/planned_update_gib": run.memory.update / GiB,
+                      **weight_memory(policy.model, run.optimizer, engine.model)}
+            engine.wake()
+            refit_start = time.perf_counter()
+            step_state = policy.prepare_step(step + 1)
+            refit = engine.refit(policy.rollout_model())
+            done = time.perf_counter()
 
-        row.update({**judged, **update, **memory, **rollout_and_timing_metrics(
-            batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
-            "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0) / max(refit_start - train_start, 1e-9)})
-        metrics.write(row)
-        bar.set_postfix_str(progress.update(row))
-        guard(update.get("train/nonfinite", 0) > 0, step)
-        if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
-            save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
-                            keep=cfg.checkpoint.keep)
+            row.update({**judged, **update, **memory, **rollout_and_timing_metrics(
+                batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
+                "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0)
+                / max(refit_start - train_start, 1e-9)})
+            metrics.write(row)
+            bar.set_postfix_str(progress.update(row))
+            guard(update.get("train/nonfinite", 0) > 0, step)
+            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
+                save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
+                                keep=cfg.checkpoint.keep)
 
     if cfg.eval.every:
         metrics.write({"step": t.steps, **steps.evaluate()})

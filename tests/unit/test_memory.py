@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
+import torch
 
 from qarl.config import ConfigError, PolicyConfig, RecipeConfig, load_recipe
 from qarl.memory import GiB, FrozenModel, ModelShape, plan, plan_memory
+from qarl.metrics import DriverPeak
 
 # Qwen3-1.7B's shape (parameters counted with tied embeddings)
 QWEN3_1P7B = ModelShape(params=1_720_574_976, layers=28, hidden=2048, intermediate=6144, vocab=151_936,
@@ -94,3 +97,39 @@ def test_weight_memory_counts_each_side_once_per_storage(task, tiny_dir):
     after = weight_memory(policy.model, optimizer, policy.model)  # any module stands for the engine's
     assert after["memory/optimizer_bytes"] >= 3 * 4 * params  # + AdamW's two fp32 moments
     assert after["memory/engine_weight_bytes"] >= 2 * params
+
+
+def test_the_driver_peak_is_the_most_in_use_between_takes_not_the_level_at_the_end():
+    level, returned = [100], []
+
+    def read() -> int:
+        returned.append(level[0])
+        return level[0]
+
+    def set_and_sample(value: int) -> None:  # two reads of `value` by the thread: its peak holds the first
+        start, level[0] = len(returned), value
+        deadline = time.monotonic() + 10
+        while returned[start:].count(value) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    with DriverPeak(read, interval=0.001) as peak:
+        set_and_sample(900)  # a phase's peak...
+        set_and_sample(200)  # ...gone by its end
+        assert peak.take() == 900
+        set_and_sample(200)
+        assert peak.take() == 200  # a new period: the earlier peak is not carried over
+    if not torch.cuda.is_available():
+        with DriverPeak() as unmeasured:  # no GPU: no figure (and no metric), not a zero
+            assert unmeasured.take() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVML's view of a GPU")
+def test_the_driver_peak_sees_memory_torch_gave_back_before_the_phase_ended():
+    with DriverPeak() as peak:
+        base = peak.take()
+        block = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        time.sleep(0.2)
+        del block
+        torch.cuda.empty_cache()
+        assert peak.take() >= base + 2**30 * 0.9
