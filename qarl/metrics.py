@@ -181,7 +181,8 @@ def _nvml_used_bytes() -> Callable[[], int] | None:
     device = torch.cuda.current_device()
     try:
         torch.cuda.device_memory_used(device)
-    except (ImportError, ModuleNotFoundError, RuntimeError):
+    except Exception as e:  # no NVML here (a container without it): the runs go on without this figure, said once
+        print(f"memory/device_peak_*: not measured, NVML cannot read device {device} ({type(e).__name__}: {e})")
         return None
     return lambda: torch.cuda.device_memory_used(device)
 
