@@ -56,11 +56,27 @@
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
+#   background STAGE ARGS...  run that stage in a process session of its own, writing to OUT_DIR: on the device tool's
+#             machine such a process outlives the call that started it (while the machine is held), for runs longer
+#             than one call; `collect OUT_DIR SECONDS` waits that long at most for it to end and shows its log
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
 out="${2:-${OUT:-benchmarks/results/gpu}}"
 mkdir -p "$out"
+case "$stage" in
+  background)
+    setsid nohup bash "$0" "$3" "$out" "${@:4}" > "$out/background.log" 2>&1 < /dev/null &
+    echo $! > "$out/background.pid"
+    echo "started: bash $0 $3 $out ${*:4} (pid $!, log $out/background.log)"
+    exit 0 ;;
+  collect)
+    pid="$(cat "$out/background.pid")"
+    for _ in $(seq "${3:-0}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -0 "$pid" 2>/dev/null && echo "still running (pid $pid)" || echo "done"
+    grep -v -E 'it/s\]|s/it\]' "$out/background.log" | tail -20
+    exit 0 ;;
+esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 qarl() { python3 -m qarl.cli "$@"; }
 keep() { # keep a run's metrics and plot
