@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,6 @@ class DriverPeak:
     the bytes in use; None: the current GPU's through NVML, and nothing at all without a GPU or NVML."""
 
     def __init__(self, read: Callable[[], int] | None = None, interval: float = 0.02):
-        import threading
-
         self._read = read if read is not None else _nvml_used_bytes()
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -13,6 +13,7 @@ from qarl.config import ConfigError, GenerationConfig, LoraConfig, PolicyConfig
 from qarl.generation import engine_adapter_rank, engine_mode, training_engine_rank
 from qarl.generation.vllm_engine import runs_eager
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
+from qarl.models.resolve import resolve_model_dir
 from qarl.quant import resolve_format
 from qarl.quant.ops import FP8, NVFP4, InputQuant, fake_quant_input, input_quant_plan
 
@@ -110,8 +111,6 @@ def test_engine_modes_and_their_refusals():
 
 
 def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewhere(tiny_dir):
-    from qarl.models.resolve import resolve_model_dir
-
     def hooks(cfg: PolicyConfig, quantized_inputs: bool, model_dir: str = tiny_dir) -> str | None:
         """Why the engine of a run of `cfg` adds adapters by hooks (`engine_mode`, as the run's settings check asks)."""
         fmt = resolve_format("nvfp4_w4a4" if quantized_inputs else "nvfp4_a16")
