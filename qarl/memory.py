@@ -5,8 +5,8 @@ that fits; `policy.gradient_checkpointing: auto` is decided here.
 The update's peak is the larger of two moments (the HF backend, one device):
   * forward + backward of one micro-batch: compute weights, masters, AdamW's moments, the gradients accumulating in
     the compute dtype, the activations autograd keeps, and one chunk of the vocabulary (qarl/scoring.py);
-  * the optimizer step: the gradients in the master dtype and one temporary of the masters' size (AdamW's
-    multi-tensor step).
+  * the optimizer step: the gradients in the master dtype and AdamW's temporaries for one group of masters
+    (qarl/optim.py steps them in groups of `STEP_GROUP_BYTES`, a larger tensor alone).
 The engine sleeps during the update (colocated: its KV cache and, unless it shares them, its weights are released),
 so it counts during the rollout: the policy's resident state plus the engine's share of the device.
 
@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from qarl.config import ConfigError, RecipeConfig
 from qarl.generation import sleeps_between_rollouts
 from qarl.models.checks import load_pretrained, parameter_count
+from qarl.optim import STEP_GROUP_BYTES
 from qarl.quant.formats import QuantFormat, resolve_format
 
 GiB = 2**30
@@ -73,6 +74,12 @@ class ModelShape:
         expert's of a MoE model): what a frozen quantized model keeps packed."""
         mlp = 0 if self.experts else 3 * self.intermediate
         return self.layers * self.hidden * (self.attention_width + self.query_width + mlp) + self.expert_params
+
+    @property
+    def largest_tensor(self) -> int:
+        """The most elements one parameter has: the embedding or head, or (MoE) one layer's experts at most."""
+        return max(self.vocab * self.hidden, self.expert_params // self.layers if self.experts else 0,
+                   self.intermediate * self.hidden)
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the
@@ -174,7 +181,8 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
             resident["masters"] = shape.params * master
         resident["adamw"] = 2 * shape.params * master
         gradients = shape.params * compute
-        step = 2 * shape.params * master - gradients  # master-dtype gradients and one temporary, beyond `gradients`
+        step_group = min(shape.params, max(STEP_GROUP_BYTES // master, shape.largest_tensor))
+        step = (shape.params + step_group) * master - gradients  # master-dtype gradients, a group's temporaries
     if frozen is not None:
         resident[frozen.name] = weight_bytes(frozen.shape, frozen.dtype, frozen.packed_format)
     layer = shape.layer_activation_bytes(compute)

@@ -16,6 +16,11 @@ fp16 compute gets dynamic loss scaling (the loss is multiplied by a scale before
 gradients survive fp16; an overflow halves the scale and skips the step; 2000 clean steps double it).
 A step whose loss or gradient is not finite is skipped, not applied, and reported; `NonFiniteGuard`
 stops a run after `trainer.max_nonfinite_steps` of them in a row.
+
+AdamW's multi-tensor step allocates temporaries as large as all the tensors it steps at once (the masters' size, the
+update's peak at a real shape); `PolicyOptimizer` steps groups of about `STEP_GROUP_BYTES` one after another instead,
+freeing each group's gradients once it is stepped. A tensor's update is elementwise and its own, so this is the one
+step's result bit for bit (tests/unit/test_precision.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from qarl.config import ConfigError, TrainingDiverged
 from qarl.policy import Policy
 from qarl.quant.fastpath.weight_cache import copy_masters, weight_holders
+
+STEP_GROUP_BYTES = 2**30  # the masters AdamW steps at once (a larger tensor is a group of its own)
 
 
 @dataclass
@@ -72,6 +79,7 @@ class PolicyOptimizer:
         self.params = [p for _, p in named]
         self.masters = self.params if policy.master is None else [policy.master[n] for n, _ in named]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.step_groups = step_groups([m.numel() * m.element_size() for m in self.masters], STEP_GROUP_BYTES)
         self.max_grad_norm = max_grad_norm
         # fp16 compute needs loss scaling even when the trained tensors are fp32 (LoRA adapters): the
         # gradients pass through fp16 activations on their way back
@@ -115,7 +123,7 @@ class PolicyOptimizer:
         grad_finite = bool(torch.isfinite(norm).item())
         applied = loss_finite and grad_finite
         if applied:
-            self.optimizer.step()
+            self._step_in_groups()
             self._copy_masters()
         # an fp16 gradient that overflows only because of the loss scale is not a non-finite gradient
         overflow = self.scaler is not None and loss_finite and not grad_finite
@@ -125,6 +133,19 @@ class PolicyOptimizer:
         self.zero_grad()
         return StepResult(applied=applied, nonfinite=nonfinite, grad_norm=norm.item(),
                           loss_scale=self.scaler.scale if self.scaler else None)
+
+    def _step_in_groups(self) -> None:
+        """AdamW over one group of masters at a time (a tensor without a gradient is left alone by a step), each
+        group's gradients freed once stepped: the step's temporaries are a group's size, not the masters'."""
+        grads = [m.grad for m in self.masters]
+        for m in self.masters:
+            m.grad = None
+        for group in self.step_groups:
+            for i in group:
+                self.masters[i].grad = grads[i]
+            self.optimizer.step()
+            for i in group:
+                self.masters[i].grad = grads[i] = None
 
     def state_dict(self) -> dict:
         return {"adamw": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict() if self.scaler else None}
@@ -140,6 +161,19 @@ class PolicyOptimizer:
         self.optimizer.load_state_dict(state["adamw"])
         if self.scaler and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])
+
+
+def step_groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of tensors of these byte sizes, in groups of at most `limit` bytes (a larger tensor alone)."""
+    groups: list[list[int]] = []
+    total = limit
+    for i, size in enumerate(sizes):
+        if total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
 
 
 def step_metrics(results: list[StepResult]) -> dict[str, float]:

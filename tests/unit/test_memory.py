@@ -92,7 +92,7 @@ def test_weight_memory_counts_each_side_once_per_storage(task, tiny_dir):
     assert before["memory/policy_weight_bytes"] >= 2 * params  # bf16 compute weights (and the quantizers' buffers)
     assert before["memory/optimizer_bytes"] == 4 * params  # the fp32 masters; no moments before the first step
     assert before["memory/adapter_bytes"] == 0 and before["memory/engine_weight_bytes"] == 0
-    optimizer.backward(policy.model(torch.tensor([[5, 6, 7]])).logits.float().sum())
+    optimizer.backward(policy.model(torch.tensor([[5, 6, 7]], device=policy.device)).logits.float().sum())
     optimizer.step()
     after = weight_memory(policy.model, optimizer, policy.model)  # any module stands for the engine's
     assert after["memory/optimizer_bytes"] >= 3 * 4 * params  # + AdamW's two fp32 moments

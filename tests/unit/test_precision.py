@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qarl.config import GenerationConfig, PolicyConfig, TrainingDiverged
-from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult
+from qarl.optim import LossScaler, NonFiniteGuard, PolicyOptimizer, StepResult, step_groups
 from qarl.policy import build_policy
 from tests.conftest import answer_loss, tiny_policy
 
@@ -35,6 +35,27 @@ def test_a_planted_nan_loss_is_skipped_and_the_next_step_applies(task, tiny_dir,
             break
     assert result.applied and result.grad_norm > 0
     assert not all(torch.equal(before[n], m) for n, m in policy.master.items())
+
+
+def test_stepping_the_masters_in_groups_is_the_one_step_bit_for_bit(task, tiny_dir):
+    """AdamW's multi-tensor temporaries are bounded by stepping groups of masters one after another; each tensor's
+    update is its own, so one tensor a group ends where one group of all of them does: masters, moments, weights."""
+    assert step_groups([5, 5, 20, 1, 1, 9], 10) == [[0, 1], [2], [3, 4], [5]]
+    ends = []
+    for grouped in (False, True):
+        policy = _policy(task, tiny_dir, "bfloat16")
+        optimizer = PolicyOptimizer(policy, 1e-2, 0.1, 0.5)  # clipping and weight decay on
+        optimizer.step_groups = ([[i] for i in range(len(optimizer.masters))] if grouped
+                                 else [list(range(len(optimizer.masters)))])
+        for _ in range(3):
+            optimizer.backward(answer_loss(policy, task))
+            assert optimizer.step().applied
+        state = optimizer.optimizer.state
+        ends.append(([m.clone() for m in optimizer.masters], [p.detach().clone() for p in policy.model.parameters()],
+                     [state[m][k].clone() for m in optimizer.masters for k in ("exp_avg", "exp_avg_sq", "step")]))
+    assert len(ends[1][0]) > 10
+    for one, grouped in zip(*ends):
+        assert all(torch.equal(a, b) for a, b in zip(one, grouped))
 
 
 def test_fp16_overflow_lowers_the_loss_scale_without_counting_as_nonfinite(task, tiny_dir):
