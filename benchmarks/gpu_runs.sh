@@ -56,6 +56,10 @@
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
+#   queue 'ENTRY' 'ENTRY'...  the stages of these entries one after another, each "[VAR=value ...] STAGE [ARGS...]"
+#             (e.g. 'SHAPE=qwen3-8b TAG=_x user_shape nvfp4_a16 trainer.steps=2'), the time before each logged and the
+#             checkpoints its runs wrote removed after it (the machine's disk is small); with `background`, one device
+#             session's whole plan in one job
 #   background STAGE ARGS...  run that stage in a process session of its own, writing to OUT_DIR: on the device tool's
 #             machine such a process outlives the call that started it (while the machine is held), for runs longer
 #             than one call; `collect OUT_DIR SECONDS` waits that long at most for it to end and shows its log
@@ -69,6 +73,17 @@ case "$stage" in
     setsid nohup bash "$0" "$3" "$out" "${@:4}" > "$out/background.log" 2>&1 < /dev/null &
     echo $! > "$out/background.pid"
     echo "started: bash $0 $3 $out ${*:4} (pid $!, log $out/background.log)"
+    exit 0 ;;
+  queue)
+    marker="$out/queue.started"; touch "$marker"
+    for entry in "${@:3}"; do
+      read -ra words <<< "$entry"
+      vars=(); while [[ ${words[0]:-} == *=* ]]; do vars+=("${words[0]}"); words=("${words[@]:1}"); done
+      echo "== $(date -u +%H:%M:%S) ${entry}"
+      env "${vars[@]}" bash "$0" "${words[0]}" "$out" "${words[@]:1}"
+      find runs -mindepth 2 -maxdepth 2 -name checkpoints -newer "$marker" -exec rm -rf {} + 2>/dev/null
+    done
+    echo "== $(date -u +%H:%M:%S) queue done"
     exit 0 ;;
   collect)
     pid="$(cat "$out/background.pid")"

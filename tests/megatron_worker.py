@@ -1,7 +1,9 @@
 """One torch.distributed process of a Megatron-backend test (run by torchrun from tests/integration/test_megatron.py):
 for each format, build the Megatron model from a Hugging Face directory at the given TP, quantize and
 calibrate it, and write from rank 0 what the test compares with the HF backend: logits, folded weights,
-gradients of a log-likelihood loss and quantizer state by Hugging Face name (`<out>/<format>.safetensors`)."""
+gradients of a log-likelihood loss and quantizer state by Hugging Face name (`<out>/<format>.safetensors`). Several
+comma-separated model directories run one after another in the same processes, each written to `<out>/<its name>/`
+(starting torchrun and its imports is most of a small run's time)."""
 
 import argparse
 from pathlib import Path
@@ -76,9 +78,20 @@ def main() -> None:
     parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
+    model_dirs = args.model_dir.split(",")
+    for model_dir in model_dirs:
+        out = Path(args.out) / Path(model_dir).name if len(model_dirs) > 1 else Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if run_model(model_dir, out, args, ids) == "refitted":
+            return
+    dist.barrier()
+
+
+def run_model(model_dir: str, out: Path, args: argparse.Namespace, ids: torch.Tensor) -> str:
+    """Every format of one model: what the test compares, written to `out`; "refitted" once an engine has run."""
     for name in args.formats.split(","):
         fmt = resolve_format(name)
-        built = build_megatron_model(args.model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"),
+        built = build_megatron_model(model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"),
                                      fmt=fmt, calibration=lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
         if fmt is not None and args.state_from:
             saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
@@ -87,8 +100,7 @@ def main() -> None:
         for _ in range(args.train_steps):
             train_step(built, optimizer, ids)
         if args.save:
-            built.save_policy(Path(args.out) / f"{Path(name).stem}_checkpoint", fmt,
-                              AutoTokenizer.from_pretrained(args.model_dir))
+            built.save_policy(out / f"{Path(name).stem}_checkpoint", fmt, AutoTokenizer.from_pretrained(model_dir))
         built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)
         # a real loss through the fake-quantized forward: straight-through gradients reach every weight
@@ -106,11 +118,11 @@ def main() -> None:
         tensors.update({f"amax/{k}": v for k, v in built.quantizer_state().items()})
         if dist.get_rank() == 0:
             save_file({"logits": logits.detach().float().contiguous(), "ids": ids, **tensors},
-                      str(Path(args.out) / f"{Path(name).stem}.safetensors"))
+                      str(out / f"{Path(name).stem}.safetensors"))
         if args.refit:  # last, in a world of one: the engine's shutdown destroys torch.distributed's default group
-            refit_both(built, args.model_dir, fmt, ids, Path(args.out) / f"{Path(name).stem}_refit.safetensors")
-            return
-    dist.barrier()
+            refit_both(built, model_dir, fmt, ids, out / f"{Path(name).stem}_refit.safetensors")
+            return "refitted"
+    return "done"
 
 
 if __name__ == "__main__":

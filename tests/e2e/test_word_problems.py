@@ -16,7 +16,7 @@ from tests.loops import GRPO
 STYLES = {"gsm8k": ("question", "answer", "gsm8k", 100), "math": ("problem", "solution", "boxed_math", 0)}
 
 
-@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("style", ["gsm8k", pytest.param("math", marks=pytest.mark.slow)])  # the boxed reward: test_rewards.py
 def test_a_chat_formatted_word_problem_run_trains_with_its_reward(tmp_path, style):
     files = write_word_problems(tmp_path / "data", num_train=200, num_eval=8)
     prompt, answer, reward, eval_every = STYLES[style]

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options: str,
                 processes: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """tests/megatron_worker.py under torchrun (`processes`, default tp; gloo) with `options`; {format: what
-    rank 0 wrote}. More processes than TP are data-parallel ranks."""
+    rank 0 wrote}. More processes than TP are data-parallel ranks. `model_dir`: several comma-separated ones run
+    in the same processes, each written to `out/<its name>/` (read with `worker_outputs`)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes or tp),
@@ -33,6 +34,10 @@ def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options
                "--formats", ",".join(formats), *options]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    return {} if "," in model_dir else worker_outputs(out, formats)
+
+
+def worker_outputs(out: Path, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     return {f: load_file(str(out / f"{Path(f).stem}.safetensors")) for f in formats}
 
 
@@ -112,11 +117,19 @@ def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
             assert (grad - grads_two[name]).norm() <= 0.1 * grad.norm(), name
 
 
+@pytest.fixture(scope="module")
+def other_family_runs(families, tmp_path_factory) -> Path:
+    """Llama's and Qwen3's TP=2 runs, both in one torchrun."""
+    out = tmp_path_factory.mktemp("other_families")
+    run_workers(f"{families['llama']},{families['qwen3']}", out, 2, ["none", FORMATS[0]])
+    return out
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_megatron_other_families(families, tmp_path, family):
+def test_megatron_other_families(families, other_family_runs, family):
     """Llama (untied output layer, no biases) and Qwen3 (q/k norms, head_dim 32 with hidden 64 / 4 heads)
     build, load and compute the HF backend's logits and gradients, NVFP4 W4A16 folded weights included, at TP=2."""
-    runs = run_workers(families[family], tmp_path, 2, ["none", FORMATS[0]])
+    runs = worker_outputs(other_family_runs / Path(families[family]).name, ["none", FORMATS[0]])
     for fmt, run in runs.items():
         hf = hf_backend(families[family], fmt, run["ids"])
         assert (run["logits"] - hf["logits"]).abs().max().item() < 1e-5
