@@ -22,7 +22,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
     "_apply", "_load_from_state_dict",
-    "_destroy", "_dynamo",
+    "_destroy", "_dynamo", "_bytecode_hooks",
 })
 
 TESTED_TORCH = ((2, 11), (2, 13))  # the oldest and newest torch (major, minor) these internals were checked on
@@ -101,3 +101,20 @@ def reset_dynamo() -> None:
     """`torch._dynamo.reset()`: drop compiled code, which keeps guards on modules that are gone (a closed engine's).
     Checked: torch 2.11 (GPU) with vllm 0.26.0."""
     torch._dynamo.reset()
+
+
+def drop_bytecode_hooks(model: torch.nn.Module) -> int:
+    """Remove the bytecode hooks of torch.compile (`torch._dynamo.convert_frame._bytecode_hooks`, a global registry)
+    that are methods of `model`'s modules; returns how many. vLLM registers one when it builds a compiled model and
+    removes it at shutdown through the one handle it keeps; a model class that subclasses a compiled class and is
+    compiled itself (vLLM 0.26 and 0.32: MistralModel(LlamaModel), Qwen3Model(Qwen2Model)) registers two, and the
+    one left keeps the closed engine's model alive, its weights and KV cache with it: the next engine in the process
+    cannot start. Checked: torch 2.13 (CPU, tests/unit/test_torch_compat.py); the GPU test of a Mistral engine's restart
+    (tests/integration/test_gpu_graphs.py) is for torch 2.11 with vllm 0.26.0."""
+    from torch._dynamo import convert_frame
+
+    owned = {id(module) for module in model.modules()}
+    stale = [key for key, hook in convert_frame._bytecode_hooks.items() if id(getattr(hook, "__self__", None)) in owned]
+    for key in stale:
+        del convert_frame._bytecode_hooks[key]
+    return len(stale)

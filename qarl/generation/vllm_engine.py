@@ -53,7 +53,7 @@ from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
 from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, input_quant_plan, input_spec,
                             is_expert_input)
-from qarl.torch_compat import reset_dynamo, tensor_version
+from qarl.torch_compat import drop_bytecode_hooks, reset_dynamo, tensor_version
 
 
 @dataclass
@@ -273,6 +273,8 @@ class VLLMEngine:
             self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
         self.adapters.close()
         vllm_compat.shutdown_engine(self.llm)
+        if not self.eager:  # a compiled model can leave a bytecode hook behind that would keep it alive
+            drop_bytecode_hooks(self.model)
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
@@ -280,6 +282,7 @@ class VLLMEngine:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
             vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
             vllm_compat.allow_graph_capture()  # and may capture its own, whichever model runner it gets
+        gc.collect()  # the engine; vLLM's finalizer of it drops its last hold on the model, collected on a second pass
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

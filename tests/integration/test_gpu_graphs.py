@@ -4,6 +4,8 @@ Needs CUDA; skipped without it."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -91,3 +93,22 @@ def test_a_colocated_graph_engine_restarts_for_a_new_format(tiny_dir, make_polic
     engine.refit(plain.model)
     assert engine.generate(prompt, greedy=True)[0].token_ids == first
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_a_graph_engine_of_a_model_class_compiled_twice_restarts(family):
+    """vLLM compiles MistralModel (a LlamaModel) and Qwen3Model (a Qwen2Model) twice over: two bytecode hooks, one
+    removed at its shutdown. The engine drops the other; left, it keeps the closed model alive, and the next engine
+    (sleep mode: one at a time in a process) cannot start."""
+    from qarl.generation import VLLMEngine
+    from qarl.models.resolve import resolve_model_dir
+
+    model_dir = resolve_model_dir(f"embedded:tiny-{family}")
+    for _ in range(2):
+        engine = VLLMEngine(model_dir, GenerationConfig(max_new_tokens=8, gpu_memory_utilization=0.2), "float32", 0)
+        assert engine.sleeps and not engine.eager
+        assert engine.generate([[5, 6, 7, 8]], greedy=True)[0].token_ids
+        closed = weakref.ref(engine.model)
+        engine.close()
+        assert closed() is None
+
