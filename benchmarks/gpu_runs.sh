@@ -57,9 +57,10 @@
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
 #   queue 'ENTRY' 'ENTRY'...  the stages of these entries one after another, each "[VAR=value ...] STAGE [ARGS...]"
-#             (e.g. 'SHAPE=qwen3-8b TAG=_x user_shape nvfp4_a16 trainer.steps=2'), the time before each logged and the
-#             checkpoints its runs wrote removed after it (the machine's disk is small); with `background`, one device
-#             session's whole plan in one job
+#             (e.g. 'SHAPE=qwen3-8b TAG=_x user_shape nvfp4_a16 trainer.steps=2'; words split on spaces, no quoting), the
+#             time and exit status of each logged; CLEAN=1 in an entry removes the checkpoints written while it ran (the
+#             machine's disk is small; later stages that read a run's checkpoints, e.g. export, need them kept); with
+#             `background`, one device session's whole plan in one job
 #   background STAGE ARGS...  run that stage in a process session of its own, writing to OUT_DIR: on the device tool's
 #             machine such a process outlives the call that started it (while the machine is held), for runs longer
 #             than one call; `collect OUT_DIR SECONDS` waits that long at most for it to end and shows its log
@@ -75,13 +76,20 @@ case "$stage" in
     echo "started: bash $0 $3 $out ${*:4} (pid $!, log $out/background.log)"
     exit 0 ;;
   queue)
-    marker="$out/queue.started"; touch "$marker"
+    mkdir -p runs
     for entry in "${@:3}"; do
       read -ra words <<< "$entry"
-      vars=(); while [[ ${words[0]:-} == *=* ]]; do vars+=("${words[0]}"); words=("${words[@]:1}"); done
+      vars=(); clean=0
+      while [[ ${words[0]:-} == *=* ]]; do
+        if [ "${words[0]}" = CLEAN=1 ]; then clean=1; else vars+=("${words[0]}"); fi
+        words=("${words[@]:1}")
+      done
+      marker="$(mktemp runs/.queue.XXXXXX)"
       echo "== $(date -u +%H:%M:%S) ${entry}"
       env "${vars[@]}" bash "$0" "${words[0]}" "$out" "${words[@]:1}"
-      find runs -mindepth 2 -maxdepth 2 -name checkpoints -newer "$marker" -exec rm -rf {} + 2>/dev/null
+      echo "== exit $? (${words[0]})"
+      [ "$clean" = 1 ] && find runs -mindepth 2 -maxdepth 2 -name checkpoints -newer "$marker" -exec rm -rf {} +
+      rm -f "$marker"
     done
     echo "== $(date -u +%H:%M:%S) queue done"
     exit 0 ;;

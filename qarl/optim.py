@@ -19,8 +19,9 @@ stops a run after `trainer.max_nonfinite_steps` of them in a row.
 
 AdamW's multi-tensor step allocates temporaries as large as all the tensors it steps at once (the masters' size, the
 update's peak at a real shape); `PolicyOptimizer` steps groups of about `STEP_GROUP_BYTES` one after another instead,
-freeing each group's gradients once it is stepped. A tensor's update is elementwise and its own, so this is the one
-step's result bit for bit (tests/unit/test_precision.py).
+freeing each group's gradients once it is stepped. A tensor's update is elementwise and its own (the masters are
+tensors of one kind on one device, so every group takes the same AdamW implementation), so this is the one step's
+result bit for bit (tests/unit/test_precision.py).
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ class PolicyOptimizer:
 
     def _step_in_groups(self) -> None:
         """AdamW over one group of masters at a time (a tensor without a gradient is left alone by a step), each
-        group's gradients freed once stepped: the step's temporaries are a group's size, not the masters'."""
+        group's gradients freed once stepped: the step's temporaries are a group's size, not the masters'. An error
+        midway (out of memory) leaves the step partly applied in memory; it stops the run, whose checkpoints on disk
+        are whole."""
         grads = [m.grad for m in self.masters]
         for m in self.masters:
             m.grad = None
@@ -166,9 +169,9 @@ class PolicyOptimizer:
 def step_groups(sizes: list[int], limit: int) -> list[list[int]]:
     """Consecutive indices of tensors of these byte sizes, in groups of at most `limit` bytes (a larger tensor alone)."""
     groups: list[list[int]] = []
-    total = limit
+    total = 0
     for i, size in enumerate(sizes):
-        if total + size > limit:
+        if not groups or total + size > limit:
             groups.append([])
             total = 0
         groups[-1].append(i)

@@ -79,6 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
     model_dirs = args.model_dir.split(",")
+    if len(model_dirs) > 1 and (args.refit or args.state_from):
+        parser.error("--refit and --state-from take one model directory")
     for model_dir in model_dirs:
         out = Path(args.out) / Path(model_dir).name if len(model_dirs) > 1 else Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

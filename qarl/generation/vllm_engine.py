@@ -233,7 +233,7 @@ class VLLMEngine:
         runner = vllm_compat.worker_runner(self._worker)
         self.model: nn.Module = vllm_compat.runner_model(runner)
         if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
-            vllm_compat.shutdown_engine(self.llm)
+            self._shut_down_vllm()
             self.llm = self.model = None
             raise NotImplementedError(
                 f"vLLM computes these MoE layers with a backend that lays their expert weights out for its kernels "
@@ -272,9 +272,7 @@ class VLLMEngine:
         if self._shared is not None:
             self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
         self.adapters.close()
-        vllm_compat.shutdown_engine(self.llm)
-        if not self.eager:  # a compiled model can leave a bytecode hook behind that would keep it alive
-            drop_bytecode_hooks(self.model)
+        self._shut_down_vllm()
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
         self._held_from, self._held = None, {}
@@ -286,6 +284,11 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _shut_down_vllm(self) -> None:
+        vllm_compat.shutdown_engine(self.llm)
+        if not self.eager:  # a compiled model can leave a bytecode hook behind that would keep it alive
+            drop_bytecode_hooks(self.model)
 
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:

@@ -41,6 +41,7 @@ def test_stepping_the_masters_in_groups_is_the_one_step_bit_for_bit(task, tiny_d
     """AdamW's multi-tensor temporaries are bounded by stepping groups of masters one after another; each tensor's
     update is its own, so one tensor a group ends where one group of all of them does: masters, moments, weights."""
     assert step_groups([5, 5, 20, 1, 1, 9], 10) == [[0, 1], [2], [3, 4], [5]]
+    assert step_groups([0, 3], 10) == [[0, 1]] and step_groups([], 10) == []
     ends = []
     for grouped in (False, True):
         policy = _policy(task, tiny_dir, "bfloat16")

@@ -26,14 +26,19 @@ class Compiled(torch.nn.Module):
 
 
 def test_a_model_whose_hook_registered_twice_is_collected_once_its_hooks_are_dropped():
-    other = Compiled(1)  # another model's hook stays
-    model = Compiled(2)
-    model.handle.remove()  # what vLLM's shutdown does: one handle, one hook
-    alive = weakref.ref(model)
-    del model
-    gc.collect()
-    assert alive() is not None  # the hook left in torch's registry holds the model
-    assert drop_bytecode_hooks(alive()) == 1
-    gc.collect()
-    assert alive() is None
-    assert drop_bytecode_hooks(other) == 1 and drop_bytecode_hooks(other) == 0
+    before = dict(convert_frame._bytecode_hooks)
+    try:
+        other = Compiled(1)  # another model's hook stays
+        model = Compiled(2)
+        model.handle.remove()  # what vLLM's shutdown does: one handle, one hook
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        assert alive() is not None  # the hook left in torch's registry holds the model
+        assert drop_bytecode_hooks(alive()) == 1
+        gc.collect()
+        assert alive() is None
+        assert drop_bytecode_hooks(other) == 1 and drop_bytecode_hooks(other) == 0
+    finally:  # torch's registry is global: leave it as it was
+        convert_frame._bytecode_hooks.clear()
+        convert_frame._bytecode_hooks.update(before)
