@@ -106,10 +106,11 @@ def reset_dynamo() -> None:
 def drop_bytecode_hooks(model: torch.nn.Module) -> int:
     """Remove the bytecode hooks of torch.compile (`torch._dynamo.convert_frame._bytecode_hooks`, a global registry)
     that are methods of `model`'s modules; returns how many. vLLM registers one when it builds a compiled model and
-    removes it at shutdown through the one handle it keeps; a model class that subclasses a compiled class and is
-    compiled itself (vLLM 0.26 and 0.32: MistralModel(LlamaModel), Qwen3Model(Qwen2Model)) registers two, and the
-    one left keeps the closed engine's model alive, its weights and KV cache with it: the next engine in the process
-    cannot start. Checked: torch 2.13 (CPU, tests/unit/test_torch_compat.py); the GPU test of a Mistral engine's restart
+    removes it, through the one handle it keeps, when the engine is collected; a model class that subclasses a
+    compiled class and is compiled itself (vLLM 0.26 and 0.32: MistralModel(LlamaModel), Qwen3Model(Qwen2Model))
+    registers two, and the one left keeps the closed engine's decoder alive, its weights and KV cache with it: the
+    next engine in the process cannot start. Checked: torch 2.13 with vllm 0.32.0 (CPU: tests/unit/test_torch_compat.py, and with vLLM's compilation
+    on, tests/integration/test_compiled_engine_release.py, `-m slow`); the GPU test of the restart
     (tests/integration/test_gpu_graphs.py) is for torch 2.11 with vllm 0.26.0."""
     from torch._dynamo import convert_frame
 
