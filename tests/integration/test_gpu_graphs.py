@@ -97,8 +97,8 @@ def test_a_colocated_graph_engine_restarts_for_a_new_format(tiny_dir, make_polic
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])
 def test_a_graph_engine_of_a_model_class_compiled_twice_restarts(family):
-    """vLLM compiles MistralModel (a LlamaModel) and Qwen3Model (a Qwen2Model) twice over: two bytecode hooks, one
-    removed at its shutdown. The engine drops the other; left, it keeps the closed model alive, and the next engine
+    """vLLM compiles MistralModel (a LlamaModel) and Qwen3Model (a Qwen2Model) twice over: two bytecode hooks, vLLM
+    removing one (when the engine is collected). The engine drops both; left, it keeps the closed model alive, and the next engine
     (sleep mode: one at a time in a process) cannot start."""
     from qarl.generation import VLLMEngine
     from qarl.models.resolve import resolve_model_dir

@@ -30,7 +30,7 @@ def test_a_model_whose_hook_registered_twice_is_collected_once_its_hooks_are_dro
     try:
         other = Compiled(1)  # another model's hook stays
         model = Compiled(2)
-        model.handle.remove()  # what vLLM's shutdown does: one handle, one hook
+        model.handle.remove()  # what vLLM does once the engine is collected: one handle, one hook
         alive = weakref.ref(model)
         del model
         gc.collect()
