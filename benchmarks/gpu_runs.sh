@@ -11,7 +11,9 @@
 #   qad       QAD NVFP4 W4A4 on the 0.5B model
 #   export    the QA-GRPO checkpoint exported (ModelOpt NVFP4, compressed-tensors NVFP4) and loaded by vLLM
 #   fp8       a short FP8 QA-GRPO run exported (ModelOpt FP8, compressed-tensors FP8) and loaded by vLLM
-#   graphs    GPU tests of the engine with CUDA graphs (refits reach the graphs; the input-quant op equals ModelOpt's)
+#   graphs [K]  GPU tests of the engine with CUDA graphs (refits reach the graphs; the input-quant op equals ModelOpt's;
+#             engines restart); K: a pytest -k expression picking some
+#   pytest ARGS  pytest with these arguments (some GPU tests: 'pytest tests/unit/test_memory.py')
 #   rollout   rollout tokens/s: plain vLLM against qarl's engine per format (benchmarks/gpu_rollout.py)
 #   parity_graphs  `qarl parity` bf16 with CUDA graphs and with enforce_eager, in one call
 #   e2e       step time of GRPO (unquantized) and QA-GRPO NVFP4 W4A16 on the 0.5B model, graphs; W4A16 eager
@@ -216,9 +218,9 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       echo "== $target"; grep -A4 '"vllm"\|qarl-decode' "$out/export_$target.json" | head -20
     done
     ;;
-  graphs)
+  graphs)  # argument (optional): a pytest -k expression picking some of the tests
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_graphs.py tests/unit/test_engine_quant.py \
-      tests/integration/test_gpu_colocation.py 2>&1 | tail -6
+      tests/integration/test_gpu_colocation.py ${3:+-k "$3"} 2>&1 | tail -6
     ;;
   rollout)
     python3 benchmarks/gpu_rollout.py --repeats 3 --out "$out/gpu_rollout_interleaved.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
@@ -247,6 +249,9 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     # a micro-batch of the QA-GRPO recipe's shape: 128 completions of ~20 + 6 tokens (host-bound)
     python3 benchmarks/exact_step_time.py --completions 128 --prompt-tokens 20 --completion-tokens 6 \
       --profile "$out/short" 2>&1 | grep -v -i warn | tail -3
+    ;;
+  pytest)  # arguments: pytest's (test files, -k ...)
+    python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | grep -E "^E |passed|failed|error" | tail -12
     ;;
   exact_tests)
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30

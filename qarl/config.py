@@ -157,10 +157,14 @@ class PolicyConfig:
     # memory plan finds the update does not fit without it; qarl/memory.py). The STE gradients are unchanged.
     gradient_checkpointing: str = "auto"
     # Each RMSNorm layer compiled (torch.compile) into fused kernels instead of ~7 eager ones a pass
-    # (qarl/models/norms.py). Sums in another order: the policy's log-probs move within fp32 rounding, and the
+    # (qarl/models/compiled.py). Sums in another order: the policy's log-probs move within fp32 rounding, and the
     # engine's own norm kernel differs from either, so synced parity stays at its floor. The HF backend; not with
     # the exact forward.
     compile_norms: bool = False
+    # Each gated MLP's act(gate) * up compiled into one kernel (qarl/models/compiled.py; the Llama, Mistral, Qwen and
+    # Gemma 3 MLPs): rounded once where eager rounds the activation and the product each, so within bf16 rounding of
+    # eager, and refused with the exact forward like compile_norms. The HF backend.
+    compile_mlp: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
     backend: str = "hf"
@@ -194,6 +198,8 @@ class PolicyConfig:
             "qarl's fast input quantizers)" if not self.quant_weight_cache else "",
             "policy.compile_norms (compiled norms sum in another order than the engine's)"
             if self.compile_norms else "",
+            "policy.compile_mlp (the fused activation rounds once where the engine's kernel rounds twice)"
+            if self.compile_mlp else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:

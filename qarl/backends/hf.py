@@ -13,7 +13,7 @@ from qarl.config import ConfigError, PolicyConfig
 from qarl.lora import apply_lora, pack_base
 from qarl.models.checks import load_pretrained, meta_model
 from qarl.models.experts import check_experts, config_has_experts
-from qarl.models.norms import compile_norms
+from qarl.models.compiled import compile_mlp, compile_norms
 from qarl.models.resolve import default_device
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
@@ -66,6 +66,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
             pack_base(model, cfg.lora)
     if cfg.compile_norms:
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
+    if cfg.compile_mlp:
+        print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
     if cfg.exact_forward:
         from qarl.backends.exact_forward import enable_exact_forward
 

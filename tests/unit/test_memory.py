@@ -24,20 +24,24 @@ def user_recipe(**trainer) -> RecipeConfig:
 
 def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_needed(monkeypatch):
     cfg = user_recipe()
+    room = GiB  # the device's room, set below (the same on a CPU and a GPU machine)
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (room, 0))
     off, on = (plan(cfg, QWEN3_1P7B, 100, checkpointing) for checkpointing in (False, True))
     assert on.activations * 10 < off.activations and on.update < off.update
     assert on.resident == off.resident and on.tokens_per_micro_batch == 8 * 1124
 
     # a device with room for the update without checkpointing: auto leaves it off
-    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (off.update + GiB, 0))
+    room = off.update + GiB
     decided, found = plan_memory(cfg, QWEN3_1P7B, 100)
     assert decided.policy.gradient_checkpointing == "off" and not found.checkpointing
-    # one with room only with it: auto turns it on, "off" is refused naming the knob and the largest micro-batch
-    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (on.update + GiB, 0))
+    # one with room for micro-batches of 4 without it (more than micro-batches of 8 need with it): auto turns it
+    # on, "off" is refused naming the knob and the largest micro-batch
+    room = plan(cfg, QWEN3_1P7B, 100, False, micro_batch_size=4).update
+    assert room > on.update
     decided, found = plan_memory(cfg, QWEN3_1P7B, 100)
     assert decided.policy.gradient_checkpointing == "on" and found.checkpointing
     off_cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, gradient_checkpointing="off"))
-    with pytest.raises(ConfigError, match=r"does not fit.*trainer.micro_batch_size=\d \(the largest that fits\).*"
+    with pytest.raises(ConfigError, match=r"does not fit.*trainer.micro_batch_size=4 \(the largest that fits\).*"
                                           r"policy.gradient_checkpointing=on"):
         plan_memory(off_cfg, QWEN3_1P7B, 100)
 

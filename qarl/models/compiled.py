@@ -1,0 +1,64 @@
+"""Elementwise layers as fused kernels: `policy.compile_norms` and `policy.compile_mlp`.
+
+An eager RMSNorm runs about seven kernels a pass (the fp32 upcast, square, mean, rsqrt, two products, the cast back)
+and a gated MLP's activation two (act(gate), its product with up) on tensors three times the hidden width, with as
+many again in the backward, each reading and writing the whole activation; between the matmuls of a decoder layer
+these are much of the update's time. torch.compile fuses each into a kernel or two. Only these are compiled: the
+quantized linear layers (ModelOpt's quantizers, qarl's weight cache) stay eager, so nothing about quantization
+changes. Dynamic shapes: one compiled graph for every batch and sequence length.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from qarl.config import ConfigError
+
+# transformers' MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")
+
+
+def rms_norms(model: nn.Module) -> list[nn.Module]:
+    """The model's RMSNorm layers (transformers names each family's `<Family>RMSNorm`)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def compile_norms(model: nn.Module) -> int:
+    """Compile each RMSNorm layer of `model` in place; returns how many."""
+    norms = rms_norms(model)
+    for norm in norms:
+        norm.compile(dynamic=True)
+    return len(norms)
+
+
+def gated_mlps(model: nn.Module) -> list[nn.Module]:
+    """The model's gated MLPs of the classes in GATED_MLPS."""
+    return [m for m in model.modules() if type(m).__name__ in GATED_MLPS]
+
+
+def _fused_gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's forward with act(gate) * up as one compiled function (bound to each MLP, so a deep copy of
+    the model, the KL reference, binds it to its own layers)."""
+    return self.down_proj(self.qarl_gated_activation(self.gate_proj(x), self.up_proj(x)))
+
+
+def compile_mlp(model: nn.Module) -> int:
+    """Fuse each gated MLP's activation and product in place (the projections stay eager); returns how many.
+    Refuses a model with none: its family's MLP is not one whose forward this knows."""
+    mlps = gated_mlps(model)
+    if not mlps:
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MLP")})
+        raise ConfigError(f"policy.compile_mlp fuses the gated MLPs of {', '.join(GATED_MLPS)}; this model has "
+                          f"{', '.join(found) or 'none of them'}. Set policy.compile_mlp=false.")
+    compiled: dict[str, object] = {}  # one compiled function per activation: one graph for every layer
+    for mlp in mlps:
+        act = mlp.act_fn
+        key = repr(act)
+        if key not in compiled:
+            compiled[key] = torch.compile(lambda gate, up, act=act: act(gate) * up, dynamic=True)
+        mlp.qarl_gated_activation = compiled[key]
+        mlp.forward = types.MethodType(_fused_gated_forward, mlp)
+    return len(mlps)
