@@ -1,8 +1,10 @@
 """Where a quantized policy update spends its time and memory on a GPU, against the unquantized one.
 
     python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score] [--lora qlora]
+        [--rows 8 --prompt-tokens 64 --completion-tokens 448] [--compile norms mlp]
 
-One micro-batch of 8 completions (64 + 448 tokens), bf16 compute with fp32 master weights: memory
+One micro-batch (by default 8 completions of 64 + 448 tokens; a user's shape: `--model runs/qwen3_1p7b_shape --rows 8
+--prompt-tokens 100 --completion-tokens 1024`), bf16 compute with fp32 master weights: memory
 allocated after the forward, after the backward and after the optimizer step, and the torch profiler's
 top operators by self CPU time and by CUDA time for one forward + backward and the optimizer step.
 `--score`: the profile of one no-grad scoring pass over the same micro-batch instead (what old and
@@ -31,7 +33,8 @@ def host_functions(fn: Callable[[], object], top: int) -> str:
     return "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
 
 
-def profile(fmt_name: str, model: str, score: bool, lora: str = "none") -> None:
+def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: int = 8, prompt_tokens: int = 64,
+            completion_tokens: int = 448, compile_layers: tuple[str, ...] = ()) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -42,15 +45,16 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none") -> None:
     from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
 
-    cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name, lora=LoraConfig(mode=lora))
+    cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name, lora=LoraConfig(mode=lora),
+                       compile_norms="norms" in compile_layers, compile_mlp="mlp" in compile_layers)
     torch.manual_seed(0)
     policy = build_policy(cfg, ArithmeticTask(num_train=64, num_eval=8).calibration_texts(64),
                           model_dir=resolve_model_dir(model), trainable=True)
     optimizer = PolicyOptimizer(policy, 1e-6, 0.0, 1.0)
     gen = torch.Generator().manual_seed(0)
     vocab = len(policy.tokenizer)
-    prompts = [torch.randint(2, vocab, (64,), generator=gen).tolist() for _ in range(8)]
-    comps = [torch.randint(2, vocab, (448,), generator=gen).tolist() for _ in range(8)]
+    prompts = [torch.randint(2, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(rows)]
+    comps = [torch.randint(2, vocab, (completion_tokens,), generator=gen).tolist() for _ in range(rows)]
     pad = policy.tokenizer.pad_token_id
 
     def step(report: bool = False) -> None:
@@ -94,7 +98,7 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none") -> None:
         print(f"{fmt_name}: scoring pass {wall * 1e3:.1f} ms wall, GPU busy {busy:.1f} ms (profiled run)")
         print(host_functions(scoring, top=25))
     print(table.table(sort_by="self_cpu_time_total", row_limit=25))
-    print(table.table(sort_by="cuda_time_total", row_limit=12))
+    print(table.table(sort_by="self_cuda_time_total", row_limit=25))
 
 
 def main() -> None:
@@ -103,9 +107,15 @@ def main() -> None:
     parser.add_argument("--model", default="embedded:0.5b")
     parser.add_argument("--score", action="store_true", help="profile a no-grad scoring pass instead of the update")
     parser.add_argument("--lora", default="none", choices=["none", "qlora", "merged"], help="policy.lora.mode")
+    parser.add_argument("--rows", type=int, default=8, help="completions in the micro-batch")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--completion-tokens", type=int, default=448)
+    parser.add_argument("--compile", nargs="*", default=[], choices=["norms", "mlp"],
+                        help="policy.compile_norms / policy.compile_mlp")
     args = parser.parse_args()
     for fmt in args.formats:
-        profile(fmt, args.model, args.score, args.lora)
+        profile(fmt, args.model, args.score, args.lora, args.rows, args.prompt_tokens, args.completion_tokens,
+                tuple(args.compile))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
 #             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
+#   profile_user_shape [--compile norms mlp]  the torch profiler over one update micro-batch of the user_shape model
+#             (8 x (100 + 1,024) tokens), GRPO: where the train phase's time goes at a user's shape
+#   head_scoring  LinearHeadScores against the head's chunks through autograd (benchmarks/head_scoring.py), one
+#             micro-batch of 8 x (100 + 1,024) tokens of the user_shape model: time and peak memory
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
 #             benchmarks/gpu_step_time.py (interleaved), with the cache and with ModelOpt's own path, and
 #             W4A16's scoring pass against its plain-torch floor (benchmarks/gpu_scoring_floor.py)
@@ -309,6 +313,17 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     grep "scoring pass" "$out/profile_score.txt"
     python3 benchmarks/gpu_profile_rollout.py --batch 512 > "$out/profile_rollout.txt" 2>&1
     grep "^== " "$out/profile_rollout.txt"
+    ;;
+  profile_user_shape)  # arguments: --compile norms mlp (or nothing): one micro-batch of 8 x (100 + 1,024) tokens profiled
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    python3 benchmarks/gpu_profile_update.py --model "$shape_dir" --formats none --rows 8 --prompt-tokens 100 \
+      --completion-tokens 1024 "${@:3}" > "$out/profile_update_${shape}${TAG:-}.txt" 2>&1
+    grep -E "one update|allocated after" "$out/profile_update_${shape}${TAG:-}.txt"
+    ;;
+  head_scoring)  # the linear head's scoring against autograd's chunks, one micro-batch of the user_shape model
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    python3 benchmarks/head_scoring.py --model "$shape_dir" --rows 8 --prompt-tokens 100 --completion-tokens 1024 \
+      2>&1 | grep -v -i warn | tail -5 | tee "$out/head_scoring_${shape}.txt"
     ;;
   step_time)
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_engine_quant.py 2>&1 | tail -3

@@ -4,8 +4,9 @@ before it. Both loops, parity, evaluation and the benchmarks score completions t
 The vocabulary is never held whole for a micro-batch: the model's body gives the final hidden state that predicts
 each completion token, and the head (logits), the log-softmax, the picked log-prob and the entropy run over chunks
 of `chunk_tokens` of those states at a time; with grad, each chunk keeps only its input and is recomputed in the
-backward. A [tokens, vocab] fp32 tensor then exists for one chunk at a time, not for the micro-batch. Models that
-give logits only (the Megatron backend) are scored from their full logits.
+backward. A [tokens, vocab] fp32 tensor then exists for one chunk at a time, not for the micro-batch. A plain
+linear head is scored by `LinearHeadScores`, whose backward needs fewer [chunk, vocab] passes than autograd's. Models
+that give logits only (the Megatron backend) are scored from their full logits.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from qarl.generation import Completion
+from qarl.quant import linear_weight
 
 CHUNK_TOKENS = 512  # policy.logprob_chunk_tokens' default: at a 152k vocabulary, ~1.5 GB of fp32 [chunk, vocab] tensors
 
@@ -211,6 +214,56 @@ def in_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], chunk_tokens: int, *t
     return tuple(torch.cat(pieces) for pieces in zip(*outputs))
 
 
+def _chunk_log_probs(states: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) in fp32 of one chunk, the logits as the head computes them."""
+    return torch.log_softmax(F.linear(states, weight).float() / temperature, dim=-1)
+
+
+class LinearHeadScores(torch.autograd.Function):
+    """(log-prob of each target, entropy) under linear-head logits / temperature, `chunk_tokens` states at a time.
+
+    The values are `token_scores`' bit for bit (the same operations on each chunk). The backward recomputes each
+    chunk's log-softmax and forms the gradient of the picked log-prob directly (g at the target less g x the
+    softmax, autograd's formula) in place on that one [chunk, vocabulary] tensor: the entropy is not computed again,
+    and no zero-filled gradient, scattered copy or further fp32 [chunk, vocabulary] tensor is made, as a checkpointed
+    autograd graph of `token_scores` would. Gradients within fp32 rounding of that path (the weight's gradient sums
+    its chunks in one fp32 accumulation per chunk instead of adding bf16 results). The entropy carries no grad."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        picked, entropy = [], []
+        for start in range(0, states.shape[0], chunk_tokens):
+            log_probs = _chunk_log_probs(states[start : start + chunk_tokens], weight, temperature)
+            picked.append(log_probs.gather(-1, targets[start : start + chunk_tokens, None]).squeeze(-1))
+            entropy.append(-(log_probs.exp() * log_probs).sum(-1))
+        ctx.save_for_backward(states, weight, targets)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        entropy_all = torch.cat(entropy) if entropy else states.new_zeros(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(entropy_all)
+        picked_all = torch.cat(picked) if picked else states.new_zeros(0, dtype=torch.float32)
+        return picked_all, entropy_all
+
+    @staticmethod
+    def backward(ctx, grad_picked: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        states, weight, targets = ctx.saved_tensors
+        want_states, want_weight = ctx.needs_input_grad[:2]
+        grad_states = torch.empty_like(states) if want_states else None
+        grad_weight = None
+        for start in reversed(range(0, states.shape[0], ctx.chunk_tokens)):  # autograd's order: the last chunk first
+            chunk = slice(start, start + ctx.chunk_tokens)
+            g = grad_picked[chunk, None]
+            grad = _chunk_log_probs(states[chunk], weight, ctx.temperature).exp_().mul_(-g)  # -g x softmax
+            grad.scatter_add_(-1, targets[chunk, None], g)  # + g at the target
+            grad = grad.div_(ctx.temperature).to(states.dtype)  # through / temperature and the fp32 cast
+            if want_states:
+                grad_states[chunk] = grad @ weight
+            if want_weight:
+                part = grad.T @ states[chunk]
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+        return grad_states, grad_weight, None, None, None
+
+
 def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                  pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +299,10 @@ def score_completions(
         picked, entropy = token_scores(logits, targets, temperature, getattr(model, "qarl_token_logprobs", None))
         return TokenScores(logprobs=picked * mask, entropy=entropy * mask, mask=mask)
     pick = getattr(model, "qarl_token_logprobs", None)
-    picked, entropy = in_chunks(lambda states, targets: token_scores(found.head(states), targets, temperature, pick),
-                                chunk_tokens, found.states, found.targets)
+    weight = linear_weight(found.head) if pick is None else None
+    if weight is not None:
+        picked, entropy = LinearHeadScores.apply(found.states, weight, found.targets, temperature, chunk_tokens)
+    else:
+        picked, entropy = in_chunks(lambda states, targets: token_scores(found.head(states), targets, temperature, pick),
+                                    chunk_tokens, found.states, found.targets)
     return TokenScores(logprobs=found.scatter(picked), entropy=found.scatter(entropy), mask=found.mask)

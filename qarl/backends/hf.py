@@ -13,7 +13,7 @@ from qarl.config import ConfigError, PolicyConfig
 from qarl.lora import apply_lora, pack_base
 from qarl.models.checks import load_pretrained, meta_model
 from qarl.models.experts import check_experts, config_has_experts
-from qarl.models.compiled import compile_mlp, compile_norms
+from qarl.models.compiled import check_gated_mlps, compile_mlp, compile_norms
 from qarl.models.resolve import default_device
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
@@ -45,6 +45,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     """A transformers model, quantized by ModelOpt and calibrated on `texts` (None: uncalibrated)."""
     architecture = meta_model(model_dir, cfg.trust_remote_code)
     check_experts(architecture.config.model_type, architecture)  # a MoE layout the refit can name, before loading
+    if cfg.compile_mlp:
+        check_gated_mlps(architecture)
     device = default_device()
     master = None
     if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":

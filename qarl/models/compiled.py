@@ -5,7 +5,7 @@ and a gated MLP's activation two (act(gate), its product with up) on tensors thr
 many again in the backward, each reading and writing the whole activation; between the matmuls of a decoder layer
 these are much of the update's time. torch.compile fuses each into a kernel or two. Only these are compiled: the
 quantized linear layers (ModelOpt's quantizers, qarl's weight cache) stay eager, so nothing about quantization
-changes. Dynamic shapes: one compiled graph for every batch and sequence length.
+changes. Dynamic shapes: one compiled graph for every batch and sequence length (and one for a single row).
 """
 
 from __future__ import annotations
@@ -45,14 +45,20 @@ def _fused_gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.qarl_gated_activation(self.gate_proj(x), self.up_proj(x)))
 
 
-def compile_mlp(model: nn.Module) -> int:
-    """Fuse each gated MLP's activation and product in place (the projections stay eager); returns how many.
-    Refuses a model with none: its family's MLP is not one whose forward this knows."""
+def check_gated_mlps(model: nn.Module) -> list[nn.Module]:
+    """The model's gated MLPs; a model with none (its family's MLP is not one whose forward this knows) refused.
+    Works on the architecture built on the meta device, before the weights load."""
     mlps = gated_mlps(model)
     if not mlps:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MLP")})
         raise ConfigError(f"policy.compile_mlp fuses the gated MLPs of {', '.join(GATED_MLPS)}; this model has "
                           f"{', '.join(found) or 'none of them'}. Set policy.compile_mlp=false.")
+    return mlps
+
+
+def compile_mlp(model: nn.Module) -> int:
+    """Fuse each gated MLP's activation and product in place (the projections stay eager); returns how many."""
+    mlps = check_gated_mlps(model)
     compiled: dict[str, object] = {}  # one compiled function per activation: one graph for every layer
     for mlp in mlps:
         act = mlp.act_fn

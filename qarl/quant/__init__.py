@@ -6,6 +6,7 @@ change tracking) -> `fastpath` (weight cache, lean forward) -> `quantize` (inser
 state) -> `rollout_view`.
 """
 
+from qarl.quant.fastpath.lean_forward import linear_weight
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.packed import pack_frozen_weights
 from qarl.quant.quantize import (
@@ -25,6 +26,7 @@ __all__ = [
     "check_generation_matches",
     "check_trainable_format",
     "folded_weights",
+    "linear_weight",
     "load_quantizer_state",
     "pack_frozen_weights",
     "quantize_policy",

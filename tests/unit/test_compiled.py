@@ -12,13 +12,13 @@ import torch
 import torch._dynamo
 
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
-from qarl.models.compiled import compile_mlp, gated_mlps, rms_norms
+from qarl.models.compiled import gated_mlps, rms_norms
+from qarl.models.resolve import resolve_model_dir
 from tests.conftest import W4A16, answer_loss, eval_logits, tiny_policy
 
 
-@pytest.mark.parametrize("knobs", [{"compile_norms": True}, {"compile_mlp": True},
-                                   {"compile_norms": True, "compile_mlp": True}])
-def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(task, tiny_dir, knobs):
+def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(task, tiny_dir):
+    knobs = {"compile_norms": True, "compile_mlp": True}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
@@ -55,8 +55,12 @@ def test_compiled_layers_are_refused_where_the_layers_must_be_others(knob):
         check(PolicyConfig(backend="megatron", **{knob: True}))
 
 
-def test_a_model_without_a_known_gated_mlp_is_refused_by_name():
-    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    mlp.__class__ = type("Phi3MLP", (torch.nn.Sequential,), {})
+def test_a_model_without_a_known_gated_mlp_is_refused_by_name_before_it_loads(task, monkeypatch):
+    phi3 = resolve_model_dir("embedded:tiny-phi3")  # gate and up fused in one projection: not a known gated MLP
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr("qarl.backends.hf.load_model", load_model)
     with pytest.raises(ConfigError, match="Phi3MLP.*compile_mlp=false"):
-        compile_mlp(torch.nn.ModuleDict({"mlp": mlp}))
+        tiny_policy(task, phi3, W4A16, trainable=True, compile_mlp=True)

@@ -12,6 +12,7 @@ from qarl.distill import score_pair
 from qarl.generation import Completion
 from qarl.grpo import grpo_loss, sequence_weights
 from qarl.lora import AdapterDisabled
+from qarl.quant import linear_weight
 from qarl.scoring import completion_logits, micro_batches, score_completions, token_scores
 from tests.conftest import tiny_policy
 
@@ -54,6 +55,46 @@ def test_chunked_log_probs_equal_the_full_vocabulary_path(task, tiny_dir, quant_
     split.logprobs.sum().backward()
     for name, grad in _grads(policy.model).items():
         torch.testing.assert_close(grad, full_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("quant_cfg", FORMATS)
+def test_the_linear_head_path_gives_the_generic_chunks_values_bit_for_bit(task, tiny_dir, quant_cfg):
+    """LinearHeadScores (a plain or lean quantized head) against the head called chunk by chunk under checkpoint
+    (the path of any other head): the same log-probs and entropy bit for bit, gradients within fp32 rounding."""
+    policy = tiny_policy(task, tiny_dir, quant_cfg, calib_size=16, trainable=True)
+    head = policy.model.get_output_embeddings()
+    assert linear_weight(head) is head.weight  # the head's quantizers are disabled in every shipped format
+    prompts, completions = _batch(policy, task)
+    pad = policy.tokenizer.pad_token_id
+    scores = {}
+    for path in ("generic", "linear"):
+        if path == "generic":  # a hook on the head: it is called as a module, chunk by chunk
+            handle = head.register_forward_hook(lambda module, args, output: None)
+            assert linear_weight(head) is None
+        scores[path] = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=5)
+        scores[path].logprobs.sum().backward()
+        scores[path].grads = _grads(policy.model)
+        if path == "generic":
+            handle.remove()
+    generic, linear = scores["generic"], scores["linear"]
+    assert torch.equal(linear.logprobs, generic.logprobs) and torch.equal(linear.entropy, generic.entropy)
+    assert not linear.entropy.requires_grad
+    assert linear.grads.keys() == generic.grads.keys() and len(linear.grads) > 10  # the head tied to the embedding
+    for name, grad in linear.grads.items():  # fp32 rounding: the weight's chunks summed in another order
+        assert (grad - generic.grads[name]).abs().max() <= 1e-6 * grad.abs().max(), name
+    with torch.no_grad():  # scoring without grad takes the same path
+        assert torch.equal(score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=5).logprobs,
+                           linear.logprobs)
+    if quant_cfg != "none":  # ModelOpt's own forward (the weight cache off) takes the same path; a quantized head not
+        uncached = tiny_policy(task, tiny_dir, quant_cfg, calib_size=16, quant_weight_cache=False)
+        assert linear_weight(uncached.model.get_output_embeddings()) is uncached.model.get_output_embeddings().weight
+        head.weight_quantizer.enable()
+        assert linear_weight(head) is None
+
+
+def test_a_head_that_quantizes_or_adds_a_bias_is_called_as_a_module():
+    biased = torch.nn.Linear(4, 6)
+    assert linear_weight(biased) is None and linear_weight(torch.nn.Linear(4, 6, bias=False)) is not None
 
 
 def test_activation_checkpointing_leaves_the_gradients_unchanged(task, tiny_dir):

@@ -186,6 +186,29 @@ def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return F.linear(input, weight, self._parameters.get("bias"))
 
 
+def linear_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The tensor that `layer(x)` is exactly `F.linear(x, tensor)` with, no bias and no hook on the layer: a plain
+    nn.Linear's weight; a lean quantized layer's whose plan passes the input as it is and multiplies the weight
+    parameter as it is (every quantizer disabled, or a held weight); a layer with ModelOpt's own forward whose
+    quantizers all pass their tensor as it is (the weight cache turned off). None for any other layer: it computes
+    its own way (callers then call it)."""
+    weight = layer._parameters.get("weight")
+    if weight is None or layer._parameters.get("bias") is not None or not _no_hooks(layer):
+        return None
+    if type(layer) is nn.Linear:
+        return weight
+    if isinstance(layer, LeanLinear):
+        plan = plan_linear(layer, weight)
+        return weight if plan.lean and plan.input_fn is None and plan.weight_fn is None else None
+    modelopt_linear = quant_linear_class()
+    if (isinstance(layer, modelopt_linear) and isinstance(layer, nn.Linear)
+            and type(layer).forward is modelopt_linear.forward and not forward_patched_before_conversion(layer)):
+        quantizers = [layer._modules.get(name) for name in ("input_quantizer", "weight_quantizer", "output_quantizer")]
+        if all(q is None or (_is_identity(q) and _no_hooks(q)) for q in quantizers):
+            return weight
+    return None
+
+
 class LeanLinear:
     """Mixed into a quantized linear layer's class (see `enable_lean_forward`)."""
 
