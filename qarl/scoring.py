@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -226,8 +227,10 @@ class LinearHeadScores(torch.autograd.Function):
     chunk's log-softmax and forms the gradient of the picked log-prob directly (g at the target less g x the
     softmax, autograd's formula) in place on that one [chunk, vocabulary] tensor: the entropy is not computed again,
     and no zero-filled gradient, scattered copy or further fp32 [chunk, vocabulary] tensor is made, as a checkpointed
-    autograd graph of `token_scores` would. Gradients within fp32 rounding of that path (the weight's gradient sums
-    its chunks in one fp32 accumulation per chunk instead of adding bf16 results). The entropy carries no grad."""
+    autograd graph of `token_scores` would. The head's gradient is summed over the chunks in autograd's order and
+    dtype. Gradients within fp32 rounding of that path: torch's log-softmax backward kernel computes g - exp(out) x g
+    in one expression with its own exp, this in separate steps (two roundings at the target). The entropy carries no
+    grad; no double backward."""
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -245,6 +248,7 @@ class LinearHeadScores(torch.autograd.Function):
         return picked_all, entropy_all
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_picked: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         states, weight, targets = ctx.saved_tensors
         want_states, want_weight = ctx.needs_input_grad[:2]

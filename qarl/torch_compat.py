@@ -72,6 +72,12 @@ def hook_tables(module: torch.nn.Module) -> tuple[dict, ...]:
     return module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
 
 
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """`module.compile()` was called: `Module.__call__` then runs its compiled call (`_compiled_call_impl`), not the
+    class's forward. Checked: torch 2.11 (H100), 2.13 (CPU)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def destroy_library(library: torch.library.Library) -> None:
     """Unregister every kernel `library` registered (`torch.library.Library._destroy`), giving the ops their
     previous kernels back. Checked: torch 2.11 (H100), 2.13 (CPU)."""

@@ -6,6 +6,8 @@ many again in the backward, each reading and writing the whole activation; betwe
 these are much of the update's time. torch.compile fuses each into a kernel or two. Only these are compiled: the
 quantized linear layers (ModelOpt's quantizers, qarl's weight cache) stay eager, so nothing about quantization
 changes. Dynamic shapes: one compiled graph for every batch and sequence length (and one for a single row).
+A model with compiled layers deep-copies (the KL reference) but does not pickle; qarl saves state dicts, which these
+leave as they were.
 """
 
 from __future__ import annotations

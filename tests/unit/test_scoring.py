@@ -80,8 +80,8 @@ def test_the_linear_head_path_gives_the_generic_chunks_values_bit_for_bit(task, 
     assert torch.equal(linear.logprobs, generic.logprobs) and torch.equal(linear.entropy, generic.entropy)
     assert not linear.entropy.requires_grad
     assert linear.grads.keys() == generic.grads.keys() and len(linear.grads) > 10  # the head tied to the embedding
-    for name, grad in linear.grads.items():  # fp32 rounding: the weight's chunks summed in another order
-        assert (grad - generic.grads[name]).abs().max() <= 1e-6 * grad.abs().max(), name
+    for name, grad in linear.grads.items():  # fp32 rounding: the log-softmax's gradient formed in separate steps
+        assert (grad - generic.grads[name]).abs().max() <= 1e-5 * grad.abs().max(), name
     with torch.no_grad():  # scoring without grad takes the same path
         assert torch.equal(score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=5).logprobs,
                            linear.logprobs)
@@ -92,9 +92,22 @@ def test_the_linear_head_path_gives_the_generic_chunks_values_bit_for_bit(task, 
         assert linear_weight(head) is None
 
 
-def test_a_head_that_quantizes_or_adds_a_bias_is_called_as_a_module():
+@pytest.mark.parametrize("mode", ["qlora", "merged"])
+def test_a_head_with_adapters_is_called_as_a_module(task, tiny_dir, mode):
+    lora = LoraConfig(mode=mode, target_modules=["q_proj", "lm_head"])
+    head = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", calib_size=16, trainable=True,
+                       lora=lora).model.get_output_embeddings()
+    assert hasattr(head, "lora_A") and linear_weight(head) is None
+
+
+def test_a_head_that_adds_a_bias_or_computes_its_own_way_is_called_as_a_module():
     biased = torch.nn.Linear(4, 6)
     assert linear_weight(biased) is None and linear_weight(torch.nn.Linear(4, 6, bias=False)) is not None
+    compiled, patched = torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(4, 6, bias=False)
+    compiled.compile()
+    patched.forward = lambda x: 2 * x
+    assert linear_weight(compiled) is None and linear_weight(patched) is None
+    assert linear_weight(lambda states: states) is None  # not a module (the exact forward's head)
 
 
 def test_activation_checkpointing_leaves_the_gradients_unchanged(task, tiny_dir):

@@ -38,7 +38,7 @@ from qarl.quant.modelopt_compat import (AMAX_BUFFER, amax_buffer, forward_patche
                                         quantizer_enabled, quantizing)
 from qarl.quant.ops import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
 from qarl.quant.packed import PackedWeightMixin, is_placeholder, packed_linear
-from qarl.torch_compat import global_hook_tables, hook_tables, tensor_version
+from qarl.torch_compat import compiled_in_place, global_hook_tables, hook_tables, tensor_version
 
 
 def quantized_linear(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -192,19 +192,25 @@ def linear_weight(layer: nn.Module) -> torch.Tensor | None:
     parameter as it is (every quantizer disabled, or a held weight); a layer with ModelOpt's own forward whose
     quantizers all pass their tensor as it is (the weight cache turned off). None for any other layer: it computes
     its own way (callers then call it)."""
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+
+    if (not isinstance(layer, nn.Module) or "forward" in layer.__dict__ or compiled_in_place(layer)
+            or layer._parameters.get("bias") is not None or not _no_hooks(layer)):
+        return None  # a forward of its own on the instance (compiled, patched), a bias or a hook
     weight = layer._parameters.get("weight")
-    if weight is None or layer._parameters.get("bias") is not None or not _no_hooks(layer):
+    if weight is None:
         return None
     if type(layer) is nn.Linear:
         return weight
-    if isinstance(layer, LeanLinear):
+    if isinstance(layer, LeanLinear) and type(layer).forward is lean_forward:  # not an adapter's forward over it
         plan = plan_linear(layer, weight)
         return weight if plan.lean and plan.input_fn is None and plan.weight_fn is None else None
     modelopt_linear = quant_linear_class()
     if (isinstance(layer, modelopt_linear) and isinstance(layer, nn.Linear)
             and type(layer).forward is modelopt_linear.forward and not forward_patched_before_conversion(layer)):
         quantizers = [layer._modules.get(name) for name in ("input_quantizer", "weight_quantizer", "output_quantizer")]
-        if all(q is None or (_is_identity(q) and _no_hooks(q)) for q in quantizers):
+        if all(q is None or (isinstance(q, TensorQuantizer) and not isinstance(q, SequentialQuantizer)
+                             and _is_identity(q) and _no_hooks(q)) for q in quantizers):
             return weight
     return None
 
