@@ -215,15 +215,15 @@ def in_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], chunk_tokens: int, *t
     return tuple(torch.cat(pieces) for pieces in zip(*outputs))
 
 
-def _chunk_log_probs(states: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / temperature) in fp32 of one chunk, the logits as the head computes them."""
-    return torch.log_softmax(F.linear(states, weight).float() / temperature, dim=-1)
+def log_softmax_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) in fp32: the distribution the engine samples from."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 class LinearHeadScores(torch.autograd.Function):
     """(log-prob of each target, entropy) under linear-head logits / temperature, `chunk_tokens` states at a time.
 
-    The values are `token_scores`' bit for bit (the same operations on each chunk). The backward recomputes each
+    The values are `token_scores`' (called on each chunk's logits). The backward recomputes each
     chunk's log-softmax and forms the gradient of the picked log-prob directly (g at the target less g x the
     softmax, autograd's formula) in place on that one [chunk, vocabulary] tensor: the entropy is not computed again,
     and no zero-filled gradient, scattered copy or further fp32 [chunk, vocabulary] tensor is made, as a checkpointed
@@ -237,9 +237,10 @@ class LinearHeadScores(torch.autograd.Function):
                 chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         picked, entropy = [], []
         for start in range(0, states.shape[0], chunk_tokens):
-            log_probs = _chunk_log_probs(states[start : start + chunk_tokens], weight, temperature)
-            picked.append(log_probs.gather(-1, targets[start : start + chunk_tokens, None]).squeeze(-1))
-            entropy.append(-(log_probs.exp() * log_probs).sum(-1))
+            chunk = slice(start, start + chunk_tokens)
+            chunk_picked, chunk_entropy = token_scores(F.linear(states[chunk], weight), targets[chunk], temperature)
+            picked.append(chunk_picked)
+            entropy.append(chunk_entropy)
         ctx.save_for_backward(states, weight, targets)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         entropy_all = torch.cat(entropy) if entropy else states.new_zeros(0, dtype=torch.float32)
@@ -257,7 +258,7 @@ class LinearHeadScores(torch.autograd.Function):
         for start in reversed(range(0, states.shape[0], ctx.chunk_tokens)):  # autograd's order: the last chunk first
             chunk = slice(start, start + ctx.chunk_tokens)
             g = grad_picked[chunk, None]
-            grad = _chunk_log_probs(states[chunk], weight, ctx.temperature).exp_().mul_(-g)  # -g x softmax
+            grad = log_softmax_fp32(F.linear(states[chunk], weight), ctx.temperature).exp_().mul_(-g)  # -g x softmax
             grad.scatter_add_(-1, targets[chunk, None], g)  # + g at the target
             grad = grad.div_(ctx.temperature).to(states.dtype)  # through / temperature and the fp32 cast
             if want_states:
@@ -274,7 +275,7 @@ def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float
     """(log-prob of each target, entropy) under logits / temperature, in fp32; `pick` is a model's own kernel for
     the picked log-prob (the exact forward's `qarl_token_logprobs`). The entropy is a metric, without grad: a graph
     for it would keep [tokens, vocabulary] tensors that no backward ever frees."""
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_probs = log_softmax_fp32(logits, temperature)
     picked = pick(logits, targets, temperature) if pick is not None else log_probs.gather(-1, targets[..., None]).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)

@@ -22,7 +22,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
     "_apply", "_load_from_state_dict",
-    "_destroy", "_dynamo", "_bytecode_hooks",
+    "_destroy", "_dynamo", "_bytecode_hooks", "_compiled_call_impl",
 })
 
 TESTED_TORCH = ((2, 11), (2, 13))  # the oldest and newest torch (major, minor) these internals were checked on
@@ -115,9 +115,9 @@ def drop_bytecode_hooks(model: torch.nn.Module) -> int:
     removes it, through the one handle it keeps, when the engine is collected; a model class that subclasses a
     compiled class and is compiled itself (vLLM 0.26 and 0.32: MistralModel(LlamaModel), Qwen3Model(Qwen2Model))
     registers two, and the one left keeps the closed engine's decoder alive, its weights and KV cache with it: the
-    next engine in the process cannot start. Checked: torch 2.13 with vllm 0.32.0 (CPU: tests/unit/test_torch_compat.py, and with vLLM's compilation
-    on, tests/integration/test_compiled_engine_release.py, `-m slow`); the GPU test of the restart
-    (tests/integration/test_gpu_graphs.py) is for torch 2.11 with vllm 0.26.0."""
+    next engine in the process cannot start. Checked: torch 2.13 with vllm 0.32.0 (CPU: tests/unit/test_torch_compat.py,
+    and with vLLM's compilation on, tests/integration/test_compiled_engine_release.py, `-m slow`), and torch 2.11 with
+    vllm 0.26.0 on the H100 (tests/integration/test_gpu_graphs.py, the restart of a Mistral and a Qwen3 engine)."""
     from torch._dynamo import convert_frame
 
     owned = {id(module) for module in model.modules()}
