@@ -24,8 +24,9 @@
 #             uninterrupted (benchmarks/resume_check.py)
 #   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
 #   share     the e2e runs with the policy's compute weights shared with the engine and copied (share_weights)
-#   exact     the exact forward: its kernels' row invariance, then `qarl parity` with policy.exact_forward=true on
-#             the 0.5B model, bf16 and fp16, eager and with CUDA graphs
+#   exact [DTYPE:EAGER ...]  the exact forward: its kernels' row invariance, then `qarl parity` with
+#             policy.exact_forward=true on the 0.5B model, bf16 and fp16, eager and with CUDA graphs (arguments: some of
+#             them, e.g. bfloat16:false for bf16 with graphs)
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
 #   exact_cost  the policy's forward + backward with the exact forward on against off (benchmarks/exact_step_time.py)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
@@ -239,13 +240,14 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   exact)
     python3 -m pytest -q -p no:cacheprovider -x tests/integration/test_gpu_exact.py -k kernels 2>&1 | grep -E "^E |assert|passed|failed" | head -30
-    for dtype in bfloat16 float16; do
-      for eager in true false; do
-        name="parity_exact_${dtype}_eager_$eager"
-        qarl parity recipes/parity_0p5b_gpu.yaml policy.exact_forward=true "policy.dtype=$dtype" \
-          "policy.generation.enforce_eager=$eager" --json > "$out/$name.json" 2> "$out/$name.log"
-        echo "== exact forward, $dtype, enforce_eager=$eager"; tail -3 "$out/$name.log"; show_parity "$out/$name.json"
-      done
+    runs=("${@:3}")  # DTYPE:EAGER pairs
+    [ ${#runs[@]} -gt 0 ] || runs=(bfloat16:true bfloat16:false float16:true float16:false)
+    for run in "${runs[@]}"; do
+      dtype="${run%:*}"; eager="${run#*:}"
+      name="parity_exact_${dtype}_eager_$eager"
+      qarl parity recipes/parity_0p5b_gpu.yaml policy.exact_forward=true "policy.dtype=$dtype" \
+        "policy.generation.enforce_eager=$eager" --json > "$out/$name.json" 2> "$out/$name.log"
+      echo "== exact forward, $dtype, enforce_eager=$eager"; tail -3 "$out/$name.log"; show_parity "$out/$name.json"
     done
     ;;
   exact_cost)

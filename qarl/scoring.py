@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from qarl.generation import Completion
+from qarl.models.varlen_attention import packed_attention_kwargs
 from qarl.quant import linear_weight
 
 CHUNK_TOKENS = 512  # policy.logprob_chunk_tokens' default: at a 152k vocabulary, ~1.5 GB of fp32 [chunk, vocab] tensors
@@ -77,7 +78,8 @@ class TeacherForced:
     """Right-padded rows of prompt + completion, and where each completion token is predicted: `positions[i, j]`,
     the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1.
     Packed (`position_ids` set): one row of every sequence back to back, no padding, positions restarting at 0 for
-    each sequence (the attention then stays within each sequence); `positions` index that row."""
+    each sequence (the attention then stays within each sequence); `positions` index that row, and `boundaries` are
+    the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py)."""
 
     ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
     attention: torch.Tensor | None  # [batch, width]; None packed
@@ -85,10 +87,11 @@ class TeacherForced:
     targets: torch.Tensor  # [batch, longest completion]
     mask: torch.Tensor  # [batch, longest completion]
     position_ids: torch.Tensor | None = None  # [1, total tokens] packed
+    boundaries: dict | None = None  # packed
 
     def decoder_inputs(self) -> dict[str, torch.Tensor]:
         if self.position_ids is not None:
-            return {"input_ids": self.ids, "position_ids": self.position_ids}
+            return {"input_ids": self.ids, "position_ids": self.position_ids, **self.boundaries}
         return {"input_ids": self.ids, "attention_mask": self.attention}
 
 
@@ -107,7 +110,8 @@ def packed(prompts: list[list[int]], completions: list[list[int]], pad_id: int, 
     targets = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
     for i, c in enumerate(completions):
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    return TeacherForced(ids, None, positions, targets, mask, position_ids)
+    boundaries = packed_attention_kwargs([len(q) for q in sequences], device)
+    return TeacherForced(ids, None, positions, targets, mask, position_ids, boundaries)
 
 
 def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int,

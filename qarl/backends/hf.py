@@ -15,6 +15,7 @@ from qarl.models.checks import load_pretrained, meta_model
 from qarl.models.experts import check_experts, config_has_experts
 from qarl.models.compiled import check_gated_mlps, compile_mlp, compile_norms
 from qarl.models.resolve import default_device
+from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
 from qarl.quant import QuantFormat, quantize_policy
 
@@ -37,6 +38,8 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype or cfg.dtype), trust_remote_code=cfg.trust_remote_code, **experts
     )
+    if device.type == "cuda":  # packed micro-batches attend within each sequence (padded rows: SDPA as before)
+        enable_varlen_attention(model)
     return model.to(device)
 
 

@@ -1,5 +1,5 @@
-"""Chunked scoring from hidden states equals the full-vocabulary path: bit for bit where one chunk holds the
-micro-batch, within fp32 rounding where the chunks split it (the head's matmul then runs on other row counts);
+"""Chunked scoring from hidden states equals the full-vocabulary path: bit for bit on the CPU where one chunk holds
+the micro-batch, within fp32 rounding where the chunks split it (the head's matmul then runs on other row counts);
 gradients likewise; activation checkpointing leaves the STE gradients bit for bit unchanged."""
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ def test_chunked_log_probs_equal_the_full_vocabulary_path(task, tiny_dir, quant_
     logprobs.sum().backward()
     full_grads = _grads(policy.model)
     one = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=4096)
-    assert torch.equal(one.logprobs, logprobs) and torch.equal(one.entropy, entropy)  # one chunk: the same bits
+    if logprobs.device.type == "cpu":  # one chunk: the same bits (cuBLAS may pick another kernel for the gathered rows)
+        assert torch.equal(one.logprobs, logprobs) and torch.equal(one.entropy, entropy)
+    torch.testing.assert_close(one.logprobs, logprobs, rtol=0, atol=5e-6)
+    torch.testing.assert_close(one.entropy, entropy, rtol=0, atol=5e-6)
     split = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=5)
     torch.testing.assert_close(split.logprobs, logprobs, rtol=0, atol=5e-6)
     torch.testing.assert_close(split.entropy, entropy, rtol=0, atol=5e-6)
@@ -176,7 +179,7 @@ def test_packed_sequences_give_the_padded_loss_and_gradients(task, tiny_dir, los
     prompts, completions = _batch(policy, task)
     pad = policy.tokenizer.pad_token_id
     cfg = TrainerConfig(loss_type=loss_type, importance_sampling_level=level)
-    advantages = torch.linspace(-1.0, 1.0, len(prompts))
+    advantages = torch.linspace(-1.0, 1.0, len(prompts), device=policy.model.device)
     losses, grads = {}, {}
     for pack in (False, True):
         scores = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=6, pack=pack)

@@ -1,0 +1,99 @@
+"""Packed micro-batches attend through torch's variable-length flash attention.
+
+Packed rows (`trainer.max_tokens_per_micro_batch`, qarl/scoring.py) put a micro-batch's sequences back to back in one
+row with positions restarting at each. Under transformers' SDPA attention that row needs a dense block-diagonal mask,
+and a masked SDPA call runs the memory-efficient kernel over every (query, key) pair of the whole row, the
+other sequences' included: the attention's work grows with the square of the micro-batch's tokens, not of each
+sequence's. `torch.nn.attention.varlen.varlen_attn` takes the sequences' boundaries (`cu_seqlens`) instead and runs
+FlashAttention within each, causal, with its own backward.
+
+`enable_varlen_attention` registers one transformers attention function, "qarl_varlen", on a model that used SDPA:
+a call that carries the boundaries (the packed rows' `cu_seq_lens_q`, transformers' own name for them) and that the
+kernel serves (CUDA, bf16 or fp16, no dropout, no sliding window or soft-capping) runs varlen; every other call
+(padded rows, the rollout's scoring, CPU, fp32) is transformers' SDPA with the mask SDPA builds, as before. The two
+kernels round differently: packed and padded scores of the same tokens agree to bf16 rounding, not bit for bit (the
+exact forward, which must match the engine's bits, never packs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "qarl_varlen"  # the name registered with transformers
+
+
+def varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch 2.10 and later)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
+                  scale: float) -> torch.Tensor:
+    """Causal attention within each sequence of packed [tokens, heads, head dim] q, k, v (k and v may have fewer
+    heads: grouped-query attention). The signature changed between releases: torch 2.10 takes `is_causal` and no
+    `scale`; 2.11 (checked on the H100) `scale` and `window_size=(-1, 0)` for causal, no `enable_gqa` (the key/value
+    heads are repeated); 2.13 (CPU) adds `enable_gqa`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:  # each key/value head serves a group of query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    options: dict = {}
+    if "enable_gqa" in params and k.shape[1] != q.shape[1]:
+        options["enable_gqa"] = True
+    if "window_size" in params:
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    if "scale" in params:
+        options["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise RuntimeError(f"this torch's varlen_attn has no scale argument; the model's attention scale is {scale}")
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+
+
+def serves(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Whether the varlen kernel computes this attention call as the model defines it."""
+    return (kwargs.get("cu_seq_lens_q") is not None and query.is_cuda and query.shape[0] == 1
+            and query.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+            and kwargs.get("s_aux") is None)
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: [batch, heads, tokens, head dim] in, [batch, tokens, heads,
+    head dim] out. Varlen where `serves`, else SDPA with `attention_mask` (which SDPA's mask function built)."""
+    if not serves(query, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = varlen_causal(q, k, v, kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"]), scale)
+    return out[None], None
+
+
+def packed_attention_kwargs(lengths: list[int], device: torch.device) -> dict:
+    """The boundaries of sequences of these lengths packed back to back, as the attention function reads them."""
+    cu_seqlens = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def enable_varlen_attention(model: PreTrainedModel) -> bool:
+    """Switch `model` from SDPA to "qarl_varlen" (a no-op where varlen is unavailable or the model does not use
+    SDPA); returns whether it did."""
+    if not varlen_available() or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(ATTENTION, varlen_attention_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    return True
