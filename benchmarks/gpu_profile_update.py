@@ -1,7 +1,7 @@
 """Where a quantized policy update spends its time and memory on a GPU, against the unquantized one.
 
     python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score] [--lora qlora]
-        [--rows 8 --prompt-tokens 64 --completion-tokens 448] [--compile norms mlp]
+        [--rows 8 --prompt-tokens 64 --completion-tokens 448] [--compile norms mlp scores]
 
 One micro-batch (by default 8 completions of 64 + 448 tokens; a user's shape: `--model runs/qwen3_1p7b_shape --rows 8
 --prompt-tokens 100 --completion-tokens 1024`), bf16 compute with fp32 master weights: memory
@@ -46,7 +46,8 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: in
     from qarl.tasks import ArithmeticTask
 
     cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name, lora=LoraConfig(mode=lora),
-                       compile_norms="norms" in compile_layers, compile_mlp="mlp" in compile_layers)
+                       compile_norms="norms" in compile_layers, compile_mlp="mlp" in compile_layers,
+                       compile_scores="scores" in compile_layers)
     torch.manual_seed(0)
     policy = build_policy(cfg, ArithmeticTask(num_train=64, num_eval=8).calibration_texts(64),
                           model_dir=resolve_model_dir(model), trainable=True)
@@ -110,8 +111,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="completions in the micro-batch")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--completion-tokens", type=int, default=448)
-    parser.add_argument("--compile", nargs="*", default=[], choices=["norms", "mlp"],
-                        help="policy.compile_norms / policy.compile_mlp")
+    parser.add_argument("--compile", nargs="*", default=[], choices=["norms", "mlp", "scores"],
+                        help="policy.compile_norms / policy.compile_mlp / policy.compile_scores")
     args = parser.parse_args()
     for fmt in args.formats:
         profile(fmt, args.model, args.score, args.lora, args.rows, args.prompt_tokens, args.completion_tokens,

@@ -56,7 +56,7 @@
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
 #             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
-#   profile_user_shape [--compile norms mlp]  the torch profiler over one update micro-batch of the user_shape model
+#   profile_user_shape [--compile norms mlp scores]  the torch profiler over one update micro-batch of the user_shape model
 #             (8 x (100 + 1,024) tokens), GRPO: where the train phase's time goes at a user's shape
 #   head_scoring  LinearHeadScores against the head's chunks through autograd (benchmarks/head_scoring.py), one
 #             micro-batch of 8 x (100 + 1,024) tokens of the user_shape model: time and peak memory
@@ -316,7 +316,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/gpu_profile_rollout.py --batch 512 > "$out/profile_rollout.txt" 2>&1
     grep "^== " "$out/profile_rollout.txt"
     ;;
-  profile_user_shape)  # arguments: --compile norms mlp (or nothing): one micro-batch of 8 x (100 + 1,024) tokens profiled
+  profile_user_shape)  # arguments: --compile norms mlp scores (some, or nothing): one micro-batch of 8 x (100 + 1,024) tokens profiled
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     python3 benchmarks/gpu_profile_update.py --model "$shape_dir" --formats none --rows 8 --prompt-tokens 100 \
       --completion-tokens 1024 "${@:3}" > "$out/profile_update_${shape}${TAG:-}.txt" 2>&1

@@ -1,5 +1,6 @@
-"""What scoring through the linear head costs: `LinearHeadScores` against the head called chunk by chunk under
-checkpoint (the path of a head that is not a plain linear map), one micro-batch's forward + backward.
+"""What scoring through the linear head costs: `LinearHeadScores`, eager and with its chunks' fp32 work compiled
+(`policy.compile_scores`), against the head called chunk by chunk under checkpoint (the path of a head that is not a
+plain linear map), one micro-batch's forward + backward.
 
     python benchmarks/head_scoring.py --model DIR [--rows 8 --prompt-tokens 100 --completion-tokens 1024] [--repeats 3]
         [--quant-cfg quant_configs/nvfp4_a16.yaml]
@@ -7,7 +8,8 @@ checkpoint (the path of a head that is not a plain linear map), one micro-batch'
 A user's vocabulary on CPU: `python benchmarks/user_shape.py make runs/qwen2_2l_151k --shape qwen2-2l-151k` (2 x 128,
 151,936 tokens), where the head is most of the work; on a GPU the Qwen3-1.7B shape (`--shape qwen3-1.7b`). The two
 paths alternate, the median of `--repeats` timed rounds after a warm-up round, each path's peak memory (the GPU's
-allocator; on CPU not measured) and whether the log-probs are the same bits.
+allocator; on CPU not measured), whether the eager paths' log-probs are the same bits, and how far the compiled
+path's are from them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> None:
     from qarl.config import PolicyConfig
     from qarl.policy import build_policy
     from qarl.quant import linear_weight
-    from qarl.scoring import score_completions
+    from qarl.scoring import FUSED_SCORES, score_completions
     from qarl.tasks import ArithmeticTask
 
     cuda = torch.cuda.is_available()
@@ -51,6 +53,7 @@ def main() -> None:
 
     def once(path: str) -> tuple[float, float, torch.Tensor]:
         hook = head.register_forward_hook(lambda module, inputs, output: None) if path == "generic" else None
+        setattr(head, FUSED_SCORES, path == "compiled")
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -66,7 +69,7 @@ def main() -> None:
         policy.model.zero_grad(set_to_none=True)
         return seconds, peak, scores.logprobs.detach()
 
-    timings: dict[str, list[float]] = {"generic": [], "linear": []}
+    timings: dict[str, list[float]] = {"generic": [], "linear": [], "compiled": []}
     peaks: dict[str, float] = {}
     logprobs: dict[str, torch.Tensor] = {}
     for round_ in range(args.repeats + 1):
@@ -77,12 +80,13 @@ def main() -> None:
     tokens = args.rows * (args.prompt_tokens + args.completion_tokens)
     print(f"{args.model}: {args.rows} x ({args.prompt_tokens} + {args.completion_tokens}) tokens, vocabulary {vocab}, "
           f"{cfg.dtype}, {'GPU' if cuda else 'CPU'}; forward + backward of one micro-batch, median of {args.repeats}")
-    for path, values in timings.items():
-        median = statistics.median(values)
+    medians = {path: statistics.median(values) for path, values in timings.items()}
+    for path, median in medians.items():
         print(f"  {path:8s} {median:8.3f} s  {tokens / median:9.0f} tokens/s  peak {peaks[path]:.2f} GiB")
-    ratio = statistics.median(timings["generic"]) / statistics.median(timings["linear"])
-    print(f"  linear / generic speed: {ratio:.2f}x; log-probs the same bits: "
+    print(f"  linear / generic speed: {medians['generic'] / medians['linear']:.2f}x; log-probs the same bits: "
           f"{torch.equal(logprobs['generic'], logprobs['linear'])}")
+    print(f"  compiled / linear speed: {medians['linear'] / medians['compiled']:.2f}x; log-probs max |difference| "
+          f"{(logprobs['compiled'] - logprobs['linear']).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,11 @@ class PolicyConfig:
     # Gemma 3 MLPs): rounded once where eager rounds the activation and the product each, so within bf16 rounding of
     # eager, and refused with the exact forward like compile_norms. The HF backend.
     compile_mlp: bool = False
+    # The linear head's scoring (each chunk's log-softmax, picked log-prob and entropy, and its backward) run as
+    # compiled kernels that read the logits a few times instead of writing several fp32 [chunk, vocabulary] tensors
+    # (qarl/scoring.py LinearHeadScores): within fp32 rounding of eager. QA-GRPO's scoring (the sampled tokens'
+    # log-probs), not QAD's KL; a plain linear head only; refused with the exact forward. The HF backend.
+    compile_scores: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
     backend: str = "hf"
@@ -200,6 +205,8 @@ class PolicyConfig:
             if self.compile_norms else "",
             "policy.compile_mlp (the fused activation rounds once where the engine's kernel rounds twice)"
             if self.compile_mlp else "",
+            "policy.compile_scores (the exact forward scores with the engine's own log-softmax kernel)"
+            if self.compile_scores else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:

@@ -70,6 +70,9 @@ def check_distill_config(cfg: RecipeConfig) -> None:
         raise ConfigError(f"distill.lr_schedule={cfg.distill.lr_schedule!r}; choose one of {LR_SCHEDULES}")
     if cfg.teacher.dtype not in DTYPES:
         raise ConfigError(f"teacher.dtype={cfg.teacher.dtype!r}; choose one of {DTYPES}")
+    if cfg.policy.compile_scores:
+        raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
+                          "(qarl/distill.py) do not use it: set policy.compile_scores=false")
 
 
 def teacher_source(cfg: RecipeConfig) -> str:

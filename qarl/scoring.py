@@ -5,12 +5,14 @@ The vocabulary is never held whole for a micro-batch: the model's body gives the
 each completion token, and the head (logits), the log-softmax, the picked log-prob and the entropy run over chunks
 of `chunk_tokens` of those states at a time; with grad, each chunk keeps only its input and is recomputed in the
 backward. A [tokens, vocab] fp32 tensor then exists for one chunk at a time, not for the micro-batch. A plain
-linear head is scored by `LinearHeadScores`, whose backward needs fewer [chunk, vocab] passes than autograd's. Models
-that give logits only (the Megatron backend) are scored from their full logits.
+linear head is scored by `LinearHeadScores`, whose backward needs fewer [chunk, vocab] passes than autograd's (and
+whose fp32 work `policy.compile_scores` compiles). Models that give logits only (the Megatron backend) are scored
+from their full logits.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +22,12 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from qarl.config import ConfigError
 from qarl.generation import Completion
 from qarl.models.varlen_attention import packed_attention_kwargs
 from qarl.quant import linear_weight
 
+FUSED_SCORES = "qarl_fused_scores"  # set True on a linear head: its chunks scored by compiled kernels (compile_scores)
 CHUNK_TOKENS = 512  # policy.logprob_chunk_tokens' default: at a 152k vocabulary, ~1.5 GB of fp32 [chunk, vocab] tensors
 
 
@@ -234,19 +238,25 @@ class LinearHeadScores(torch.autograd.Function):
     autograd graph of `token_scores` would. The head's gradient is summed over the chunks in autograd's order and
     dtype. Gradients within fp32 rounding of that path: torch's log-softmax backward kernel computes g - exp(out) x g
     in one expression with its own exp, this in separate steps (two roundings at the target). The entropy carries no
-    grad; no double backward."""
+    grad; no double backward.
+
+    `fused` (`policy.compile_scores`): each chunk's fp32 work (the log-softmax, the picked log-prob, the entropy; in
+    the backward the softmax and the gradient) runs as torch.compile'd kernels of the same functions, reading the
+    logits a few times instead of materializing several fp32 [chunk, vocabulary] tensors; the sums run in another
+    order, so values and gradients move within fp32 rounding (bf16 rounding where the gradient is cast)."""
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_tokens: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = compiled(token_scores) if fused else token_scores
         picked, entropy = [], []
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            chunk_picked, chunk_entropy = token_scores(F.linear(states[chunk], weight), targets[chunk], temperature)
+            chunk_picked, chunk_entropy = scores(F.linear(states[chunk], weight), targets[chunk], temperature)
             picked.append(chunk_picked)
             entropy.append(chunk_entropy)
         ctx.save_for_backward(states, weight, targets)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.temperature, ctx.chunk_tokens, ctx.fused = temperature, chunk_tokens, fused
         entropy_all = torch.cat(entropy) if entropy else states.new_zeros(0, dtype=torch.float32)
         ctx.mark_non_differentiable(entropy_all)
         picked_all = torch.cat(picked) if picked else states.new_zeros(0, dtype=torch.float32)
@@ -259,18 +269,33 @@ class LinearHeadScores(torch.autograd.Function):
         want_states, want_weight = ctx.needs_input_grad[:2]
         grad_states = torch.empty_like(states) if want_states else None
         grad_weight = None
+        logits_grad = compiled(picked_logits_grad) if ctx.fused else picked_logits_grad
         for start in reversed(range(0, states.shape[0], ctx.chunk_tokens)):  # autograd's order: the last chunk first
             chunk = slice(start, start + ctx.chunk_tokens)
-            g = grad_picked[chunk, None]
-            grad = log_softmax_fp32(F.linear(states[chunk], weight), ctx.temperature).exp_().mul_(-g)  # -g x softmax
-            grad.scatter_add_(-1, targets[chunk, None], g)  # + g at the target
-            grad = grad.div_(ctx.temperature).to(states.dtype)  # through / temperature and the fp32 cast
+            grad = logits_grad(F.linear(states[chunk], weight), targets[chunk], grad_picked[chunk], ctx.temperature)
             if want_states:
                 grad_states[chunk] = grad @ weight
             if want_weight:
                 part = grad.T @ states[chunk]
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
-        return grad_states, grad_weight, None, None, None
+        return grad_states, grad_weight, None, None, None, None
+
+
+def picked_logits_grad(logits: torch.Tensor, targets: torch.Tensor, grad_picked: torch.Tensor, temperature: float
+                       ) -> torch.Tensor:
+    """The gradient that `grad_picked` (one per row) on each target's log-prob under log_softmax(logits /
+    temperature) sends to the logits, in their dtype: g at the target less g x the softmax, through / temperature
+    and the fp32 cast; formed in place on one fp32 [rows, vocabulary] tensor."""
+    g = grad_picked[:, None]
+    grad = log_softmax_fp32(logits, temperature).exp_().mul_(-g)  # -g x softmax
+    grad.scatter_add_(-1, targets[:, None], g)  # + g at the target
+    return grad.div_(temperature).to(logits.dtype)
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """`fn` through torch.compile, once per process (dynamic shapes: every chunk's row count, one graph)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -310,8 +335,21 @@ def score_completions(
     pick = getattr(model, "qarl_token_logprobs", None)
     weight = linear_weight(found.head) if pick is None else None
     if weight is not None:
-        picked, entropy = LinearHeadScores.apply(found.states, weight, found.targets, temperature, chunk_tokens)
+        fused = getattr(found.head, FUSED_SCORES, False)
+        picked, entropy = LinearHeadScores.apply(found.states, weight, found.targets, temperature, chunk_tokens, fused)
     else:
         picked, entropy = in_chunks(lambda states, targets: token_scores(found.head(states), targets, temperature, pick),
                                     chunk_tokens, found.states, found.targets)
     return TokenScores(logprobs=found.scatter(picked), entropy=found.scatter(entropy), mask=found.mask)
+
+
+def compile_scores(model: torch.nn.Module) -> None:
+    """Score `model`'s linear head with compiled kernels (`LinearHeadScores`, `fused`; `policy.compile_scores`). A
+    head that is not a plain linear map (a bias, adapters, its own forward, active quantizers) is refused: it is
+    scored through autograd's chunks, which this does not compile."""
+    head = model.get_output_embeddings()
+    if head is None or linear_weight(head) is None:
+        raise ConfigError(f"policy.compile_scores fuses the scoring of a plain linear head; this model's head "
+                          f"({type(head).__name__}) is scored through autograd's chunks (adapters on lm_head, a bias, "
+                          "its own forward or active quantizers): set policy.compile_scores=false")
+    setattr(head, FUSED_SCORES, True)

@@ -17,6 +17,7 @@ from qarl.models.compiled import check_gated_mlps, compile_mlp, compile_norms
 from qarl.models.resolve import default_device
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
+from qarl.scoring import compile_scores
 from qarl.quant import QuantFormat, quantize_policy
 
 
@@ -73,6 +74,9 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
+    if cfg.compile_scores:
+        compile_scores(model)
+        print("the linear head's scoring compiled (policy.compile_scores)")
     if cfg.exact_forward:
         from qarl.backends.exact_forward import enable_exact_forward
 

@@ -1,4 +1,5 @@
-"""Elementwise layers as fused kernels: `policy.compile_norms` and `policy.compile_mlp`.
+"""Elementwise layers as fused kernels: `policy.compile_norms` and `policy.compile_mlp` (the head's scoring,
+`policy.compile_scores`, is compiled in qarl/scoring.py).
 
 An eager RMSNorm runs about seven kernels a pass (the fp32 upcast, square, mean, rsqrt, two products, the cast back)
 and a gated MLP's activation two (act(gate), its product with up) on tensors three times the hidden width, with as
@@ -70,3 +71,4 @@ def compile_mlp(model: nn.Module) -> int:
         mlp.qarl_gated_activation = compiled[key]
         mlp.forward = types.MethodType(_fused_gated_forward, mlp)
     return len(mlps)
+

@@ -1,7 +1,8 @@
-"""Compiled elementwise layers (`policy.compile_norms`, `policy.compile_mlp`, qarl/models/compiled.py): the policy's
-logits and gradients within rounding of the eager ones, one graph for every sequence length, through gradient
-checkpointing, a deep copy and a qlora base; refused where the layers must be others (the exact forward, Megatron) or
-where the model has no MLP the fusion knows."""
+"""Compiled elementwise layers (`policy.compile_norms`, `policy.compile_mlp`, qarl/models/compiled.py) and the head's
+compiled scoring (`policy.compile_scores`, qarl/scoring.py): the policy's logits, log-probs and gradients within
+rounding of the eager ones, one graph for every sequence length, through gradient checkpointing, a deep copy and a
+qlora base; refused where the layers must be others (the exact forward, Megatron, QAD's KL) or where the model has no
+MLP or head the fusion knows."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch._dynamo
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.models.compiled import gated_mlps, rms_norms
 from qarl.models.resolve import resolve_model_dir
+from qarl.scoring import FUSED_SCORES, score_completions
 from tests.conftest import W4A16, answer_loss, eval_logits, tiny_policy
 
 
@@ -49,7 +51,7 @@ def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(tas
     assert torch.allclose(eval_logits(qlora, task), eval_logits(plain, task), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("knob", ["compile_norms", "compile_mlp"])
+@pytest.mark.parametrize("knob", ["compile_norms", "compile_mlp", "compile_scores"])
 def test_compiled_layers_are_refused_where_the_layers_must_be_others(knob):
     with pytest.raises(ConfigError, match=knob):
         PolicyConfig(exact_forward=True, dtype="bfloat16", **{knob: True})
@@ -68,3 +70,45 @@ def test_a_model_without_a_known_gated_mlp_is_refused_by_name_before_it_loads(ta
     monkeypatch.setattr("qarl.backends.hf.load_model", load_model)
     with pytest.raises(ConfigError, match="Phi3MLP.*compile_mlp=false"):
         tiny_policy(task, phi3, W4A16, trainable=True, compile_mlp=True)
+
+
+def _scores_and_grads(policy, task, chunk_tokens: int):
+    tok = policy.tokenizer
+    prompts = [tok(p.prompt).input_ids for p in task.train[:8]]
+    completions = [tok(p.answer).input_ids * (1 + i % 3) for i, p in enumerate(task.train[:8])]
+    scores = score_completions(policy.model, prompts, completions, tok.pad_token_id, 0.7, chunk_tokens=chunk_tokens)
+    scores.logprobs.sum().backward()
+    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    policy.model.zero_grad(set_to_none=True)
+    return scores, grads
+
+
+def test_compiled_scores_give_the_eager_numbers_within_fp32_rounding_in_one_graph(task, tiny_dir):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
+    fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_scores=True)
+    assert getattr(fused.model.get_output_embeddings(), FUSED_SCORES)
+    want, want_grads = _scores_and_grads(eager, task, chunk_tokens=5)
+    got, got_grads = _scores_and_grads(fused, task, chunk_tokens=5)  # 5 rows a chunk, and a shorter last chunk
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 2  # the forward's scores and the backward's gradient
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=5e-6)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=5e-5)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
+    for name, grad in want_grads.items():
+        assert (got_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+    _scores_and_grads(fused, task, chunk_tokens=7)  # other chunk sizes: no new graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_compiled_scores_are_refused_for_a_head_with_adapters_and_for_qad(task, tiny_dir):
+    with pytest.raises(ConfigError, match="compile_scores=false"):
+        tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_scores=True,
+                    lora=LoraConfig(mode="qlora", target_modules=["q_proj", "lm_head"]))
+    from qarl.config import load_recipe
+    from qarl.distill import check_distill_config
+
+    with pytest.raises(ConfigError, match="QAD's KL"):
+        check_distill_config(load_recipe("recipes/qa_distillation_tiny.yaml", ["policy.compile_scores=true"]))
