@@ -9,8 +9,8 @@ FlashAttention within each, causal, with its own backward.
 
 `enable_varlen_attention` registers one transformers attention function, "qarl_varlen", on a model that used SDPA:
 a call that carries the boundaries (the packed rows' `cu_seq_lens_q`, transformers' own name for them) and that the
-kernel serves (CUDA, bf16 or fp16, no dropout, no sliding window or soft-capping) runs varlen; every other call
-(padded rows, the rollout's scoring, CPU, fp32) is transformers' SDPA with the mask SDPA builds, as before. The two
+kernel serves (CUDA, bf16 or fp16, no dropout, no sliding window or soft-capping) runs varlen, and no mask is built
+for it; every other call (padded rows, CPU, fp32) is transformers' SDPA with the mask SDPA builds, as before. The two
 kernels round differently: packed and padded scores of the same tokens agree to bf16 rounding, not bit for bit (the
 exact forward, which must match the engine's bits, never packs).
 """
@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "qarl_varlen"  # the name registered with transformers
+HALF = (torch.bfloat16, torch.float16)  # the dtypes FlashAttention computes in
 
 
 def varlen_available() -> bool:
@@ -62,9 +63,27 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 def serves(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:
     """Whether the varlen kernel computes this attention call as the model defines it."""
     return (kwargs.get("cu_seq_lens_q") is not None and query.is_cuda and query.shape[0] == 1
-            and query.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and query.dtype in HALF and not dropout
             and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
             and kwargs.get("s_aux") is None)
+
+
+def mask_needed(batch_size: int, attention_mask: torch.Tensor | None, dtype: torch.dtype | None,
+                device: torch.device | str, config: object) -> bool:
+    """Whether the layers need SDPA's mask. Not for one row without padding on CUDA in bf16/fp16 of a model without
+    sliding windows, soft-capping or attention dropout: packed, its sequences attend through varlen (`serves`);
+    alone, through SDPA's causal kernel. A packed row's block-diagonal mask would hold tokens^2 booleans."""
+    return not (attention_mask is None and batch_size == 1 and dtype in HALF and torch.device(device).type == "cuda"
+                and not getattr(config, "sliding_window", None) and not getattr(config, "attn_logit_softcapping", None)
+                and not getattr(config, "attention_dropout", 0.0))
+
+
+def varlen_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' mask-function contract: SDPA's mask where `mask_needed`, else none."""
+    if mask_needed(kwargs.get("batch_size", 0), kwargs.get("attention_mask"), kwargs.get("dtype"),
+                   kwargs.get("device", "cpu"), kwargs.get("config")):
+        return sdpa_mask(*args, **kwargs)
+    return None
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,6 +92,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """transformers' attention-function contract: [batch, heads, tokens, head dim] in, [batch, tokens, heads,
     head dim] out. Varlen where `serves`, else SDPA with `attention_mask` (which SDPA's mask function built)."""
     if not serves(query, dropout, kwargs):
+        boundaries = kwargs.get("cu_seq_lens_q")
+        if attention_mask is None and boundaries is not None and len(boundaries) > 2:
+            raise RuntimeError(f"{len(boundaries) - 1} sequences packed in one row reached {type(module).__name__} "
+                               "without a mask, and the varlen kernel cannot serve this call (its dtype, device, "
+                               "dropout, sliding window, soft-capping or sinks): set trainer.max_tokens_per_micro_batch=0")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -94,6 +118,6 @@ def enable_varlen_attention(model: PreTrainedModel) -> bool:
     if not varlen_available() or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     AttentionInterface.register(ATTENTION, varlen_attention_forward)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION, varlen_mask)
     model.set_attn_implementation(ATTENTION)
     return True

@@ -4,12 +4,15 @@ to bf16 rounding; everywhere, a call the kernel does not serve (CPU, padded rows
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from qarl.models import varlen_attention
-from qarl.models.varlen_attention import ATTENTION, enable_varlen_attention, varlen_available, varlen_causal
+from qarl.models.varlen_attention import (ATTENTION, enable_varlen_attention, mask_needed, varlen_attention_forward,
+                                          varlen_available, varlen_causal)
 from qarl.scoring import score_completions
 from tests.conftest import tiny_policy
 
@@ -52,6 +55,33 @@ def test_calls_the_kernel_does_not_serve_are_sdpa_bit_for_bit(task, tiny_dir):
         assert torch.equal(logprobs, before[pack][0])
         assert grads.keys() == before[pack][1].keys()
         assert all(torch.equal(g, before[pack][1][n]) for n, g in grads.items())
+
+
+def test_no_mask_is_built_only_where_every_layer_attends_without_one(task, tiny_dir):
+    """One unpadded row on CUDA in bf16/fp16 of a model without sliding windows, soft-capping or attention dropout
+    needs no mask (packed: varlen; alone: SDPA's causal kernel); anything else gets SDPA's."""
+    config = tiny_policy(task, tiny_dir).model.config
+    assert not mask_needed(1, None, torch.bfloat16, "cuda", config)
+    assert not mask_needed(1, None, torch.float16, torch.device("cuda", 0), config)
+    assert mask_needed(2, None, torch.bfloat16, "cuda", config)  # rows of a batch
+    assert mask_needed(1, torch.ones(1, 4), torch.bfloat16, "cuda", config)  # padding
+    assert mask_needed(1, None, torch.float32, "cuda", config)
+    assert mask_needed(1, None, torch.bfloat16, "cpu", config)
+    for key, value in (("sliding_window", 64), ("attn_logit_softcapping", 50.0), ("attention_dropout", 0.1)):
+        changed = copy.deepcopy(config)
+        setattr(changed, key, value)
+        assert mask_needed(1, None, torch.bfloat16, "cuda", changed), key
+
+
+def test_packed_rows_without_a_mask_the_kernel_cannot_serve_are_refused():
+    """Never SDPA over several packed sequences without their mask: that would attend across them."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))  # CPU fp32: the kernel does not serve it
+    boundaries = {"cu_seq_lens_q": torch.tensor([0, 2, 6]), "max_length_q": 4}
+    with pytest.raises(RuntimeError, match="max_tokens_per_micro_batch=0"):
+        varlen_attention_forward(torch.nn.Module(), q, k, v, None, **boundaries)
+    lone = {"cu_seq_lens_q": torch.tensor([0, 6]), "max_length_q": 6}  # one sequence: SDPA's causal kernel is right
+    out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, **lone)
+    assert out.shape == (1, 6, 2, 8)
 
 
 @GPU
