@@ -168,7 +168,8 @@ class PolicyConfig:
     # The linear head's scoring (each chunk's log-softmax, picked log-prob and entropy, and its backward) run as
     # compiled kernels that read the logits a few times instead of writing several fp32 [chunk, vocabulary] tensors
     # (qarl/scoring.py LinearHeadScores): within fp32 rounding of eager. QA-GRPO's scoring (the sampled tokens'
-    # log-probs), not QAD's KL; a plain linear head only; refused with the exact forward. The HF backend.
+    # log-probs), not QAD's KL; a plain linear head and logprob_chunk_tokens > 0; not with the exact forward. The HF
+    # backend.
     compile_scores: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
@@ -184,6 +185,9 @@ class PolicyConfig:
             raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens}: use a count of tokens, or 0 "
                               "for the whole vocabulary at once")
         self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
+        if self.compile_scores and self.logprob_chunk_tokens == 0:
+            raise ConfigError("policy.compile_scores compiles the scoring of each chunk of tokens, and "
+                              "policy.logprob_chunk_tokens=0 scores the whole vocabulary at once: set one of them")
         if not self.exact_forward:
             return
         conflicts = [

@@ -82,8 +82,8 @@ class TeacherForced:
     """Right-padded rows of prompt + completion, and where each completion token is predicted: `positions[i, j]`,
     the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1.
     Packed (`position_ids` set): one row of every sequence back to back, no padding, positions restarting at 0 for
-    each sequence (the attention then stays within each sequence); `positions` index that row, and `boundaries` are
-    the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py)."""
+    each sequence (the attention then stays within each sequence); `positions` index that row, and `attention_kwargs`
+    are the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py)."""
 
     ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
     attention: torch.Tensor | None  # [batch, width]; None packed
@@ -91,11 +91,11 @@ class TeacherForced:
     targets: torch.Tensor  # [batch, longest completion]
     mask: torch.Tensor  # [batch, longest completion]
     position_ids: torch.Tensor | None = None  # [1, total tokens] packed
-    boundaries: dict | None = None  # packed
+    attention_kwargs: dict | None = None  # packed
 
-    def decoder_inputs(self) -> dict[str, torch.Tensor]:
+    def decoder_inputs(self) -> dict[str, object]:
         if self.position_ids is not None:
-            return {"input_ids": self.ids, "position_ids": self.position_ids, **self.boundaries}
+            return {"input_ids": self.ids, "position_ids": self.position_ids, **self.attention_kwargs}
         return {"input_ids": self.ids, "attention_mask": self.attention}
 
 
@@ -103,7 +103,8 @@ def packed(prompts: list[list[int]], completions: list[list[int]], pad_id: int, 
     """The sequences back to back in one row (no padding), each with positions from 0."""
     longest = max(len(c) for c in completions)
     sequences = [p + c for p, c in zip(prompts, completions)]
-    starts = torch.tensor([0] + [len(q) for q in sequences], device=device).cumsum(0)[:-1]
+    attention_kwargs = packed_attention_kwargs([len(q) for q in sequences], device)
+    starts = attention_kwargs["cu_seq_lens_q"][:-1].long()
     ids = torch.tensor([t for q in sequences for t in q], device=device)[None]
     position_ids = torch.cat([torch.arange(len(q), device=device) for q in sequences])[None]
     j = torch.arange(longest, device=device)
@@ -114,8 +115,7 @@ def packed(prompts: list[list[int]], completions: list[list[int]], pad_id: int, 
     targets = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
     for i, c in enumerate(completions):
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    boundaries = packed_attention_kwargs([len(q) for q in sequences], device)
-    return TeacherForced(ids, None, positions, targets, mask, position_ids, boundaries)
+    return TeacherForced(ids, None, positions, targets, mask, position_ids, attention_kwargs)
 
 
 def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
@@ -248,7 +248,7 @@ class LinearHeadScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk_tokens: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = compiled(token_scores) if fused else token_scores
+        scores = compiled_once(token_scores) if fused else token_scores
         picked, entropy = [], []
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
@@ -269,7 +269,7 @@ class LinearHeadScores(torch.autograd.Function):
         want_states, want_weight = ctx.needs_input_grad[:2]
         grad_states = torch.empty_like(states) if want_states else None
         grad_weight = None
-        logits_grad = compiled(picked_logits_grad) if ctx.fused else picked_logits_grad
+        logits_grad = compiled_once(picked_logits_grad) if ctx.fused else picked_logits_grad
         for start in reversed(range(0, states.shape[0], ctx.chunk_tokens)):  # autograd's order: the last chunk first
             chunk = slice(start, start + ctx.chunk_tokens)
             grad = logits_grad(F.linear(states[chunk], weight), targets[chunk], grad_picked[chunk], ctx.temperature)
@@ -293,7 +293,7 @@ def picked_logits_grad(logits: torch.Tensor, targets: torch.Tensor, grad_picked:
 
 
 @functools.cache
-def compiled(fn: Callable) -> Callable:
+def compiled_once(fn: Callable) -> Callable:
     """`fn` through torch.compile, once per process (dynamic shapes: every chunk's row count, one graph)."""
     return torch.compile(fn, dynamic=True)
 
@@ -324,8 +324,9 @@ def score_completions(
 
     Computed in fp32 from logits / temperature, the same distribution the engine samples from, `chunk_tokens`
     completion tokens at a time (0: the whole vocabulary at once), the sequences packed without padding if `pack`
-    (within fp32 rounding of the padded rows); a model with the exact forward picks each token's log-prob with the engine's own
-    kernel (`qarl_token_logprobs`, qarl/backends/exact_forward.py). Carries grad when grad is enabled.
+    (within fp32 rounding of the padded rows on SDPA; bf16 rounding through the GPU's varlen attention); a model
+    with the exact forward picks each token's log-prob with the engine's own kernel (`qarl_token_logprobs`,
+    qarl/backends/exact_forward.py). Carries grad when grad is enabled.
     """
     found = completion_states(model, prompts, completions, pad_id, pack) if chunk_tokens > 0 else None
     if found is None:
@@ -347,6 +348,10 @@ def compile_scores(model: torch.nn.Module) -> None:
     """Score `model`'s linear head with compiled kernels (`LinearHeadScores`, `fused`; `policy.compile_scores`). A
     head that is not a plain linear map (a bias, adapters, its own forward, active quantizers) is refused: it is
     scored through autograd's chunks, which this does not compile."""
+    if body_and_head(model) is None:
+        raise ConfigError("policy.compile_scores fuses the scoring of a linear head over the final hidden states; "
+                          "this model's logits are changed after its head (soft-capping, logit scaling) and are "
+                          "scored whole: set policy.compile_scores=false")
     head = model.get_output_embeddings()
     if head is None or linear_weight(head) is None:
         raise ConfigError(f"policy.compile_scores fuses the scoring of a plain linear head; this model's head "

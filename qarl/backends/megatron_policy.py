@@ -70,11 +70,13 @@ def check(cfg: PolicyConfig) -> None:
     torchrun on GPUs, each process then takes its own GPU (LOCAL_RANK), before the warm start or anything else
     touches one."""
     refuse_adapters(cfg)
-    for knob, layers in (("compile_norms", "RMSNorm layers"), ("compile_mlp", "gated MLPs"),
-                         ("compile_scores", "linear head's scoring")):
+    for knob, layers in (("compile_norms", "RMSNorm layers"), ("compile_mlp", "gated MLPs")):
         if getattr(cfg, knob):
             raise ConfigError(f"policy.{knob} compiles the HF backend's {layers}; the Megatron backend has its own: "
                               "set it false or use policy.backend=hf")
+    if cfg.compile_scores:
+        raise ConfigError("policy.compile_scores compiles the HF backend's scoring of its linear head in chunks; the "
+                          "Megatron backend scores from its full logits: set it false or use policy.backend=hf")
     fmt = resolve_format(cfg.quant_cfg)
     if not same_format(fmt, resolve_format(cfg.generation.quant_cfg)):
         raise ConfigError("the Megatron backend refits the engine in the policy's own format: set "

@@ -71,4 +71,3 @@ def compile_mlp(model: nn.Module) -> int:
         mlp.qarl_gated_activation = compiled[key]
         mlp.forward = types.MethodType(_fused_gated_forward, mlp)
     return len(mlps)
-

@@ -17,6 +17,7 @@ exact forward, which must match the engine's bits, never packs).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 
@@ -34,6 +35,14 @@ def varlen_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
+@functools.cache
+def varlen_parameters() -> frozenset[str]:
+    """The names `varlen_attn` takes in this torch."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
                   scale: float) -> torch.Tensor:
     """Causal attention within each sequence of packed [tokens, heads, head dim] q, k, v (k and v may have fewer
@@ -42,12 +51,13 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     heads are repeated); 2.13 (CPU) adds `enable_gqa`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:  # each key/value head serves a group of query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    params = varlen_parameters()
     options: dict = {}
-    if "enable_gqa" in params and k.shape[1] != q.shape[1]:
-        options["enable_gqa"] = True
+    if k.shape[1] != q.shape[1]:  # each key/value head serves a group of query heads
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if "window_size" in params:
         options["window_size"] = (-1, 0)
     else:
@@ -60,12 +70,13 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
 
 
-def serves(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:
-    """Whether the varlen kernel computes this attention call as the model defines it."""
+def serves(module: torch.nn.Module, query: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Whether the varlen kernel computes this attention call as the model defines it: not a sliding-window layer
+    (its window passed in the call, or only held by the layer and put in the mask, as Qwen2-MoE does)."""
     return (kwargs.get("cu_seq_lens_q") is not None and query.is_cuda and query.shape[0] == 1
             and query.dtype in HALF and not dropout
-            and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
-            and kwargs.get("s_aux") is None)
+            and kwargs.get("sliding_window") is None and getattr(module, "sliding_window", None) is None
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
 
 
 def mask_needed(batch_size: int, attention_mask: torch.Tensor | None, dtype: torch.dtype | None,
@@ -91,12 +102,13 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [batch, heads, tokens, head dim] in, [batch, tokens, heads,
     head dim] out. Varlen where `serves`, else SDPA with `attention_mask` (which SDPA's mask function built)."""
-    if not serves(query, dropout, kwargs):
+    if not serves(module, query, dropout, kwargs):
         boundaries = kwargs.get("cu_seq_lens_q")
         if attention_mask is None and boundaries is not None and len(boundaries) > 2:
             raise RuntimeError(f"{len(boundaries) - 1} sequences packed in one row reached {type(module).__name__} "
                                "without a mask, and the varlen kernel cannot serve this call (its dtype, device, "
-                               "dropout, sliding window, soft-capping or sinks): set trainer.max_tokens_per_micro_batch=0")
+                               "dropout, sliding window, soft-capping or sinks): "
+                               "set trainer.max_tokens_per_micro_batch=0")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -103,7 +103,9 @@ def test_compiled_scores_give_the_eager_numbers_within_fp32_rounding_in_one_grap
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_compiled_scores_are_refused_for_a_head_with_adapters_and_for_qad(task, tiny_dir):
+def test_compiled_scores_are_refused_where_nothing_would_compile(task, tiny_dir):
+    with pytest.raises(ConfigError, match="logprob_chunk_tokens=0"):
+        PolicyConfig(compile_scores=True, logprob_chunk_tokens=0)
     with pytest.raises(ConfigError, match="compile_scores=false"):
         tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_scores=True,
                     lora=LoraConfig(mode="qlora", target_modules=["q_proj", "lm_head"]))

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from qarl.models import varlen_attention
-from qarl.models.varlen_attention import (ATTENTION, enable_varlen_attention, mask_needed, varlen_attention_forward,
-                                          varlen_available, varlen_causal)
+from qarl.models.varlen_attention import (ATTENTION, enable_varlen_attention, mask_needed, serves,
+                                          varlen_attention_forward, varlen_available, varlen_causal)
 from qarl.scoring import score_completions
 from tests.conftest import tiny_policy
 
@@ -105,6 +105,20 @@ def test_the_kernel_is_causal_within_each_sequence_with_grouped_heads(dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+@GPU
+def test_sliding_window_layers_are_not_served():
+    """A layer's window, passed in the call or only held by the layer (Qwen2-MoE puts it in the mask alone), keeps
+    the call on SDPA with its mask."""
+    query = torch.zeros(1, 2, 6, 8, device="cuda", dtype=torch.bfloat16)
+    packed = {"cu_seq_lens_q": torch.tensor([0, 2, 6], device="cuda")}
+    full, sliding = torch.nn.Module(), torch.nn.Module()
+    sliding.sliding_window = 4
+    assert serves(full, query, 0.0, packed)
+    assert not serves(sliding, query, 0.0, packed)
+    assert not serves(full, query, 0.0, {**packed, "sliding_window": 4})
+    assert not serves(full, query, 0.1, packed) and not serves(full, query.float(), 0.0, packed)
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12)).item()
 
@@ -116,7 +130,7 @@ def test_packed_scores_through_varlen_are_as_close_to_fp32_as_padded_ones(task, 
     fp32 = tiny_policy(task, tiny_dir, trainable=True)
     prompts, completions = _batch(fp32, task)
     reference = _scores_and_grads(fp32, prompts, completions, pack=False)
-    policy = tiny_policy(task, tiny_dir, trainable=True, dtype="bfloat16")
+    policy = tiny_policy(task, tiny_dir, trainable=True, dtype="bfloat16", gradient_checkpointing="off")
     assert policy.model.config._attn_implementation == ATTENTION  # switched on load (qarl/backends/hf.py)
     calls = []
     kernel = varlen_attention.varlen_causal
