@@ -31,7 +31,8 @@ HALF = (torch.bfloat16, torch.float16)  # the dtypes FlashAttention computes in
 
 
 def varlen_available() -> bool:
-    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch 2.10 and later)."""
+    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (every tested torch does; an older one run
+    with QARL_ALLOW_UNTESTED_VERSIONS=1 keeps SDPA)."""
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
@@ -46,26 +47,16 @@ def varlen_parameters() -> frozenset[str]:
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
                   scale: float) -> torch.Tensor:
     """Causal attention within each sequence of packed [tokens, heads, head dim] q, k, v (k and v may have fewer
-    heads: grouped-query attention). The signature changed between releases: torch 2.10 takes `is_causal` and no
-    `scale`; 2.11 (checked on the H100) `scale` and `window_size=(-1, 0)` for causal, no `enable_gqa` (the key/value
-    heads are repeated); 2.13 (CPU) adds `enable_gqa`."""
+    heads: grouped-query attention). torch 2.11 (checked on the H100) takes `scale` and `window_size=(-1, 0)` for
+    causal but no `enable_gqa` (the key/value heads are repeated); 2.13 (CPU) adds `enable_gqa`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = varlen_parameters()
-    options: dict = {}
+    options: dict = {"scale": scale, "window_size": (-1, 0)}
     if k.shape[1] != q.shape[1]:  # each key/value head serves a group of query heads
-        if "enable_gqa" in params:
+        if "enable_gqa" in varlen_parameters():
             options["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    if "window_size" in params:
-        options["window_size"] = (-1, 0)
-    else:
-        options["is_causal"] = True
-    if "scale" in params:
-        options["scale"] = scale
-    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        raise RuntimeError(f"this torch's varlen_attn has no scale argument; the model's attention scale is {scale}")
     cu_seqlens = cu_seqlens.to(torch.int32)
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
 
