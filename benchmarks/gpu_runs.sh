@@ -70,7 +70,9 @@
 #             `background`, one device session's whole plan in one job
 #   background STAGE ARGS...  run that stage in a process session of its own, writing to OUT_DIR: on the device tool's
 #             machine such a process outlives the call that started it (while the machine is held), for runs longer
-#             than one call; `collect OUT_DIR SECONDS` waits that long at most for it to end and shows its log
+#             than one call; `collect OUT_DIR SECONDS` waits that long at most for it to end and shows its log. The
+#             machine is held only while calls come: a running background job does not keep it, so call `collect`
+#             back to back (e.g. 560 s each) until the job ends
 # Needs vLLM, ModelOpt and qarl importable (on this project's GPU machine: source the gpu-kit first).
 set -uo pipefail
 stage="$1"
