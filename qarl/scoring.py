@@ -348,12 +348,13 @@ def compile_scores(model: torch.nn.Module) -> None:
     """Score `model`'s linear head with compiled kernels (`LinearHeadScores`, `fused`; `policy.compile_scores`). A
     head that is not a plain linear map (a bias, adapters, its own forward, active quantizers) is refused: it is
     scored through autograd's chunks, which this does not compile."""
-    if body_and_head(model) is None:
+    parts = body_and_head(model)
+    if parts is None:
         raise ConfigError("policy.compile_scores fuses the scoring of a linear head over the final hidden states; "
                           "this model's logits are changed after its head (soft-capping, logit scaling) and are "
                           "scored whole: set policy.compile_scores=false")
-    head = model.get_output_embeddings()
-    if head is None or linear_weight(head) is None:
+    head = parts[1]  # the head scoring calls
+    if linear_weight(head) is None:
         raise ConfigError(f"policy.compile_scores fuses the scoring of a plain linear head; this model's head "
                           f"({type(head).__name__}) is scored through autograd's chunks (adapters on lm_head, a bias, "
                           "its own forward or active quantizers): set policy.compile_scores=false")
