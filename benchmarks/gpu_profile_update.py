@@ -1,7 +1,7 @@
 """Where a quantized policy update spends its time and memory on a GPU, against the unquantized one.
 
     python benchmarks/gpu_profile_update.py [--formats none nvfp4_a16] [--model embedded:0.5b] [--score] [--lora qlora]
-        [--rows 8 --prompt-tokens 64 --completion-tokens 448] [--compile norms mlp scores]
+        [--rows 8 --prompt-tokens 64 --completion-tokens 448] [--compile norms mlp layers scores] [--pack]
 
 One micro-batch (by default 8 completions of 64 + 448 tokens; a user's shape: `--model runs/qwen3_1p7b_shape --rows 8
 --prompt-tokens 100 --completion-tokens 1024`), bf16 compute with fp32 master weights: memory
@@ -34,7 +34,7 @@ def host_functions(fn: Callable[[], object], top: int) -> str:
 
 
 def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: int = 8, prompt_tokens: int = 64,
-            completion_tokens: int = 448, compile_layers: tuple[str, ...] = ()) -> None:
+            completion_tokens: int = 448, compiled: tuple[str, ...] = (), pack: bool = False) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -46,8 +46,8 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: in
     from qarl.tasks import ArithmeticTask
 
     cfg = PolicyConfig(model_name=model, dtype="bfloat16", quant_cfg=fmt_name, lora=LoraConfig(mode=lora),
-                       compile_norms="norms" in compile_layers, compile_mlp="mlp" in compile_layers,
-                       compile_scores="scores" in compile_layers)
+                       compile_norms="norms" in compiled, compile_mlp="mlp" in compiled,
+                       compile_layers="layers" in compiled, compile_scores="scores" in compiled)
     torch.manual_seed(0)
     policy = build_policy(cfg, ArithmeticTask(num_train=64, num_eval=8).calibration_texts(64),
                           model_dir=resolve_model_dir(model), trainable=True)
@@ -60,7 +60,7 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: in
 
     def step(report: bool = False) -> None:
         gib = lambda: f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB"  # noqa: E731
-        scores = score_completions(policy.model, prompts, comps, pad)
+        scores = score_completions(policy.model, prompts, comps, pad, pack=pack)
         after_forward = gib()
         optimizer.backward(-(scores.logprobs.sum()) / 1e4)
         del scores
@@ -72,7 +72,7 @@ def profile(fmt_name: str, model: str, score: bool, lora: str = "none", rows: in
 
     def scoring() -> None:
         with torch.no_grad():
-            score_completions(policy.model, prompts, comps, pad)
+            score_completions(policy.model, prompts, comps, pad, pack=pack)
 
     for _ in range(2):
         step()
@@ -111,12 +111,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="completions in the micro-batch")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--completion-tokens", type=int, default=448)
-    parser.add_argument("--compile", nargs="*", default=[], choices=["norms", "mlp", "scores"],
-                        help="policy.compile_norms / policy.compile_mlp / policy.compile_scores")
+    parser.add_argument("--compile", nargs="*", default=[], choices=["norms", "mlp", "layers", "scores"],
+                        help="policy.compile_norms / compile_mlp / compile_layers / compile_scores")
+    parser.add_argument("--pack", action="store_true",
+                        help="the rows packed into one without padding (trainer.max_tokens_per_micro_batch > 0)")
     args = parser.parse_args()
     for fmt in args.formats:
         profile(fmt, args.model, args.score, args.lora, args.rows, args.prompt_tokens, args.completion_tokens,
-                tuple(args.compile))
+                tuple(args.compile), args.pack)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
 #             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
-#   profile_user_shape [--compile norms mlp scores]  the torch profiler over one update micro-batch of the user_shape model
-#             (8 x (100 + 1,024) tokens), GRPO: where the train phase's time goes at a user's shape
+#   profile_user_shape [--compile norms mlp layers scores] [--pack]  the torch profiler over one update micro-batch of
+#             the user_shape model (8 x (100 + 1,024) tokens, padded or packed), GRPO: where the train phase's time goes
 #   head_scoring  LinearHeadScores against the head's chunks through autograd (benchmarks/head_scoring.py), one
 #             micro-batch of 8 x (100 + 1,024) tokens of the user_shape model: time and peak memory
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
@@ -318,7 +318,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/gpu_profile_rollout.py --batch 512 > "$out/profile_rollout.txt" 2>&1
     grep "^== " "$out/profile_rollout.txt"
     ;;
-  profile_user_shape)  # arguments: --compile norms mlp scores (some, or nothing): one micro-batch of 8 x (100 + 1,024) tokens profiled
+  profile_user_shape)  # arguments: --compile norms mlp layers scores (some, or nothing), --pack: one micro-batch profiled
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     python3 benchmarks/gpu_profile_update.py --model "$shape_dir" --formats none --rows 8 --prompt-tokens 100 \
       --completion-tokens 1024 "${@:3}" > "$out/profile_update_${shape}${TAG:-}.txt" 2>&1

@@ -165,6 +165,12 @@ class PolicyConfig:
     # Gemma 3 MLPs): rounded once where eager rounds the activation and the product each, so within bf16 rounding of
     # eager, and refused with the exact forward like compile_norms. The HF backend.
     compile_mlp: bool = False
+    # Each decoder layer compiled whole (qarl/models/compiled.py): its norms, gated MLP, rotary embedding, residual
+    # additions and the reshapes around attention fused, one graph for every layer; the quantized linear layers run
+    # eagerly between the graphs, so quantization is unchanged. Within rounding of eager like compile_norms and
+    # compile_mlp, which it includes (set those false). Dense layers, no LoRA, the weight cache on; not with the exact
+    # forward. The HF backend.
+    compile_layers: bool = False
     # The linear head's scoring (each chunk's log-softmax, picked log-prob and entropy, and its backward) run as
     # compiled kernels that read the logits a few times instead of writing several fp32 [chunk, vocabulary] tensors
     # (qarl/scoring.py LinearHeadScores): within fp32 rounding of eager. QA-GRPO's scoring (the sampled tokens'
@@ -185,6 +191,13 @@ class PolicyConfig:
             raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens}: use a count of tokens, or 0 "
                               "for the whole vocabulary at once")
         self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
+        if self.compile_layers and (self.compile_norms or self.compile_mlp):
+            raise ConfigError("policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
+                              "set policy.compile_norms=false and policy.compile_mlp=false")
+        if self.compile_layers and self.lora.mode != "none":
+            raise ConfigError(f"policy.compile_layers with policy.lora.mode={self.lora.mode}: the adapters' layers are "
+                              "not kept out of the compiled graphs; set policy.compile_layers=false (compile_norms and "
+                              "compile_mlp work with LoRA)")
         if self.compile_scores and self.logprob_chunk_tokens == 0:
             raise ConfigError("policy.compile_scores compiles the scoring of each chunk of tokens, and "
                               "policy.logprob_chunk_tokens=0 scores the whole vocabulary at once: set one of them")
@@ -209,6 +222,8 @@ class PolicyConfig:
             if self.compile_norms else "",
             "policy.compile_mlp (the fused activation rounds once where the engine's kernel rounds twice)"
             if self.compile_mlp else "",
+            "policy.compile_layers (compiled norms, activations and rotary embeddings round otherwise than the "
+            "engine's kernels)" if self.compile_layers else "",
             "policy.compile_scores (the exact forward scores with the engine's own log-softmax kernel)"
             if self.compile_scores else "",
         ]

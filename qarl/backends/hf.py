@@ -13,7 +13,7 @@ from qarl.config import ConfigError, PolicyConfig
 from qarl.lora import apply_lora, pack_base
 from qarl.models.checks import load_pretrained, meta_model
 from qarl.models.experts import check_experts, config_has_experts
-from qarl.models.compiled import check_gated_mlps, compile_mlp, compile_norms
+from qarl.models.compiled import check_decoder_layers, check_gated_mlps, compile_layers, compile_mlp, compile_norms
 from qarl.models.resolve import default_device
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
@@ -51,6 +51,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     check_experts(architecture.config.model_type, architecture)  # a MoE layout the refit can name, before loading
     if cfg.compile_mlp:
         check_gated_mlps(architecture)
+    if cfg.compile_layers:
+        check_decoder_layers(architecture)
     device = default_device()
     master = None
     if trainable and cfg.master_dtype != cfg.dtype and cfg.lora.mode == "none":
@@ -74,6 +76,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
+    if cfg.compile_layers:
+        print(f"compiled {compile_layers(model)} decoder layers (policy.compile_layers)")
     if cfg.compile_scores:
         compile_scores(model)
         print("the linear head's scoring compiled (policy.compile_scores)")

@@ -70,7 +70,8 @@ def check(cfg: PolicyConfig) -> None:
     torchrun on GPUs, each process then takes its own GPU (LOCAL_RANK), before the warm start or anything else
     touches one."""
     refuse_adapters(cfg)
-    for knob, layers in (("compile_norms", "RMSNorm layers"), ("compile_mlp", "gated MLPs")):
+    for knob, layers in (("compile_norms", "RMSNorm layers"), ("compile_mlp", "gated MLPs"),
+                         ("compile_layers", "decoder layers")):
         if getattr(cfg, knob):
             raise ConfigError(f"policy.{knob} compiles the HF backend's {layers}; the Megatron backend has its own: "
                               "set it false or use policy.backend=hf")

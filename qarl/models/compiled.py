@@ -1,5 +1,5 @@
-"""Elementwise layers as fused kernels: `policy.compile_norms` and `policy.compile_mlp` (the head's scoring,
-`policy.compile_scores`, is compiled in qarl/scoring.py).
+"""Elementwise layers as fused kernels: `policy.compile_norms`, `policy.compile_mlp`, or whole decoder layers,
+`policy.compile_layers` (the head's scoring, `policy.compile_scores`, is compiled in qarl/scoring.py).
 
 An eager RMSNorm runs about seven kernels a pass (the fp32 upcast, square, mean, rsqrt, two products, the cast back)
 and a gated MLP's activation two (act(gate), its product with up) on tensors three times the hidden width, with as
@@ -9,6 +9,10 @@ quantized linear layers (ModelOpt's quantizers, qarl's weight cache) stay eager,
 changes. Dynamic shapes: one compiled graph for every batch and sequence length (and one for a single row).
 A model with compiled layers deep-copies (the KL reference) but does not pickle; qarl saves state dicts, which these
 leave as they were.
+
+`compile_layers` compiles each decoder layer whole (regional compilation: one graph serves every layer), so the
+rotary embedding, the residual additions and the reshapes around attention fuse as well. The quantized linear
+layers still run eagerly between the graphs (`lean_forward` is never traced): quantization is the same as above.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
+from qarl.models.experts import has_experts
 
 # transformers' MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")
@@ -71,3 +76,42 @@ def compile_mlp(model: nn.Module) -> int:
         mlp.qarl_gated_activation = compiled[key]
         mlp.forward = types.MethodType(_fused_gated_forward, mlp)
     return len(mlps)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The transformers model's stack of decoder layers (`get_decoder().layers`), or None."""
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if get_decoder is not None else None
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
+
+
+def check_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The layers `compile_layers` compiles; a model without a stack of dense decoder layers refused. Works on the
+    architecture built on the meta device, before the weights load."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ConfigError(f"policy.compile_layers compiles a transformers model's decoder layers; "
+                          f"{type(model).__name__} has no `get_decoder().layers`: set policy.compile_layers=false")
+    if has_experts(model):
+        raise ConfigError("policy.compile_layers compiles dense decoder layers; this model's layers route tokens to "
+                          "experts (a shape that changes with every batch): set policy.compile_layers=false and use "
+                          "policy.compile_norms")
+    return layers
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Compile each decoder layer of `model` in place, its quantized linear layers left eager; a quantized layer that
+    the compiler would trace (ModelOpt's own forward) refused. Returns how many."""
+    from qarl.quant import traced_quantized_modules
+
+    layers = check_decoder_layers(model)
+    traced = [f"layers.{i}.{name}" for i, layer in enumerate(layers) for name in traced_quantized_modules(layer)]
+    if traced:
+        raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
+                          f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run ModelOpt's own forward, "
+                          "which the compiler would trace (policy.quant_weight_cache=false, or a quantizer qarl's "
+                          "lean forward does not serve): set policy.compile_layers=false or "
+                          "policy.quant_weight_cache=true")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)

@@ -88,11 +88,14 @@ def varlen_mask(*args, **kwargs) -> torch.Tensor | None:
     return None
 
 
+@torch.compiler.disable
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [batch, heads, tokens, head dim] in, [batch, tokens, heads,
-    head dim] out. Varlen where `serves`, else SDPA with `attention_mask` (which SDPA's mask function built)."""
+    head dim] out. Varlen where `serves`, else SDPA with `attention_mask` (which SDPA's mask function built).
+    Never traced into a compiled decoder layer (`policy.compile_layers`): the kernel is one op either way, and the
+    longest sequence, a Python int that changes with every packed micro-batch, would be guarded on."""
     if not serves(module, query, dropout, kwargs):
         boundaries = kwargs.get("cu_seq_lens_q")
         if attention_mask is None and boundaries is not None and len(boundaries) > 2:

@@ -6,7 +6,7 @@ change tracking) -> `fastpath` (weight cache, lean forward) -> `quantize` (inser
 state) -> `rollout_view`.
 """
 
-from qarl.quant.fastpath.lean_forward import linear_weight
+from qarl.quant.fastpath.lean_forward import linear_weight, traced_quantized_modules
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.packed import pack_frozen_weights
 from qarl.quant.quantize import (
@@ -32,4 +32,5 @@ __all__ = [
     "quantize_policy",
     "quantizer_state",
     "resolve_format",
+    "traced_quantized_modules",
 ]

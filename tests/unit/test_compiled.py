@@ -1,8 +1,9 @@
-"""Compiled elementwise layers (`policy.compile_norms`, `policy.compile_mlp`, qarl/models/compiled.py) and the head's
-compiled scoring (`policy.compile_scores`, qarl/scoring.py): the policy's logits, log-probs and gradients within
-rounding of the eager ones, one graph for every sequence length, through gradient checkpointing, a deep copy and a
-qlora base; refused where the layers must be others (the exact forward, Megatron, QAD's KL) or where the model has no
-MLP or head the fusion knows."""
+"""Compiled elementwise layers (`policy.compile_norms`, `policy.compile_mlp`, qarl/models/compiled.py), whole
+compiled decoder layers (`policy.compile_layers`) and the head's compiled scoring (`policy.compile_scores`,
+qarl/scoring.py): the policy's logits, log-probs and gradients within rounding of the eager ones, one graph for every
+sequence length, through gradient checkpointing, a deep copy and a qlora base, quantized matmuls outside the graphs;
+refused where the layers must be others (the exact forward, Megatron, QAD's KL), where the compiler would trace a
+quantized layer, or where the model has no MLP, dense layers or head the fusion knows."""
 
 from __future__ import annotations
 
@@ -51,7 +52,47 @@ def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(tas
     assert torch.allclose(eval_logits(qlora, task), eval_logits(plain, task), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("knob", ["compile_norms", "compile_mlp", "compile_scores"])
+def test_compiled_decoder_layers_give_the_eager_numbers_with_the_quantized_matmuls_outside_the_graphs(task, tiny_dir):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
+    fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, gradient_checkpointing="on", compile_layers=True)
+    assert all(layer._compiled_call_impl is not None for layer in fused.model.model.layers)
+    assert torch.allclose(eval_logits(fused, task), eval_logits(eager, task), rtol=0, atol=1e-5)
+    answer_loss(eager, task).backward()
+    answer_loss(fused, task).backward()
+    for (name, a), b in zip(eager.model.named_parameters(), fused.model.parameters(), strict=True):
+        if a.grad is not None:
+            assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name  # fp32 rounding
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert breaks and all("lean_forward" in reason for reason in breaks)  # each quantized matmul runs eagerly
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for p in fused.model.parameters():  # an optimizer step: the quantized layers plan again, no graph is made
+            p.add_(1e-3 * torch.randn_like(p))
+        fused.model(input_ids=torch.arange(3, 21, device=fused.device).view(2, 9))  # other rows, another length
+    answer_loss(fused, task).backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert not torch._dynamo.utils.counters["recompiles"]
+
+
+def test_compiled_decoder_layers_are_refused_where_they_would_trace_or_repeat_something(task, tiny_dir, monkeypatch):
+    with pytest.raises(ConfigError, match="compile_norms=false"):
+        PolicyConfig(compile_layers=True, compile_norms=True)
+    with pytest.raises(ConfigError, match="lora.mode=qlora"):
+        PolicyConfig(compile_layers=True, lora=LoraConfig(mode="qlora"))
+    with pytest.raises(ConfigError, match="layers.0.self_attn.q_proj.*quant_weight_cache=true"):
+        tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_layers=True, quant_weight_cache=False)
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr("qarl.backends.hf.load_model", load_model)
+    with pytest.raises(ConfigError, match="experts"):
+        tiny_policy(task, resolve_model_dir("embedded:tiny-qwen3moe"), W4A16, trainable=True, compile_layers=True)
+
+
+@pytest.mark.parametrize("knob", ["compile_norms", "compile_mlp", "compile_layers", "compile_scores"])
 def test_compiled_layers_are_refused_where_the_layers_must_be_others(knob):
     with pytest.raises(ConfigError, match=knob):
         PolicyConfig(exact_forward=True, dtype="bfloat16", **{knob: True})

@@ -168,9 +168,12 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     return LinearPlan(*key, amax, tensor_version(amax), buffers, tuple(hooks), True, weight_fn, input_fn)
 
 
+@torch.compiler.disable
 def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """`quantized_linear` through the layer's `LinearPlan`, checked in one frame: this runs at every linear
-    layer of every forward."""
+    layer of every forward. Never traced into a compiled graph (`policy.compile_layers` compiles the decoder layers
+    around it): the quantized matmul, its fake quantization and straight-through gradient stay the eager path's, bit
+    for bit, and the plan's Python state is not guarded by the compiler."""
     weight = self._parameters["weight"]
     plan = self.__dict__.get("_qarl_plan")
     if (plan is None or plan.weight() is not weight or plan.version != tensor_version(weight)
@@ -402,6 +405,27 @@ class LeanAttention:
         has no dynamic attribute of these names (checked where this is installed)."""
         module = self.__dict__.get("_modules", {}).get(name)
         return module if module is not None else super().__getattr__(name)
+
+
+def traced_quantized_modules(module: nn.Module) -> list[str]:
+    """The quantized submodules of `module` whose forward torch.compile would trace into a compiled graph: every one
+    but the lean linear layers (kept out of graphs, `lean_forward`) and lean attention whose quantizers all pass
+    their tensors through (it then runs the model's own attention). ModelOpt's own forwards (the weight cache off, a
+    quantizer sequence, enabled attention quantizers) are among them: compiled, their fake quantization could round
+    otherwise than the rollout engine's."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    traced = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, TensorQuantizer) or not any(isinstance(q, TensorQuantizer) for q in sub.children()):
+            continue
+        if isinstance(sub, LeanLinear) and type(sub).forward is lean_forward:
+            continue
+        if isinstance(sub, LeanAttention) and all(
+                _is_identity(q) for q in (sub._modules.get(n) for n in _ATTENTION_QUANTIZERS) if q is not None):
+            continue
+        traced.append(name)
+    return traced
 
 
 def enable_lean_attention(model: nn.Module) -> int:
