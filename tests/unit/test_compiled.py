@@ -20,20 +20,27 @@ from qarl.scoring import FUSED_SCORES, score_completions
 from tests.conftest import W4A16, answer_loss, eval_logits, tiny_policy
 
 
-def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(task, tiny_dir):
-    knobs = {"compile_norms": True, "compile_mlp": True}
+def compiled_against_eager(task, tiny_dir, **knobs):
+    """A W4A16 tiny policy compiled with `knobs` (and checkpointing) beside an eager one, from fresh compiler counters:
+    logits and gradients within fp32 rounding of eager. Returns the compiled policy."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
     fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, gradient_checkpointing="on", **knobs)
-    assert len(rms_norms(fused.model)) == 2 * 2 + 1  # two a layer and the final one
-    assert len(gated_mlps(fused.model)) == 2
     assert torch.allclose(eval_logits(fused, task), eval_logits(eager, task), rtol=0, atol=1e-5)
     answer_loss(eager, task).backward()
     answer_loss(fused, task).backward()
     for (name, a), b in zip(eager.model.named_parameters(), fused.model.parameters(), strict=True):
         if a.grad is not None:
             assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name  # fp32 rounding
+    return fused
+
+
+def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(task, tiny_dir):
+    knobs = {"compile_norms": True, "compile_mlp": True}
+    fused = compiled_against_eager(task, tiny_dir, **knobs)
+    assert len(rms_norms(fused.model)) == 2 * 2 + 1  # two a layer and the final one
+    assert len(gated_mlps(fused.model)) == 2
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11]], device=fused.device)  # another length: no new graph
     with torch.no_grad():
         fused.model(input_ids=ids[:, :4])  # the inference graphs, once
@@ -53,17 +60,8 @@ def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(tas
 
 
 def test_compiled_decoder_layers_give_the_eager_numbers_with_the_quantized_matmuls_outside_the_graphs(task, tiny_dir):
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
-    fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, gradient_checkpointing="on", compile_layers=True)
+    fused = compiled_against_eager(task, tiny_dir, compile_layers=True)
     assert all(layer._compiled_call_impl is not None for layer in fused.model.model.layers)
-    assert torch.allclose(eval_logits(fused, task), eval_logits(eager, task), rtol=0, atol=1e-5)
-    answer_loss(eager, task).backward()
-    answer_loss(fused, task).backward()
-    for (name, a), b in zip(eager.model.named_parameters(), fused.model.parameters(), strict=True):
-        if a.grad is not None:
-            assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name  # fp32 rounding
     breaks = torch._dynamo.utils.counters["graph_break"]
     assert breaks and all("lean_forward" in reason for reason in breaks)  # each quantized matmul runs eagerly
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
