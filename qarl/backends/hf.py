@@ -18,7 +18,7 @@ from qarl.models.resolve import default_device
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
 from qarl.scoring import compile_scores
-from qarl.quant import QuantFormat, quantize_policy
+from qarl.quant import QuantFormat, quantize_policy, traced_quantized_modules
 
 
 def check(cfg: PolicyConfig) -> None:
@@ -42,6 +42,19 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
     if device.type == "cuda":  # packed micro-batches attend within each sequence (padded rows: SDPA as before)
         enable_varlen_attention(model)
     return model.to(device)
+
+
+def refuse_traced_quantized_layers(model: torch.nn.Module) -> None:
+    """`policy.compile_layers` leaves qarl's quantized linear layers out of the compiled graphs; a quantized layer
+    that runs ModelOpt's own forward would be traced (its fake quantization rounded by the compiler): refused."""
+    traced = [f"layers.{i}.{name}" for i, layer in enumerate(check_decoder_layers(model))
+              for name in traced_quantized_modules(layer)]
+    if traced:
+        raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
+                          f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run ModelOpt's own forward, "
+                          "which the compiler would trace (policy.quant_weight_cache=false, or a quantizer qarl's "
+                          "lean forward does not serve): set policy.compile_layers=false or "
+                          "policy.quant_weight_cache=true")
 
 
 def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
@@ -77,6 +90,7 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
     if cfg.compile_layers:
+        refuse_traced_quantized_layers(model)
         print(f"compiled {compile_layers(model)} decoder layers (policy.compile_layers)")
     if cfg.compile_scores:
         compile_scores(model)

@@ -100,18 +100,9 @@ def check_decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def compile_layers(model: nn.Module) -> int:
-    """Compile each decoder layer of `model` in place, its quantized linear layers left eager; a quantized layer that
-    the compiler would trace (ModelOpt's own forward) refused. Returns how many."""
-    from qarl.quant import traced_quantized_modules
-
+    """Compile each decoder layer of `model` in place; returns how many. The caller has checked that the compiler
+    traces no quantized layer (the HF backend: `qarl.quant.traced_quantized_modules`)."""
     layers = check_decoder_layers(model)
-    traced = [f"layers.{i}.{name}" for i, layer in enumerate(layers) for name in traced_quantized_modules(layer)]
-    if traced:
-        raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
-                          f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run ModelOpt's own forward, "
-                          "which the compiler would trace (policy.quant_weight_cache=false, or a quantizer qarl's "
-                          "lean forward does not serve): set policy.compile_layers=false or "
-                          "policy.quant_weight_cache=true")
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
