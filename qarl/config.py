@@ -166,10 +166,10 @@ class PolicyConfig:
     # eager, and refused with the exact forward like compile_norms. The HF backend.
     compile_mlp: bool = False
     # Each decoder layer compiled whole (qarl/models/compiled.py): its norms, gated MLP, rotary embedding, residual
-    # additions and the reshapes around attention fused, one graph for every layer; the quantized linear layers run
-    # eagerly between the graphs, so quantization is unchanged. Within rounding of eager like compile_norms and
-    # compile_mlp, which it includes (set those false). Dense layers, no LoRA, the weight cache on; not with the exact
-    # forward. The HF backend.
+    # additions and the reshapes around attention fused; the quantized linear layers run eagerly between the graphs,
+    # the same quantizer ops as eager. Within rounding of eager like compile_norms and compile_mlp, which it includes
+    # (set those false); an activation format's codes can flip where a compiled norm's output differs in its last bit.
+    # Dense layers, no LoRA, the weight cache on; not with the exact forward. The HF backend.
     compile_layers: bool = False
     # The linear head's scoring (each chunk's log-softmax, picked log-prob and entropy, and its backward) run as
     # compiled kernels that read the logits a few times instead of writing several fp32 [chunk, vocabulary] tensors
@@ -194,6 +194,10 @@ class PolicyConfig:
         if self.compile_layers and (self.compile_norms or self.compile_mlp):
             raise ConfigError("policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
                               "set policy.compile_norms=false and policy.compile_mlp=false")
+        if self.compile_layers and not self.quant_weight_cache:
+            raise ConfigError("policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs; "
+                              "with policy.quant_weight_cache=false they run ModelOpt's own forward, which the "
+                              "compiler would trace: set policy.quant_weight_cache=true or policy.compile_layers=false")
         if self.compile_layers and self.lora.mode != "none":
             raise ConfigError(f"policy.compile_layers with policy.lora.mode={self.lora.mode}: the adapters' layers are "
                               "not kept out of the compiled graphs; set policy.compile_layers=false (compile_norms and "

@@ -51,10 +51,10 @@ def refuse_traced_quantized_layers(model: torch.nn.Module) -> None:
               for name in traced_quantized_modules(layer)]
     if traced:
         raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
-                          f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run ModelOpt's own forward, "
-                          "which the compiler would trace (policy.quant_weight_cache=false, or a quantizer qarl's "
-                          "lean forward does not serve): set policy.compile_layers=false or "
-                          "policy.quant_weight_cache=true")
+                          f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run a forward of their own "
+                          "(ModelOpt's, for a quantizer qarl's lean forward does not serve: a quantizer sequence, "
+                          "enabled attention quantizers), which the compiler would trace: set "
+                          "policy.compile_layers=false")
 
 
 def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,

@@ -10,9 +10,10 @@ changes. Dynamic shapes: one compiled graph for every batch and sequence length 
 A model with compiled layers deep-copies (the KL reference) but does not pickle; qarl saves state dicts, which these
 leave as they were.
 
-`compile_layers` compiles each decoder layer whole (regional compilation: one graph serves every layer), so the
-rotary embedding, the residual additions and the reshapes around attention fuse as well. The quantized linear
-layers still run eagerly between the graphs (`lean_forward` is never traced): quantization is the same as above.
+`compile_layers` compiles each decoder layer whole (regional compilation: the same compiled code serves every layer),
+so the rotary embedding, the residual additions and the reshapes around attention fuse as well. The quantized linear
+layers still run eagerly (`lean_forward` is never traced), and on a GPU the varlen attention too, so each layer runs
+as a few graphs split at them; the quantizers are the same ops as above.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.models.experts import has_experts
+from qarl.torch_compat import allow_recompiles
+
+RECOMPILE_LIMIT = 32  # graphs a compiled decoder layer may keep: grad x train/eval x padded/packed is 8, and room to spare
 
 # transformers' MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")
@@ -103,6 +107,7 @@ def compile_layers(model: nn.Module) -> int:
     """Compile each decoder layer of `model` in place; returns how many. The caller has checked that the compiler
     traces no quantized layer (the HF backend: `qarl.quant.traced_quantized_modules`)."""
     layers = check_decoder_layers(model)
+    allow_recompiles(RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

@@ -8,25 +8,32 @@ quantized layer, or where the model has no MLP, dense layers or head the fusion 
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 import torch._dynamo
 
+from qarl.backends.hf import refuse_traced_quantized_layers
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.models.compiled import gated_mlps, rms_norms
 from qarl.models.resolve import resolve_model_dir
+from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.scoring import FUSED_SCORES, score_completions
+from qarl.torch_compat import compiled_in_place
 from tests.conftest import W4A16, answer_loss, eval_logits, tiny_policy
 
 
-def compiled_against_eager(task, tiny_dir, **knobs):
+def compiled_against_eager(task, tiny_dir, varlen: bool = False, **knobs):
     """A W4A16 tiny policy compiled with `knobs` (and checkpointing) beside an eager one, from fresh compiler counters:
-    logits and gradients within fp32 rounding of eager. Returns the compiled policy."""
+    logits and gradients within fp32 rounding of eager. `varlen`: the compiled one calls the GPU's attention function
+    (on CPU it runs SDPA with the mask). Returns the compiled policy."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
     fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, gradient_checkpointing="on", **knobs)
+    if varlen:
+        assert enable_varlen_attention(fused.model)
     assert torch.allclose(eval_logits(fused, task), eval_logits(eager, task), rtol=0, atol=1e-5)
     answer_loss(eager, task).backward()
     answer_loss(fused, task).backward()
@@ -60,18 +67,29 @@ def test_compiled_layers_give_the_eager_numbers_within_rounding_in_one_graph(tas
 
 
 def test_compiled_decoder_layers_give_the_eager_numbers_with_the_quantized_matmuls_outside_the_graphs(task, tiny_dir):
-    fused = compiled_against_eager(task, tiny_dir, compile_layers=True)
-    assert all(layer._compiled_call_impl is not None for layer in fused.model.model.layers)
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    assert breaks and all("lean_forward" in reason for reason in breaks)  # each quantized matmul runs eagerly
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    fused = compiled_against_eager(task, tiny_dir, varlen=True, compile_layers=True)
+    assert all(compiled_in_place(layer) for layer in fused.model.model.layers)
+    tok = fused.tokenizer
+    rows = [(tok(p.prompt).input_ids, tok(p.answer).input_ids * (1 + i % 3)) for i, p in enumerate(task.train[:12])]
+
+    def score_packed(first: int, count: int) -> None:
+        prompts, completions = zip(*rows[first : first + count])
+        score_completions(fused.model, list(prompts), list(completions), tok.pad_token_id, pack=True
+                          ).logprobs.sum().backward()
+
+    score_packed(0, 3)  # each variant's graphs once (padded rows with and without grad: above): packed rows
     with torch.no_grad():
+        fused.model(input_ids=torch.arange(3, 21, device=fused.device).view(2, 9))  # the no-grad graphs, once
         for p in fused.model.parameters():  # an optimizer step: the quantized layers plan again, no graph is made
             p.add_(1e-3 * torch.randn_like(p))
-        fused.model(input_ids=torch.arange(3, 21, device=fused.device).view(2, 9))  # other rows, another length
-    answer_loss(fused, task).backward()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert not torch._dynamo.utils.counters["recompiles"]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # other lengths, rows, weights: the same graphs
+        score_packed(3, 5)
+        answer_loss(fused, task).backward()
+        with torch.no_grad():
+            fused.model(input_ids=torch.arange(3, 18, device=fused.device).view(3, 5))
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert any("lean_forward" in reason for reason in breaks)  # each quantized matmul runs eagerly, as attention
+    assert all("lean_forward" in reason or "varlen_attention_forward" in reason for reason in breaks)
 
 
 def test_compiled_decoder_layers_are_refused_where_they_would_trace_or_repeat_something(task, tiny_dir, monkeypatch):
@@ -79,8 +97,14 @@ def test_compiled_decoder_layers_are_refused_where_they_would_trace_or_repeat_so
         PolicyConfig(compile_layers=True, compile_norms=True)
     with pytest.raises(ConfigError, match="lora.mode=qlora"):
         PolicyConfig(compile_layers=True, lora=LoraConfig(mode="qlora"))
-    with pytest.raises(ConfigError, match="layers.0.self_attn.q_proj.*quant_weight_cache=true"):
-        tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_layers=True, quant_weight_cache=False)
+    with pytest.raises(ConfigError, match="quant_weight_cache=true"):
+        PolicyConfig(compile_layers=True, quant_weight_cache=False)
+    plain = tiny_policy(task, tiny_dir, W4A16)
+    q_proj = plain.model.model.layers[0].self_attn.q_proj
+    refuse_traced_quantized_layers(plain.model)  # every quantized layer lean: nothing to refuse
+    q_proj.forward = types.MethodType(type(q_proj).forward, q_proj)  # a forward of its own: the compiler would trace it
+    with pytest.raises(ConfigError, match="layers.0.self_attn.q_proj run a forward of their own"):
+        refuse_traced_quantized_layers(plain.model)
 
     def load_model(*args, **kwargs):
         raise AssertionError("the weights loaded before the refusal")

@@ -411,15 +411,15 @@ def traced_quantized_modules(module: nn.Module) -> list[str]:
     """The quantized submodules of `module` whose forward torch.compile would trace into a compiled graph: every one
     but the lean linear layers (kept out of graphs, `lean_forward`) and lean attention whose quantizers all pass
     their tensors through (it then runs the model's own attention). ModelOpt's own forwards (the weight cache off, a
-    quantizer sequence, enabled attention quantizers) are among them: compiled, their fake quantization could round
-    otherwise than the rollout engine's."""
+    quantizer sequence, enabled attention quantizers) and forwards patched onto a layer are among them: compiled,
+    their fake quantization could round otherwise than the rollout engine's."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     traced = []
     for name, sub in module.named_modules():
         if isinstance(sub, TensorQuantizer) or not any(isinstance(q, TensorQuantizer) for q in sub.children()):
             continue
-        if isinstance(sub, LeanLinear) and type(sub).forward is lean_forward:
+        if isinstance(sub, LeanLinear) and type(sub).forward is lean_forward and "forward" not in sub.__dict__:
             continue
         if isinstance(sub, LeanAttention) and all(
                 _is_identity(q) for q in (sub._modules.get(n) for n in _ATTENTION_QUANTIZERS) if q is not None):
