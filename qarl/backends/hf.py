@@ -44,11 +44,11 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
     return model.to(device)
 
 
-def refuse_traced_quantized_layers(model: torch.nn.Module) -> None:
+def refuse_traced_quantized_layers(layers: torch.nn.ModuleList) -> None:
     """`policy.compile_layers` leaves qarl's quantized linear layers out of the compiled graphs; a quantized layer
-    that runs ModelOpt's own forward would be traced (its fake quantization rounded by the compiler): refused."""
-    traced = [f"layers.{i}.{name}" for i, layer in enumerate(check_decoder_layers(model))
-              for name in traced_quantized_modules(layer)]
+    of the decoder `layers` that runs a forward of its own would be traced (its fake quantization rounded by the
+    compiler): refused."""
+    traced = [f"layers.{i}.{name}" for i, layer in enumerate(layers) for name in traced_quantized_modules(layer)]
     if traced:
         raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
                           f"{', '.join(traced[:3])}{' ...' if len(traced) > 3 else ''} run a forward of their own "
@@ -90,8 +90,9 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
     if cfg.compile_layers:
-        refuse_traced_quantized_layers(model)
-        print(f"compiled {compile_layers(model)} decoder layers (policy.compile_layers)")
+        layers = check_decoder_layers(model)
+        refuse_traced_quantized_layers(layers)
+        print(f"compiled {compile_layers(layers)} decoder layers (policy.compile_layers)")
     if cfg.compile_scores:
         compile_scores(model)
         print("the linear head's scoring compiled (policy.compile_scores)")

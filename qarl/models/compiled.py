@@ -27,7 +27,7 @@ from qarl.config import ConfigError
 from qarl.models.experts import has_experts
 from qarl.torch_compat import allow_recompiles
 
-RECOMPILE_LIMIT = 32  # graphs a compiled decoder layer may keep: grad x train/eval x padded/packed is 8, and room to spare
+RECOMPILE_LIMIT = 32  # graphs a compiled decoder layer may keep: grad x train/eval x padded/packed is 8, with room
 
 # transformers' MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")
@@ -82,18 +82,12 @@ def compile_mlp(model: nn.Module) -> int:
     return len(mlps)
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The transformers model's stack of decoder layers (`get_decoder().layers`), or None."""
+def check_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The layers `compile_layers` compiles (`get_decoder().layers`); a model without a stack of dense decoder layers
+    refused. Works on the architecture built on the meta device, before the weights load."""
     get_decoder = getattr(model, "get_decoder", None)
     layers = getattr(get_decoder(), "layers", None) if get_decoder is not None else None
-    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
-
-
-def check_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The layers `compile_layers` compiles; a model without a stack of dense decoder layers refused. Works on the
-    architecture built on the meta device, before the weights load."""
-    layers = decoder_layers(model)
-    if layers is None:
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ConfigError(f"policy.compile_layers compiles a transformers model's decoder layers; "
                           f"{type(model).__name__} has no `get_decoder().layers`: set policy.compile_layers=false")
     if has_experts(model):
@@ -103,10 +97,9 @@ def check_decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def compile_layers(model: nn.Module) -> int:
-    """Compile each decoder layer of `model` in place; returns how many. The caller has checked that the compiler
-    traces no quantized layer (the HF backend: `qarl.quant.traced_quantized_modules`)."""
-    layers = check_decoder_layers(model)
+def compile_layers(layers: nn.ModuleList) -> int:
+    """Compile each of the decoder `layers` (`check_decoder_layers`) in place; returns how many. The caller has
+    checked that the compiler traces no quantized layer (the HF backend: `qarl.quant.traced_quantized_modules`)."""
     allow_recompiles(RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(dynamic=True)

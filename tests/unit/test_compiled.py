@@ -101,10 +101,10 @@ def test_compiled_decoder_layers_are_refused_where_they_would_trace_or_repeat_so
         PolicyConfig(compile_layers=True, quant_weight_cache=False)
     plain = tiny_policy(task, tiny_dir, W4A16)
     q_proj = plain.model.model.layers[0].self_attn.q_proj
-    refuse_traced_quantized_layers(plain.model)  # every quantized layer lean: nothing to refuse
+    refuse_traced_quantized_layers(plain.model.model.layers)  # every quantized layer lean: nothing to refuse
     q_proj.forward = types.MethodType(type(q_proj).forward, q_proj)  # a forward of its own: the compiler would trace it
     with pytest.raises(ConfigError, match="layers.0.self_attn.q_proj run a forward of their own"):
-        refuse_traced_quantized_layers(plain.model)
+        refuse_traced_quantized_layers(plain.model.model.layers)
 
     def load_model(*args, **kwargs):
         raise AssertionError("the weights loaded before the refusal")
