@@ -77,6 +77,15 @@ class GRPOSteps:
         return policy_update(self.run.policy, self.run.frozen, self.run.optimizer, batch, self.advantages, self.run.cfg)
 
 
+def on_host(keys: tuple[str, ...], rows: list[list[torch.Tensor | None]]) -> dict[str, list[float]]:
+    """Per-micro-batch scalars (None: NaN) as {key: [value per row]}, copied to the host in one transfer."""
+    if not rows:
+        return {key: [] for key in keys}
+    nan = torch.full((), float("nan"), device=rows[0][0].device)
+    table = torch.stack([torch.stack([nan if v is None else v.float() for v in row]) for row in rows]).T.tolist()
+    return dict(zip(keys, table))
+
+
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
                   batch: Rollout, advantages: torch.Tensor, cfg: RecipeConfig) -> dict[str, float]:
     """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches.
@@ -101,9 +110,10 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     with torch.no_grad():
         ref_lp = [score(reference, mb).logprobs if reference is not None else None for mb in mine]
         old: list[TokenScores | None] = [score(policy.model, mb) if t.num_iterations > 1 else None for mb in mine]
-    stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip", "kl", "is_weight", "grad_norm", "max_diff", "k3",
-                                                     "entropy", "tokens")}
+    stats: dict[str, list[float]] = {"grad_norm": []}
     results = []
+    losses: list[list[torch.Tensor | None]] = []  # per micro-batch; read once at the end (no host sync in the loop)
+    mismatch: list[list[torch.Tensor | None]] = []
     policy.model.train()
     for _ in range(t.num_iterations):
         optimizer.zero_grad()
@@ -115,20 +125,17 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             terms = grpo_loss(scores.logprobs, old[k].logprobs, engine_lp[k], ref_lp[k],
                               advantages[mb.rows].to(policy.device), old[k].mask, weights, t)
             optimizer.backward(terms.loss)
-            stats["loss"].append(terms.loss.item())
-            stats["clip"].append(terms.clip_fraction.item())
-            stats["kl"].append(terms.kl.item() if terms.kl is not None else float("nan"))
-            stats["is_weight"].append(terms.is_weight_mean.item() if terms.is_weight_mean is not None else float("nan"))
+            losses.append([terms.loss.detach(), terms.clip_fraction, terms.kl, terms.is_weight_mean])
         results.append(optimizer.step())
         stats["grad_norm"].append(results[-1].grad_norm)
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     for k in range(len(mine)):
         delta = (old[k].logprobs - engine_lp[k]) * old[k].mask
-        stats["max_diff"].append(delta.abs().max().item())
-        stats["k3"].append(((torch.exp(delta) - delta - 1) * old[k].mask).sum().item())
-        stats["entropy"].append(old[k].entropy.sum().item())
-        stats["tokens"].append(old[k].mask.sum().item())
+        mismatch.append([delta.abs().max(), ((torch.exp(delta) - delta - 1) * old[k].mask).sum(),
+                         old[k].entropy.sum(), old[k].mask.sum()])
+    stats.update(on_host(("loss", "clip", "kl", "is_weight"), losses))
+    stats.update(on_host(("max_diff", "k3", "entropy", "tokens"), mismatch))
     every_value = {k: policy.all_values(v) for k, v in stats.items() if k != "grad_norm"}  # every process's
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     tokens = sum(every_value["tokens"])
