@@ -18,7 +18,7 @@ from qarl.models.resolve import default_device
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
 from qarl.scoring import compile_scores
-from qarl.quant import QuantFormat, quantize_policy, traced_quantized_modules
+from qarl.quant import QuantFormat, quantize_policy, swaps_functions_in_forward, traced_quantized_modules
 
 
 def check(cfg: PolicyConfig) -> None:
@@ -57,6 +57,17 @@ def refuse_traced_quantized_layers(layers: torch.nn.ModuleList) -> None:
                           "policy.compile_layers=false")
 
 
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Activation checkpointing of each decoder layer (non-reentrant). torch stops a layer's recomputation once the
+    tensors the backward needs are back, by raising inside the layer; a quantized module that replaces a torch
+    function during its forward (ModelOpt's fused experts) would then leave it replaced, and every later layer
+    would compute with it. Such a model's layers are recomputed whole (`early_stop` off: the layer's last ops
+    again, which the backward does not need)."""
+    whole = swaps_functions_in_forward(model)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, **({"early_stop": False} if whole else {})})
+
+
 def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,
           texts: list[str] | None, trainable: bool) -> Policy:
     """A transformers model, quantized by ModelOpt and calibrated on `texts` (None: uncalibrated)."""
@@ -74,8 +85,6 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         model.to(getattr(torch, cfg.dtype))
     else:
         model = load_model(model_dir, cfg, device)
-    if trainable and cfg.gradient_checkpointing == "on":  # "auto" was decided by the memory plan (qarl/memory.py)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fmt is not None:
         batches = (lambda: calibration_batches(texts, tokenizer, cfg, device)) if texts is not None else None
         quantize_policy(model, fmt, batches, weight_cache=cfg.quant_weight_cache)
@@ -85,6 +94,8 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         lora = cfg.lora
         if fmt is not None and texts is not None:  # calibrated (else packed once `load_quantizer_state` sets amax)
             pack_base(model, cfg.lora)
+    if trainable and cfg.gradient_checkpointing == "on":  # "auto" was decided by the memory plan (qarl/memory.py)
+        enable_checkpointing(model)
     if cfg.compile_norms:
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
     if cfg.compile_mlp:

@@ -8,6 +8,7 @@ state) -> `rollout_view`.
 
 from qarl.quant.fastpath.lean_forward import linear_weight, traced_quantized_modules
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
+from qarl.quant.modelopt_compat import swaps_functions_in_forward
 from qarl.quant.packed import pack_frozen_weights
 from qarl.quant.quantize import (
     FUSED_SIBLINGS,
@@ -32,5 +33,6 @@ __all__ = [
     "quantize_policy",
     "quantizer_state",
     "resolve_format",
+    "swaps_functions_in_forward",
     "traced_quantized_modules",
 ]

@@ -26,6 +26,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # classes and helpers ModelOpt does not export
     "_QuantLinear", "_QuantEmbedding", "_QuantAttention", "StaticBlockScaleQuantizer", "CalibrateModeRegistry",
     "_name2descriptor", "preprocess_linear_fusion", "_get_dm_attribute_manager", "_forward_pre_dm",
+    "functionals_to_replace",
     # TensorQuantizer state
     "_disabled", "_if_quant", "_if_calib", "_pass_through_bwd", "_amax", "_pre_quant_scale",
     "_enable_pre_quant_scale", "_dynamic", "_use_constant_amax", "_is_static_block_scale_quantizer", "_get_amax",
@@ -126,6 +127,14 @@ def forward_patched_before_conversion(module: torch.nn.Module) -> bool:
     """`module`'s forward was replaced before ModelOpt converted it (ModelOpt keeps it as `_forward_pre_dm`).
     Checked: 0.47.0, CPU and H100."""
     return hasattr(module, "_forward_pre_dm")
+
+
+def swaps_functions_in_forward(model: torch.nn.Module) -> bool:
+    """A module of `model` replaces a torch function while its forward runs (its `functionals_to_replace`: the
+    fused experts' `F.linear`, which they call once per expert). ModelOpt's `replace_function` puts the function
+    back after the forward returns, not when it raises, so an exception inside such a forward leaves the function
+    replaced for the rest of the process. Checked: 0.47.0, CPU and H200."""
+    return any(getattr(module, "functionals_to_replace", None) for module in model.modules())
 
 
 def managed_attribute_names(module: torch.nn.Module) -> set[str]:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from qarl.config import ConfigError
 from qarl.models.experts import CHECKPOINT_NAMES, check_experts, expert_weights, fuse_expert_weights, is_fused_experts
 from qarl.models.resolve import resolve_model_dir
-from tests.conftest import W4A16, tiny_policy
+from tests.conftest import W4A16, answer_loss, tiny_policy
 
 MOE = "embedded:tiny-qwen3moe"
 
@@ -252,3 +252,24 @@ def test_a_qlora_base_packs_its_experts_expert_by_expert_with_the_same_bits(task
     unpacked, experts = copied.model.layers[1].mlp.experts, held.model.model.layers[1].mlp.experts
     assert torch.equal(unpacked.down_proj,
                        torch.stack([q(w) for q, w in zip(experts.down_proj_weight_quantizers, experts.down_proj)]))
+
+
+@pytest.mark.parametrize("lora", ["none", "qlora"])
+def test_checkpointed_experts_recompute_with_the_quantizers_of_their_own_layer(task, moe_dir, lora):
+    """A checkpointed layer's recomputation stops early (torch raises inside the layer once the tensors the backward
+    needs are back); ModelOpt's fused experts swap `F.linear` for their forward without restoring it on an
+    exception, so an early stop inside the experts left every later `F.linear` quantized with one expert's
+    quantizers (the next layer's projections: wrong gradients, or a packed base's error). Checkpointed layers
+    recompute whole where experts swap functions: the gradients are the plain path's and `F.linear` is torch's."""
+    from qarl.config import LoraConfig
+
+    linear = torch.nn.functional.linear
+    grads = []
+    for checkpointing in ("off", "on"):
+        policy = tiny_policy(task, moe_dir, W4A16, trainable=True, gradient_checkpointing=checkpointing,
+                             lora=LoraConfig(mode=lora))
+        policy.model.train()
+        answer_loss(policy, task).backward()
+        assert torch.nn.functional.linear is linear
+        grads.append([p.grad for _, p in sorted(policy.model.named_parameters()) if p.requires_grad])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads, strict=True))
