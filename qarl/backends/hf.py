@@ -18,7 +18,8 @@ from qarl.models.resolve import default_device
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
 from qarl.scoring import compile_scores
-from qarl.quant import QuantFormat, quantize_policy, swaps_functions_in_forward, traced_quantized_modules
+from qarl.quant import (QuantFormat, mark_plain_linears, quantize_policy, swaps_functions_in_forward,
+                        traced_quantized_modules)
 
 
 def check(cfg: PolicyConfig) -> None:
@@ -45,9 +46,9 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
 
 
 def refuse_traced_quantized_layers(layers: torch.nn.ModuleList) -> None:
-    """`policy.compile_layers` leaves qarl's quantized linear layers out of the compiled graphs; a quantized layer
-    of the decoder `layers` that runs a forward of its own would be traced (its fake quantization rounded by the
-    compiler): refused."""
+    """`policy.compile_layers` leaves qarl's quantized linear layers out of the compiled graphs (but for plain
+    matmuls of held weights, `qarl.quant.mark_plain_linears`); a quantized layer of the decoder `layers` that runs a
+    forward of its own would be traced (its fake quantization rounded by the compiler): refused."""
     traced = [f"layers.{i}.{name}" for i, layer in enumerate(layers) for name in traced_quantized_modules(layer)]
     if traced:
         raise ConfigError(f"policy.compile_layers leaves qarl's quantized linear layers out of the compiled graphs; "
@@ -104,6 +105,7 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         layers = check_decoder_layers(model)
         refuse_traced_quantized_layers(layers)
         print(f"compiled {compile_layers(layers)} decoder layers (policy.compile_layers)")
+        mark_plain_linears(model.get_decoder())
     if cfg.compile_scores:
         compile_scores(model)
         print("the linear head's scoring compiled (policy.compile_scores)")

@@ -6,7 +6,7 @@ change tracking) -> `fastpath` (weight cache, lean forward) -> `quantize` (inser
 state) -> `rollout_view`.
 """
 
-from qarl.quant.fastpath.lean_forward import linear_weight, traced_quantized_modules
+from qarl.quant.fastpath.lean_forward import linear_weight, mark_plain_linears, traced_quantized_modules
 from qarl.quant.formats import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.modelopt_compat import swaps_functions_in_forward
 from qarl.quant.packed import pack_frozen_weights
@@ -29,6 +29,7 @@ __all__ = [
     "folded_weights",
     "linear_weight",
     "load_quantizer_state",
+    "mark_plain_linears",
     "pack_frozen_weights",
     "quantize_policy",
     "quantizer_state",

@@ -168,18 +168,31 @@ def plan_linear(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
     return LinearPlan(*key, amax, tensor_version(amax), buffers, tuple(hooks), True, weight_fn, input_fn)
 
 
-@torch.compiler.disable
-def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """`quantized_linear` through the layer's `LinearPlan`, checked in one frame: this runs at every linear
-    layer of every forward. Never traced into a compiled graph (`policy.compile_layers` compiles the decoder layers
-    around it): the quantized matmul, its fake quantization and straight-through gradient stay the eager path's, bit
-    for bit, and the plan's Python state is not guarded by the compiler."""
-    weight = self._parameters["weight"]
-    plan = self.__dict__.get("_qarl_plan")
+def current_plan(layer: nn.Module, weight: torch.Tensor) -> LinearPlan:
+    """The layer's `LinearPlan`, made again if anything it rests on changed since."""
+    plan = layer.__dict__.get("_qarl_plan")
     if (plan is None or plan.weight() is not weight or plan.version != tensor_version(weight)
             or plan.changes != QUANTIZER_CHANGES.value or tensor_version(plan.amax) != plan.amax_version
             or plan.buffers.get(AMAX_BUFFER) is not plan.amax or any(plan.hooks)):
-        plan = self.__dict__["_qarl_plan"] = plan_linear(self, weight)
+        plan = layer.__dict__["_qarl_plan"] = plan_linear(layer, weight)
+    return plan
+
+
+def lean_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """`quantized_linear` through the layer's `LinearPlan`, checked in one frame: this runs at every linear
+    layer of every forward. Traced into a compiled graph (`policy.compile_layers`) only where the plan is a plain
+    matmul of the weight parameter as it is (a weight that holds its quantized value: mixed precision), as
+    `mark_plain_linears` found it before this forward; any other plan runs eagerly between the graphs, so fake
+    quantization and its straight-through gradient stay the eager path's and no plan state is guarded."""
+    if torch.compiler.is_compiling() and self._qarl_plain:
+        return F.linear(input, self._parameters["weight"], self._parameters.get("bias"))
+    return planned_linear(self, input)
+
+
+@torch.compiler.disable
+def planned_linear(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    weight = self._parameters["weight"]
+    plan = current_plan(self, weight)
     if not plan.lean:
         return quantized_linear(self, input, weight)
     if plan.input_fn is not None:
@@ -222,6 +235,7 @@ class LeanLinear:
     """Mixed into a quantized linear layer's class (see `enable_lean_forward`)."""
 
     forward = lean_forward
+    _qarl_plain = False  # its plan was a plain matmul of the weight parameter at the decoder's last call
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, nn.Module) or name in self._modules:  # a quantizer replaced: plan again
@@ -407,9 +421,26 @@ class LeanAttention:
         return module if module is not None else super().__getattr__(name)
 
 
+def mark_plain_linears(decoder: nn.Module) -> None:
+    """Before each call of `decoder` whose layers are compiled: note on each lean linear layer whether its plan is a
+    plain matmul of its weight parameter (`_qarl_plain`, read where `lean_forward` is traced). The compiler guards
+    on the note, so a layer whose plan changes (a hold ended, a quantizer switched) gets a graph that calls it
+    eagerly."""
+
+    def mark(module: nn.Module, args: tuple) -> None:
+        for layer in module.modules():
+            if isinstance(layer, LeanLinear) and type(layer).forward is lean_forward:
+                plan = current_plan(layer, layer._parameters["weight"])
+                plain = plan.lean and plan.input_fn is None and plan.weight_fn is None
+                if layer.__dict__.get("_qarl_plain", False) != plain:
+                    layer.__dict__["_qarl_plain"] = plain
+
+    decoder.register_forward_pre_hook(mark)
+
+
 def traced_quantized_modules(module: nn.Module) -> list[str]:
     """The quantized submodules of `module` whose forward torch.compile would trace into a compiled graph: every one
-    but the lean linear layers (kept out of graphs, `lean_forward`) and lean attention whose quantizers all pass
+    but the lean linear layers (eager between the graphs, or a plain matmul: `lean_forward`) and lean attention whose quantizers all pass
     their tensors through (it then runs the model's own attention). ModelOpt's own forwards (the weight cache off, a
     quantizer sequence, enabled attention quantizers) and forwards patched onto a layer are among them: compiled,
     their fake quantization could round otherwise than the rollout engine's."""
