@@ -127,6 +127,8 @@ def report(run_dir: Path) -> dict[str, float]:
     model_dir = next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.strip().startswith("model_name:"))
     params = ModelShape.of(model_dir).params
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "perf/step_s" in line]
+    if not rows:
+        raise SystemExit(f"{run_dir.name}: no step finished (the run's log says why)")
     steady = rows[1:] or rows
     med = lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)  # noqa: E731
     out = {"steps": len(rows), "step_s": med("perf/step_s"), "rollout_s": med("perf/rollout_s"),
