@@ -120,7 +120,7 @@ def make(out: Path, shape: str) -> Path:
 
 
 def report(run_dir: Path) -> dict[str, float]:
-    """Medians over a run's steps after the first (which warms up allocators and graphs)."""
+    """Medians over a run's steps after the first (which warms up allocators and graphs); {} if none finished."""
     from qarl.memory import ModelShape
 
     config = (run_dir / "config.yaml").read_text()
@@ -128,7 +128,7 @@ def report(run_dir: Path) -> dict[str, float]:
     params = ModelShape.of(model_dir).params
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "perf/step_s" in line]
     if not rows:
-        raise SystemExit(f"{run_dir.name}: no step finished (the run's log says why)")
+        return {}
     steady = rows[1:] or rows
     med = lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)  # noqa: E731
     out = {"steps": len(rows), "step_s": med("perf/step_s"), "rollout_s": med("perf/rollout_s"),
@@ -156,7 +156,9 @@ def main() -> None:
         make(args.out, args.shape)
     else:
         for run in args.runs:
-            print(run.name, json.dumps({k: round(v, 4) for k, v in report(run).items()}))
+            found = report(run)
+            print(run.name, json.dumps({k: round(v, 4) for k, v in found.items()}) if found
+                  else "no step finished (the run's log says why)")
 
 
 if __name__ == "__main__":

@@ -195,8 +195,9 @@ class PolicyConfig:
             raise ConfigError("policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
                               "set policy.compile_norms=false and policy.compile_mlp=false")
         if self.compile_layers and not self.quant_weight_cache:
-            raise ConfigError("policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs; "
-                              "with policy.quant_weight_cache=false they run ModelOpt's own forward, which the "
+            raise ConfigError("policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs "
+                              "(but plain matmuls of held weights); with policy.quant_weight_cache=false they run "
+                              "ModelOpt's own forward, which the "
                               "compiler would trace: set policy.quant_weight_cache=true or policy.compile_layers=false")
         if self.compile_layers and self.lora.mode != "none":
             raise ConfigError(f"policy.compile_layers with policy.lora.mode={self.lora.mode}: the adapters' layers are "

@@ -43,7 +43,8 @@ from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import build_policy, DTYPES, Policy
 from qarl.quant import resolve_format
-from qarl.run import Rollout, Run, engine_in_format, initial_model_dir, run_steps, start_engine, start_run
+from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, on_host, run_steps, start_engine,
+                      start_run)
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task
@@ -189,7 +190,7 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     if not comps:
         return {}
     total_tokens = sum(len(c.token_ids) for c in comps)
-    parts: dict[str, list[float]] = {"kl": [], "kl_full": [], "entropy": [], "mismatch": [], "max_diff": []}
+    stats: list[list[torch.Tensor]] = []  # per micro-batch, read to the host once at the end
     student.model.train()
     optimizer.zero_grad()
     for group in optimizer.param_groups:
@@ -203,12 +204,10 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
         optimizer.backward(scores.kl.sum() / total_tokens)
         engine_lp = mb.engine_logprobs(scores.mask.device)
         delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
-        parts["max_diff"].append(delta.abs().max().item())
-        parts["mismatch"].append(((torch.exp(delta) - delta - 1) * scores.mask).sum().item())
-        parts["kl"].append(scores.kl.detach().sum().item())
-        parts["kl_full"].append(scores.kl_full.sum().item())
-        parts["entropy"].append(scores.entropy.sum().item())
+        stats.append([delta.abs().max(), ((torch.exp(delta) - delta - 1) * scores.mask).sum(), scores.kl.sum(),
+                      scores.kl_full.sum(), scores.entropy.sum()])
     result = optimizer.step()
+    parts = on_host(("max_diff", "mismatch", "kl", "kl_full", "entropy"), stats)
     student.model.eval()
     sums = {k: sum(student.all_values(v)) for k, v in parts.items() if k != "max_diff"}  # of every process's
     max_diff = max(student.all_values(parts["max_diff"]), default=0.0)

@@ -267,6 +267,16 @@ def rollout(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], 
     return Rollout(problems, completions, texts, time.perf_counter() - start)
 
 
+def on_host(keys: tuple[str, ...], rows: list[list[torch.Tensor | None]]) -> dict[str, list[float]]:
+    """Per-micro-batch scalars (None: NaN) as {key: [value per row]}, copied to the host in one transfer at the end of
+    an update rather than one sync after each micro-batch's backward."""
+    if not rows:
+        return {key: [] for key in keys}
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=rows[0][0].device)
+    table = torch.stack([torch.stack([nan if v is None else v.detach().float() for v in row]) for row in rows])
+    return dict(zip(keys, table.T.tolist()))
+
+
 def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
                                refit: RefitTiming, done: float, sleep_wake_s: float) -> dict[str, float]:
     """The per-step completion statistics and timings. `perf/train_s` runs from the engine's sleep to its wake-up;

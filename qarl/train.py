@@ -23,7 +23,7 @@ from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
-from qarl.run import Rollout, Run, initial_policy, run_steps, start_engine, start_run
+from qarl.run import Rollout, Run, initial_policy, on_host, run_steps, start_engine, start_run
 from qarl.scoring import MicroBatch, TokenScores, micro_batches, score_completions
 from qarl.tasks import Task
 
@@ -77,15 +77,6 @@ class GRPOSteps:
         return policy_update(self.run.policy, self.run.frozen, self.run.optimizer, batch, self.advantages, self.run.cfg)
 
 
-def on_host(keys: tuple[str, ...], rows: list[list[torch.Tensor | None]]) -> dict[str, list[float]]:
-    """Per-micro-batch scalars (None: NaN) as {key: [value per row]}, copied to the host in one transfer."""
-    if not rows:
-        return {key: [] for key in keys}
-    nan = torch.full((), float("nan"), device=rows[0][0].device)
-    table = torch.stack([torch.stack([nan if v is None else v.float() for v in row]) for row in rows]).T.tolist()
-    return dict(zip(keys, table))
-
-
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
                   batch: Rollout, advantages: torch.Tensor, cfg: RecipeConfig) -> dict[str, float]:
     """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches.
@@ -112,7 +103,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         old: list[TokenScores | None] = [score(policy.model, mb) if t.num_iterations > 1 else None for mb in mine]
     stats: dict[str, list[float]] = {"grad_norm": []}
     results = []
-    losses: list[list[torch.Tensor | None]] = []  # per micro-batch; read once at the end (no host sync in the loop)
+    losses: list[list[torch.Tensor | None]] = []  # per micro-batch, read to the host once at the end
     mismatch: list[list[torch.Tensor | None]] = []
     policy.model.train()
     for _ in range(t.num_iterations):

@@ -11,9 +11,10 @@ A model with compiled layers deep-copies (the KL reference) but does not pickle;
 leave as they were.
 
 `compile_layers` compiles each decoder layer whole (regional compilation: the same compiled code serves every layer),
-so the rotary embedding, the residual additions and the reshapes around attention fuse as well. The quantized linear
-layers still run eagerly (`lean_forward` is never traced), and on a GPU the varlen attention too, so each layer runs
-as a few graphs split at them; the quantizers are the same ops as above.
+so the rotary embedding, the residual additions and the reshapes around attention fuse as well. A quantized linear
+layer is traced only where it is a plain matmul of a weight that holds its quantized value (mixed precision,
+`qarl.quant.mark_plain_linears`); any other runs eagerly, as does the varlen attention on a GPU, and the layer then
+runs as a few graphs split at them; the quantizers are the same ops as above.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from qarl.config import ConfigError
 from qarl.models.experts import has_experts
 from qarl.torch_compat import allow_recompiles
 
-RECOMPILE_LIMIT = 32  # graphs a compiled decoder layer may keep: grad x train/eval x padded/packed is 8, with room
+RECOMPILE_LIMIT = 32  # graphs a compiled decoder layer may keep: grad x train/eval x padded/packed x its quantized
+# matmuls traced or eager is 16, with room (beyond it dynamo runs the layer eagerly: the same numbers, slower)
 
 # transformers' MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")

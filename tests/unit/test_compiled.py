@@ -94,22 +94,23 @@ def test_compiled_decoder_layers_give_the_eager_numbers_with_the_quantized_matmu
 
 
 def held_policies(task, tiny_dir):
-    """Mixed-precision W4A16 tiny policies, eager and with compiled decoder layers, each quantized weight holding its
-    quantized value (the masters copied in, as at each optimizer step), from fresh compiler counters."""
+    """Mixed-precision W4A16 tiny policies, eager and with compiled (and checkpointed) decoder layers, each quantized
+    weight holding its quantized value (the masters copied in, as at each optimizer step), from fresh compiler
+    counters."""
     from qarl.optim import PolicyOptimizer
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager, fused = (tiny_policy(task, tiny_dir, W4A16, trainable=True, dtype="bfloat16", **knobs)
-                    for knobs in ({}, {"compile_layers": True}))
+                    for knobs in ({}, {"compile_layers": True, "gradient_checkpointing": "on"}))
     for policy in (eager, fused):
         PolicyOptimizer(policy, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)
     return eager, fused
 
 
 def held_agree(eager, fused, task) -> None:
-    """The loss and gradients of the two within bf16 rounding (with grad only: no-grad graphs would double the
-    compile time)."""
+    """The loss within 1 % and each gradient within 5 % of its largest element (bf16 rounding through fused kernels),
+    with grad only: no-grad graphs would double the compile time."""
     losses = []
     for policy in (eager, fused):
         policy.model.zero_grad(set_to_none=True)
@@ -127,7 +128,8 @@ def test_held_weights_are_traced_into_the_compiled_decoder_layers_as_plain_matmu
     quantized matmul eager.)"""
     eager, fused = held_policies(task, tiny_dir)
     held_agree(eager, fused, task)
-    assert all(m._qarl_plain for m in fused.model.model.layers.modules() if hasattr(m, "_qarl_plain"))
+    noted = [m._qarl_plain for m in fused.model.model.layers.modules() if hasattr(m, "_qarl_plain")]
+    assert len(noted) == 2 * 7 and all(noted)  # every projection of both layers
     assert not any("lean_forward" in r or "planned_linear" in r for r in torch._dynamo.utils.counters["graph_break"])
 
 

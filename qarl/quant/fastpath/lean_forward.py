@@ -124,6 +124,11 @@ class LinearPlan:
     weight_fn: Callable[[torch.Tensor], torch.Tensor] | None  # None: the parameter as it is
     input_fn: Callable[[torch.Tensor], torch.Tensor] | None  # None: the input as it is
 
+    @property
+    def plain(self) -> bool:
+        """The layer is F.linear of its input and its weight parameter as they are."""
+        return self.lean and self.input_fn is None and self.weight_fn is None
+
 
 with torch.inference_mode(False):  # an inference tensor keeps no version (an import under inference_mode)
     _NO_AMAX = torch.zeros(())  # never written: its version never moves
@@ -218,9 +223,8 @@ def linear_weight(layer: nn.Module) -> torch.Tensor | None:
         return None
     if type(layer) is nn.Linear:
         return weight
-    if isinstance(layer, LeanLinear) and type(layer).forward is lean_forward:  # not an adapter's forward over it
-        plan = plan_linear(layer, weight)
-        return weight if plan.lean and plan.input_fn is None and plan.weight_fn is None else None
+    if has_lean_forward(layer):  # not an adapter's forward over it
+        return weight if plan_linear(layer, weight).plain else None
     modelopt_linear = quant_linear_class()
     if (isinstance(layer, modelopt_linear) and isinstance(layer, nn.Linear)
             and type(layer).forward is modelopt_linear.forward and not forward_patched_before_conversion(layer)):
@@ -229,6 +233,11 @@ def linear_weight(layer: nn.Module) -> torch.Tensor | None:
                              and _is_identity(q) and _no_hooks(q)) for q in quantizers):
             return weight
     return None
+
+
+def has_lean_forward(module: nn.Module) -> bool:
+    """`module` is a lean linear layer that runs `lean_forward` (no adapter's forward over it, none of its own)."""
+    return isinstance(module, LeanLinear) and type(module).forward is lean_forward and "forward" not in module.__dict__
 
 
 class LeanLinear:
@@ -421,36 +430,38 @@ class LeanAttention:
         return module if module is not None else super().__getattr__(name)
 
 
-def mark_plain_linears(decoder: nn.Module) -> None:
+def mark_plain_linears(decoder: nn.Module) -> int:
     """Before each call of `decoder` whose layers are compiled: note on each lean linear layer whether its plan is a
     plain matmul of its weight parameter (`_qarl_plain`, read where `lean_forward` is traced). The compiler guards
     on the note, so a layer whose plan changes (a hold ended, a quantizer switched) gets a graph that calls it
-    eagerly."""
+    eagerly. Returns how many layers are noted (none: no hook)."""
+    count = sum(has_lean_forward(m) for m in decoder.modules())
+    if count:
+        decoder.register_forward_pre_hook(_mark_plain_linears)
+    return count
 
-    def mark(module: nn.Module, args: tuple) -> None:
-        for layer in module.modules():
-            if isinstance(layer, LeanLinear) and type(layer).forward is lean_forward:
-                plan = current_plan(layer, layer._parameters["weight"])
-                plain = plan.lean and plan.input_fn is None and plan.weight_fn is None
-                if layer.__dict__.get("_qarl_plain", False) != plain:
-                    layer.__dict__["_qarl_plain"] = plain
 
-    decoder.register_forward_pre_hook(mark)
+def _mark_plain_linears(decoder: nn.Module, args: tuple) -> None:
+    for layer in decoder.modules():
+        if has_lean_forward(layer):
+            plain = current_plan(layer, layer._parameters["weight"]).plain
+            if layer.__dict__.get("_qarl_plain", False) != plain:  # written on a change only: no guard churn
+                layer.__dict__["_qarl_plain"] = plain
 
 
 def traced_quantized_modules(module: nn.Module) -> list[str]:
     """The quantized submodules of `module` whose forward torch.compile would trace into a compiled graph: every one
-    but the lean linear layers (eager between the graphs, or a plain matmul: `lean_forward`) and lean attention whose quantizers all pass
-    their tensors through (it then runs the model's own attention). ModelOpt's own forwards (the weight cache off, a
-    quantizer sequence, enabled attention quantizers) and forwards patched onto a layer are among them: compiled,
-    their fake quantization could round otherwise than the rollout engine's."""
+    but the lean linear layers (eager between the graphs, or a plain matmul: `lean_forward`) and lean attention whose
+    quantizers all pass their tensors through (it then runs the model's own attention). ModelOpt's own forwards (the
+    weight cache off, a quantizer sequence, enabled attention quantizers) and forwards patched onto a layer are among
+    them: compiled, their fake quantization could round otherwise than the rollout engine's."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     traced = []
     for name, sub in module.named_modules():
         if isinstance(sub, TensorQuantizer) or not any(isinstance(q, TensorQuantizer) for q in sub.children()):
             continue
-        if isinstance(sub, LeanLinear) and type(sub).forward is lean_forward and "forward" not in sub.__dict__:
+        if has_lean_forward(sub):
             continue
         if isinstance(sub, LeanAttention) and all(
                 _is_identity(q) for q in (sub._modules.get(n) for n in _ATTENTION_QUANTIZERS) if q is not None):
