@@ -166,8 +166,9 @@ class PolicyConfig:
     # eager, and refused with the exact forward like compile_norms. The HF backend.
     compile_mlp: bool = False
     # Each decoder layer compiled whole (qarl/models/compiled.py): its norms, gated MLP, rotary embedding, residual
-    # additions and the reshapes around attention fused; the quantized linear layers run eagerly between the graphs,
-    # the same quantizer ops as eager. Within rounding of eager like compile_norms and compile_mlp, which it includes
+    # additions and the reshapes around attention fused; a quantized linear layer is traced only as the plain matmul
+    # of a weight that holds its quantized value (mixed precision), any other runs eagerly between the graphs, the
+    # same quantizer ops as eager. Within rounding of eager like compile_norms and compile_mlp, which it includes
     # (set those false); an activation format's codes can flip where a compiled norm's output differs in its last bit.
     # Dense layers, no LoRA, the weight cache on; not with the exact forward. The HF backend.
     compile_layers: bool = False
@@ -197,8 +198,8 @@ class PolicyConfig:
         if self.compile_layers and not self.quant_weight_cache:
             raise ConfigError("policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs "
                               "(but plain matmuls of held weights); with policy.quant_weight_cache=false they run "
-                              "ModelOpt's own forward, which the "
-                              "compiler would trace: set policy.quant_weight_cache=true or policy.compile_layers=false")
+                              "ModelOpt's own forward, which the compiler would trace: set "
+                              "policy.quant_weight_cache=true or policy.compile_layers=false")
         if self.compile_layers and self.lora.mode != "none":
             raise ConfigError(f"policy.compile_layers with policy.lora.mode={self.lora.mode}: the adapters' layers are "
                               "not kept out of the compiled graphs; set policy.compile_layers=false (compile_norms and "

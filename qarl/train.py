@@ -104,7 +104,6 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     stats: dict[str, list[float]] = {"grad_norm": []}
     results = []
     losses: list[list[torch.Tensor | None]] = []  # per micro-batch, read to the host once at the end
-    mismatch: list[list[torch.Tensor | None]] = []
     policy.model.train()
     for _ in range(t.num_iterations):
         optimizer.zero_grad()
@@ -121,6 +120,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         stats["grad_norm"].append(results[-1].grad_norm)
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
+    mismatch: list[list[torch.Tensor | None]] = []
     for k in range(len(mine)):
         delta = (old[k].logprobs - engine_lp[k]) * old[k].mask
         mismatch.append([delta.abs().max(), ((torch.exp(delta) - delta - 1) * old[k].mask).sum(),

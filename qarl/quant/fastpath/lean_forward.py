@@ -224,7 +224,7 @@ def linear_weight(layer: nn.Module) -> torch.Tensor | None:
     if type(layer) is nn.Linear:
         return weight
     if has_lean_forward(layer):  # not an adapter's forward over it
-        return weight if plan_linear(layer, weight).plain else None
+        return weight if current_plan(layer, weight).plain else None
     modelopt_linear = quant_linear_class()
     if (isinstance(layer, modelopt_linear) and isinstance(layer, nn.Linear)
             and type(layer).forward is modelopt_linear.forward and not forward_patched_before_conversion(layer)):
