@@ -43,8 +43,8 @@ from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import build_policy, DTYPES, Policy
 from qarl.quant import resolve_format
-from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, on_host, run_steps, start_engine,
-                      start_run)
+from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatch_sums, on_host, run_steps,
+                      start_engine, start_run)
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task
@@ -203,8 +203,7 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
                             pack=t.max_tokens_per_micro_batch > 0)
         optimizer.backward(scores.kl.sum() / total_tokens)
         engine_lp = mb.engine_logprobs(scores.mask.device)
-        delta = (scores.logprobs - engine_lp) * scores.mask  # rollout/train mismatch on the sampled tokens
-        stats.append([delta.abs().max(), ((torch.exp(delta) - delta - 1) * scores.mask).sum(), scores.kl.sum(),
+        stats.append([*mismatch_sums(scores.logprobs, engine_lp, scores.mask), scores.kl.sum(),
                       scores.kl_full.sum(), scores.entropy.sum()])
     result = optimizer.step()
     parts = on_host(("max_diff", "mismatch", "kl", "kl_full", "entropy"), stats)

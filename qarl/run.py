@@ -277,6 +277,13 @@ def on_host(keys: tuple[str, ...], rows: list[list[torch.Tensor | None]]) -> dic
     return dict(zip(keys, table.T.tolist()))
 
 
+def mismatch_sums(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """The rollout/train mismatch of one micro-batch's sampled tokens, policy against engine log-probs: [the largest
+    |difference|, the sum of the k3 KL estimate exp(d) - d - 1], for `on_host`."""
+    delta = (logprobs.detach() - engine_logprobs) * mask
+    return [delta.abs().max(), ((torch.exp(delta) - delta - 1) * mask).sum()]
+
+
 def rollout_and_timing_metrics(batch: Rollout, step_start: float, train_start: float, refit_start: float,
                                refit: RefitTiming, done: float, sleep_wake_s: float) -> dict[str, float]:
     """The per-step completion statistics and timings. `perf/train_s` runs from the engine's sleep to its wake-up;

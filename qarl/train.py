@@ -23,7 +23,7 @@ from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
-from qarl.run import Rollout, Run, initial_policy, on_host, run_steps, start_engine, start_run
+from qarl.run import Rollout, Run, initial_policy, mismatch_sums, on_host, run_steps, start_engine, start_run
 from qarl.scoring import MicroBatch, TokenScores, micro_batches, score_completions
 from qarl.tasks import Task
 
@@ -122,9 +122,8 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     mismatch: list[list[torch.Tensor | None]] = []
     for k in range(len(mine)):
-        delta = (old[k].logprobs - engine_lp[k]) * old[k].mask
-        mismatch.append([delta.abs().max(), ((torch.exp(delta) - delta - 1) * old[k].mask).sum(),
-                         old[k].entropy.sum(), old[k].mask.sum()])
+        mismatch.append([*mismatch_sums(old[k].logprobs, engine_lp[k], old[k].mask), old[k].entropy.sum(),
+                         old[k].mask.sum()])
     stats.update(on_host(("loss", "clip", "kl", "is_weight"), losses))
     stats.update(on_host(("max_diff", "k3", "entropy", "tokens"), mismatch))
     every_value = {k: policy.all_values(v) for k, v in stats.items() if k != "grad_norm"}  # every process's
