@@ -1,11 +1,13 @@
-"""One torch.distributed process of a Megatron-backend test (run by torchrun from tests/integration/test_megatron.py):
-for each format, build the Megatron model from a Hugging Face directory at the given TP, quantize and
-calibrate it, and write from rank 0 what the test compares with the HF backend: logits, folded weights,
-gradients of a log-likelihood loss and quantizer state by Hugging Face name (`<out>/<format>.safetensors`). Several
-comma-separated model directories run one after another in the same processes, each written to `<out>/<its name>/`
-(starting torchrun and its imports is most of a small run's time)."""
+"""One torch.distributed process of the Megatron-backend tests (run by torchrun from tests/integration/test_megatron.py).
+It runs a list of jobs, one after another in the same processes (starting torchrun and its imports is most of a small
+run's time): for each format of a job, build the Megatron model from a Hugging Face directory at the job's TP (the
+processes beyond TP are data-parallel ranks), quantize and calibrate it, and write from rank 0 what the tests compare
+with the HF backend: logits, folded weights, gradients of a log-likelihood loss and quantizer state by Hugging Face
+name (`<job out>/<format>.safetensors`)."""
 
-import argparse
+import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +32,6 @@ def train_step(model, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> No
     (-(scores.logprobs * advantages).sum() / scores.mask.sum()).backward()
     getattr(model, "finish_gradients", lambda: None)()
     optimizer.step()
-
 
 
 def refit_both(built, model_dir: str, fmt, ids: torch.Tensor, out: Path) -> None:
@@ -61,53 +62,55 @@ def refit_both(built, model_dir: str, fmt, ids: torch.Tensor, out: Path) -> None
                "policy": policy.contiguous()}, str(out))
 
 
+@dataclass
+class Job:
+    """One model directory at one TP, each of `formats` (quant configs; "none": unquantized) in turn."""
+
+    model_dir: str
+    out: str
+    tp: int = 1
+    formats: tuple[str, ...] = ("none",)
+    save: bool = False  # also write <out>/<format>_checkpoint (Megatron's save_policy)
+    train_steps: int = 0  # first take this many AdamW steps on a policy-gradient loss of qarl's completion scores
+    data_parallel: bool = False  # the final loss of each data-parallel rank covers its own rows only (rank::dp)
+    refit: bool = False  # (a world of one, the last job) refit a vLLM engine from the Megatron model and the HF backend
+    state_from: str | None = None  # load each format's quantizer state from <state_from>/<format>_checkpoint
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model_dir")
-    parser.add_argument("out")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--formats", default="none", help="comma-separated quant configs ('none': unquantized)")
-    parser.add_argument("--save", action="store_true", help="also write <out>/<format>_checkpoint (Megatron's save_policy)")
-    parser.add_argument("--train-steps", type=int, default=0,
-                        help="first take this many AdamW steps on a policy-gradient loss of qarl's completion scores")
-    parser.add_argument("--data-parallel", action="store_true",
-                        help="the final loss of each data-parallel rank covers its own rows only (rank::dp)")
-    parser.add_argument("--refit", action="store_true",
-                        help="(one process) refit a vLLM engine from the Megatron model and from the HF backend")
-    parser.add_argument("--state-from", help="load each format's quantizer state from <dir>/<format>_checkpoint")
-    args = parser.parse_args()
+    """`megatron_worker.py JOBS.json`: a JSON list of `Job` fields."""
+    jobs = [Job(**job) for job in json.loads(Path(sys.argv[1]).read_text())]
+    if any(job.refit for job in jobs[:-1]) or any(len(job.formats) > 1 for job in jobs if job.refit):
+        raise SystemExit("a refit job must be the last, of one format: the engine's shutdown ends torch.distributed's "
+                         "default group")
     ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0))
-    model_dirs = args.model_dir.split(",")
-    if len(model_dirs) > 1 and (args.refit or args.state_from):
-        parser.error("--refit and --state-from take one model directory")
-    for model_dir in model_dirs:
-        out = Path(args.out) / Path(model_dir).name if len(model_dirs) > 1 else Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        if run_model(model_dir, out, args, ids) == "refitted":
-            return
-    dist.barrier()
+    for job in jobs:
+        Path(job.out).mkdir(parents=True, exist_ok=True)
+        run_job(job, ids)
+    if not jobs[-1].refit:
+        dist.barrier()
 
 
-def run_model(model_dir: str, out: Path, args: argparse.Namespace, ids: torch.Tensor) -> str:
-    """Every format of one model: what the test compares, written to `out`; "refitted" once an engine has run."""
-    for name in args.formats.split(","):
+def run_job(job: Job, ids: torch.Tensor) -> None:
+    """Every format of one job: what the tests compare, written to `job.out`."""
+    out = Path(job.out)
+    for name in job.formats:
         fmt = resolve_format(name)
-        built = build_megatron_model(model_dir, args.tp, getattr(torch, args.dtype), torch.device("cpu"),
+        built = build_megatron_model(job.model_dir, job.tp, torch.float32, torch.device("cpu"),
                                      fmt=fmt, calibration=lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
-        if fmt is not None and args.state_from:
-            saved = Path(args.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
+        if fmt is not None and job.state_from:
+            saved = Path(job.state_from) / f"{Path(name).stem}_checkpoint" / "quantizer_state.safetensors"
             built.load_quantizer_state(load_file(str(saved)))
         optimizer = torch.optim.AdamW(built.parameters(), lr=1e-3)
-        for _ in range(args.train_steps):
+        for _ in range(job.train_steps):
             train_step(built, optimizer, ids)
-        if args.save:
-            built.save_policy(out / f"{Path(name).stem}_checkpoint", fmt, AutoTokenizer.from_pretrained(model_dir))
+        if job.save:
+            built.save_policy(out / f"{Path(name).stem}_checkpoint", fmt, AutoTokenizer.from_pretrained(job.model_dir))
         built.model.zero_grad(set_to_none=True)
         logits = built.logits(ids)
         # a real loss through the fake-quantized forward: straight-through gradients reach every weight
         token_logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
-        if args.data_parallel:
+        if job.data_parallel:
             from megatron.core import parallel_state
 
             dp = parallel_state.get_data_parallel_world_size()
@@ -121,10 +124,8 @@ def run_model(model_dir: str, out: Path, args: argparse.Namespace, ids: torch.Te
         if dist.get_rank() == 0:
             save_file({"logits": logits.detach().float().contiguous(), "ids": ids, **tensors},
                       str(out / f"{Path(name).stem}.safetensors"))
-        if args.refit:  # last, in a world of one: the engine's shutdown destroys torch.distributed's default group
-            refit_both(built, model_dir, fmt, ids, out / f"{Path(name).stem}_refit.safetensors")
-            return "refitted"
-    return "done"
+        if job.refit:
+            refit_both(built, job.model_dir, fmt, ids, out / f"{Path(name).stem}_refit.safetensors")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ format. The converter alone (round trip, shapes, refusals): tests/unit/test_conv
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,22 +23,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------
 
-def run_workers(model_dir: str, out: Path, tp: int, formats: list[str], *options: str,
-                processes: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """tests/megatron_worker.py under torchrun (`processes`, default tp; gloo) with `options`; {format: what
-    rank 0 wrote}. More processes than TP are data-parallel ranks. `model_dir`: several comma-separated ones run
-    in the same processes, each written to `out/<its name>/` (read with `worker_outputs`)."""
-    out.mkdir(parents=True, exist_ok=True)
+def run_workers(root: Path, processes: int, jobs: list[dict]) -> None:
+    """tests/megatron_worker.py's `jobs` (the fields of its `Job`) under torchrun, `processes` processes (gloo)."""
+    jobs_file = root / f"jobs_{processes}.json"
+    jobs_file.write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes or tp),
-               str(REPO / "tests" / "megatron_worker.py"), model_dir, str(out), "--tp", str(tp),
-               "--formats", ",".join(formats), *options]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(REPO / "tests" / "megatron_worker.py"), str(jobs_file)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {} if "," in model_dir else worker_outputs(out, formats)
 
 
-def worker_outputs(out: Path, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def outputs(out: Path, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """{format: what rank 0 of a job wrote to `out`}."""
     return {f: load_file(str(out / f"{Path(f).stem}.safetensors")) for f in formats}
 
 
@@ -68,20 +66,39 @@ def split(result: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]
     return {k.removeprefix(f"{kind}/"): v for k, v in result.items() if k.startswith(f"{kind}/")}
 
 
+ALL_FORMATS = ["none", *FORMATS]
+TRAINED_FORMATS = ["none", FORMATS[0], FORMATS[2]]
+
+
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory, tiny_dir) -> dict:
-    """{tp: {format: what rank 0 wrote}} for TP=1 (which also saves a checkpoint per format) and TP=2."""
-    tmp = tmp_path_factory.mktemp("megatron")
-    formats = ["none", *FORMATS]
-    return {1: run_workers(tiny_dir, tmp / "tp1", 1, formats, "--save"), 2: run_workers(tiny_dir, tmp / "tp2", 2, formats),
-            "root": tmp}
+def megatron_runs(tmp_path_factory, tiny_dir, families) -> Path:
+    """Every Megatron run of these tests, in two torchrun launches (starting one is most of a small run's time), each
+    job's outputs in `<root>/<job>`:
+    - one process: `tp1` (TP=1, every format, a checkpoint of each), then `refit` (a vLLM engine in that process);
+    - two processes: `tp2` (TP=2, every format); `llama` and `qwen3` at TP=2; `tp2_saved` (TP=2 checkpoints with the
+      quantizer state of the TP=1 run loaded through the fused layers); `trained` (three AdamW steps at TP=2);
+      `data_parallel` (TP=1: two data-parallel ranks)."""
+    root = tmp_path_factory.mktemp("megatron")
+
+    def job(name: str, formats: list[str], model_dir: str = tiny_dir, **fields) -> dict:
+        return {"model_dir": model_dir, "out": str(root / name), "formats": formats, **fields}
+
+    run_workers(root, 1, [job("tp1", ALL_FORMATS, save=True), job("refit", [FORMATS[1]], refit=True)])
+    run_workers(root, 2, [
+        job("tp2", ALL_FORMATS, tp=2),
+        *(job(family, ["none", FORMATS[0]], families[family], tp=2) for family in ("llama", "qwen3")),
+        job("tp2_saved", FORMATS, tp=2, save=True, state_from=str(root / "tp1")),
+        job("trained", TRAINED_FORMATS, tp=2, train_steps=3),
+        job("data_parallel", [FORMATS[0]], data_parallel=True),
+    ])
+    return root
 
 
-@pytest.mark.parametrize("fmt", ["none", *FORMATS])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_megatron_tp1_equals_hf_backend(megatron_runs, tiny_dir, fmt):
     """TP=1, fp32: the Megatron model computes the HF backend's logits bit for bit, quantized or not; its
     folded weights and amax by Hugging Face name are the HF backend's (fused layers share amax by construction)."""
-    run = megatron_runs[1][fmt]
+    run = outputs(megatron_runs / "tp1", [fmt])[fmt]
     hf = hf_backend(tiny_dir, fmt, run["ids"])
     assert torch.equal(run["logits"], hf["logits"])
     weights, amax = split(run, "weight"), split(run, "amax")
@@ -93,13 +110,13 @@ def test_megatron_tp1_equals_hf_backend(megatron_runs, tiny_dir, fmt):
     assert_close_grads(run, hf, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["none", *FORMATS])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
     """TP=2: the same folded weights bit for bit (per-tensor amax max-reduced across ranks), the same amax
     to the last bits of the calibration forward, and logits and gradients at the fp32 floor (row-parallel
     layers sum in another order; activation formats turn a few of those last-bit differences into a
     quantization step, which moves a few logits by up to 0.04 and a few gradient entries more)."""
-    one, two = megatron_runs[1][fmt], megatron_runs[2][fmt]
+    one, two = (outputs(megatron_runs / tp, [fmt])[fmt] for tp in ("tp1", "tp2"))
     weights_one, weights_two = split(one, "weight"), split(two, "weight")
     assert all(torch.equal(weights_one[k], weights_two[k]) for k in weights_one)
     amax_one, amax_two = split(one, "amax"), split(two, "amax")
@@ -117,19 +134,11 @@ def test_megatron_tp2_quantizes_as_tp1(megatron_runs, fmt):
             assert (grad - grads_two[name]).norm() <= 0.1 * grad.norm(), name
 
 
-@pytest.fixture(scope="module")
-def other_family_runs(families, tmp_path_factory) -> Path:
-    """Llama's and Qwen3's TP=2 runs, both in one torchrun."""
-    out = tmp_path_factory.mktemp("other_families")
-    run_workers(f"{families['llama']},{families['qwen3']}", out, 2, ["none", FORMATS[0]])
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_megatron_other_families(families, other_family_runs, family):
+def test_megatron_other_families(families, megatron_runs, family):
     """Llama (untied output layer, no biases) and Qwen3 (q/k norms, head_dim 32 with hidden 64 / 4 heads)
     build, load and compute the HF backend's logits and gradients, NVFP4 W4A16 folded weights included, at TP=2."""
-    runs = worker_outputs(other_family_runs / Path(families[family]).name, ["none", FORMATS[0]])
+    runs = outputs(megatron_runs / family, ["none", FORMATS[0]])
     for fmt, run in runs.items():
         hf = hf_backend(families[family], fmt, run["ids"])
         assert (run["logits"] - hf["logits"]).abs().max().item() < 1e-5
@@ -147,16 +156,8 @@ def files_bytes(root: Path) -> dict[str, bytes]:
     return files
 
 
-@pytest.fixture(scope="module")
-def tp2_checkpoints(megatron_runs, tiny_dir) -> Path:
-    """TP=2 checkpoints of each format, with the quantizer state of the TP=1 run loaded into the TP=2 model."""
-    out = megatron_runs["root"] / "tp2_saved"
-    run_workers(tiny_dir, out, 2, FORMATS, "--save", "--state-from", str(megatron_runs["root"] / "tp1"))
-    return out
-
-
 @pytest.mark.parametrize("scheme", ["nvfp4_w4a16", "nvfp4_w4a4", "fp8_w8a8"])
-def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoints, tiny_dir, tmp_path, scheme):
+def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tiny_dir, tmp_path, scheme):
     """A Megatron checkpoint is a Hugging Face one (weights by HF name, gathered from the shards), so `qarl export`
     of a TP=2 checkpoint writes the same bytes as of a TP=1 one with the same quantizer state (loaded into the
     TP=2 model through its fused layers), and, for the weight-only format whose TP=2 calibration is exact, as
@@ -167,7 +168,7 @@ def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoint
     from qarl.policy import Policy
 
     fmt = {"nvfp4_w4a16": "quant_configs/nvfp4_a16.yaml"}.get(scheme, f"quant_configs/{scheme}.yaml")
-    one, two = megatron_runs["root"] / "tp1", tp2_checkpoints
+    one, two = megatron_runs / "tp1", megatron_runs / "tp2_saved"
     stem = Path(fmt).stem
     exported = {}
     for name, root in (("tp1", one), ("tp2", two)):
@@ -187,23 +188,15 @@ def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tp2_checkpoint
         assert weights and all(ours[k] == theirs[k] for k in weights)
 
 
-TRAINED_FORMATS = ["none", FORMATS[0], FORMATS[2]]
-
-
-@pytest.fixture(scope="module")
-def trained_runs(tiny_dir, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    return run_workers(tiny_dir, tmp_path_factory.mktemp("trained"), 2, TRAINED_FORMATS, "--train-steps", "3")
-
-
 @pytest.mark.parametrize("fmt", TRAINED_FORMATS)
-def test_megatron_tp2_trains_as_hf_backend(trained_runs, tiny_dir, fmt):
+def test_megatron_tp2_trains_as_hf_backend(megatron_runs, tiny_dir, fmt):
     """Three AdamW steps of a policy-gradient loss on qarl's completion scores (straight-through gradients,
     the weight cache invalidated by each step): the TP=2 Megatron model's master weights follow the HF
     backend's to 1/1000 of an update on average (FP8 W8A8: 1/20), and its NVFP4 folded weights are the HF
     backend's but for rare roundings (FP8's 8-bit grid turns those last-bit differences into a few % of values)."""
     from tests.megatron_worker import train_step
 
-    run = trained_runs[fmt]
+    run = outputs(megatron_runs / "trained", [fmt])[fmt]
     ids = run["ids"]
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     if resolve_format(fmt) is not None:
@@ -228,21 +221,19 @@ def test_megatron_tp2_trains_as_hf_backend(trained_runs, tiny_dir, fmt):
         assert min(same) > 0.999, same
 
 
-def test_megatron_data_parallel_gradients(tiny_dir, tmp_path):
+def test_megatron_data_parallel_gradients(megatron_runs, tiny_dir):
     """Two processes at TP=1 are two data-parallel ranks: each backpropagates its own rows of the batch, and
     `finish_gradients` sums them into the whole batch's gradients (the HF backend's, on all rows)."""
     fmt = FORMATS[0]
-    run = run_workers(tiny_dir, tmp_path, 1, [fmt], "--data-parallel", processes=2)[fmt]
+    run = outputs(megatron_runs / "data_parallel", [fmt])[fmt]
     assert_close_grads(run, hf_backend(tiny_dir, fmt, run["ids"]), rtol=1e-5)
 
 
-def test_engine_refits_from_megatron_as_from_hf_backend(tiny_dir, tmp_path):
+def test_engine_refits_from_megatron_as_from_hf_backend(megatron_runs):
     """The vLLM engine refitted from the Megatron model (folded weights gathered by Hugging Face name as vLLM
     loads them, input amax of the fused layers) holds exactly what a refit from the HF backend gives it:
     the same greedy completions with the same log-probs, NVFP4 W4A4 (weights and input amax)."""
-    fmt = FORMATS[1]
-    run_workers(tiny_dir, tmp_path, 1, [fmt], "--refit")
-    result = load_file(str(tmp_path / f"{Path(fmt).stem}_refit.safetensors"))
+    result = load_file(str(megatron_runs / "refit" / f"{Path(FORMATS[1]).stem}_refit.safetensors"))
     assert result["same_tokens"].all()
     assert torch.equal(result["engine_megatron"], result["engine_hf"])
     assert (result["engine_megatron"] - result["policy"]).abs().mean() < 0.05  # the engine serves this policy
