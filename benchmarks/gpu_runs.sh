@@ -49,7 +49,8 @@
 #   moe_export  one short QA-GRPO NVFP4 W4A16 step of the qwen3-moe-2b shape (32 x 128 tokens), its checkpoint exported
 #             (arguments: the targets; default compressed-tensors and ModelOpt NVFP4 W4A16) and loaded by vLLM
 #   moe_qlora qlora QA-GRPO NVFP4 W4A16 of a Qwen3-30B-A3B shape (32 of its 48 layers, 128 experts, ~20.5B), its
-#             experts packed on the policy, 2 steps of 32 x 512 tokens (making the model takes a call of its own)
+#             experts packed on the policy, the engine merging the adapters (qlora_adapters=auto; add
+#             policy.generation.qlora_adapters=lora for qarl's eager hooks), 2 steps of 32 x 512 tokens
 #   qlora     the packed qlora base on the GPU (tests/unit/test_packed.py; test_memory.py: the driver-view peak; the
 #             device memory packing leaves cached, benchmarks/gpu_pack_memory.py), qlora adapters through vLLM's LoRA with
 #             CUDA graphs (tests/integration/test_gpu_lora.py), the engine serving the base packed with vLLM's FP4 Marlin

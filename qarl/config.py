@@ -81,16 +81,17 @@ class GenerationConfig:
     # NVFP4 W4A16 qlora base in bf16/fp16), else folded in the compute dtype; "on": packed or refuse; "off": folded.
     # (Training and QAD runs; `qarl eval`, `parity` and `matrix` keep the base folded.)
     packed_base: str = "auto"  # auto | on | off
-    # How the engine computes a qlora policy's adapters. "lora": beside its base, in vLLM's LoRA layers (qarl's hooks
-    # where they cannot serve); refits send only the adapters. "merged": folded into its weights as Q(W) + s B A (as
-    # TRL syncs LoRA into vLLM): the engine's own speed without LoRA kernels, the adapted layers' whole weights sent at
-    # every refit, the base held in the compute dtype (not with packed_base=on); weight-only formats (a quantized
-    # layer input would reach the merged adapter quantized). Training and QAD runs.
-    qlora_adapters: str = "lora"  # lora | merged
+    # How the engine computes a qlora policy's adapters. "lora": beside its base, in vLLM's LoRA layers (qarl's hooks,
+    # eagerly, where they cannot serve); refits send only the adapters. "merged": folded into its weights as
+    # Q(W) + s B A (as TRL syncs LoRA into vLLM): the engine's own speed without LoRA kernels, the adapted layers' whole
+    # weights sent at every refit, the base held in the compute dtype (not with packed_base=on); weight-only formats (a
+    # quantized layer input would reach the merged adapter quantized). "auto": lora where vLLM's LoRA serves the
+    # adapters, merged where it cannot and a merge can (e.g. MoE models), else lora's hooks. Training and QAD runs.
+    qlora_adapters: str = "auto"  # auto | lora | merged
 
     def __post_init__(self) -> None:
-        if self.qlora_adapters not in ("lora", "merged"):
-            raise ConfigError(f"policy.generation.qlora_adapters={self.qlora_adapters!r}; choose lora or merged")
+        if self.qlora_adapters not in ("auto", "lora", "merged"):
+            raise ConfigError(f"policy.generation.qlora_adapters={self.qlora_adapters!r}; choose auto, lora or merged")
 
 
 @dataclass

@@ -101,9 +101,10 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     model_dir = resolve_model_dir(cfg.policy.model_name)
-    serves_packed_base(cfg.policy, rollout_format, model_dir)
-    engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype, training_engine_rank(cfg.policy),
-                merges_adapters(cfg.policy))  # what start_engine's engine will be asked
+    merging = merges_adapters(cfg.policy, model_dir, rollout_format,
+                              serves_packed_base(cfg.policy, rollout_format, model_dir))
+    engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype,
+                training_engine_rank(cfg.policy, merging), merging)  # what start_engine's engine will be asked
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, model_dir)
 
@@ -175,9 +176,14 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
+    packed_base = packed_engine_base(run, fmt)
+    merging = merges_adapters(cfg.policy, run.policy.model_dir, fmt, packed_base is not None)
+    if merging and cfg.policy.generation.qlora_adapters == "auto":
+        print("qlora adapters merged into the engine's weights at each refit (policy.generation.qlora_adapters=auto: "
+              "vLLM's LoRA cannot serve them here; =lora adds them by qarl's hooks, eagerly)")
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
-                      adapter_rank=training_engine_rank(cfg.policy), exact=cfg.policy.exact_forward,
-                      packed_base=packed_engine_base(run, fmt), merge_adapters=merges_adapters(cfg.policy))
+                      adapter_rank=training_engine_rank(cfg.policy, merging), exact=cfg.policy.exact_forward,
+                      packed_base=packed_base, merge_adapters=merging)
 
 
 def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:

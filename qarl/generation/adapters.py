@@ -1,5 +1,6 @@
 """A qlora policy's adapters inside the rollout engine by forward hooks, where vLLM's own LoRA cannot serve them
-(`qarl.generation.vllm_lora.hooks_needed`: an activation format, fp32 on a GPU, a rank above vLLM's largest).
+(`qarl.generation.vllm_lora.hooks_needed`) and the engine does not merge them (`merges_adapters`: an activation format,
+a packed base, or `policy.generation.qlora_adapters=lora`).
 
 The engine's (fused) linear layers get a forward hook that adds s B A x to the slice of the output that
 belongs to each adapted part (q, k, v inside qkv_proj; gate, up inside gate_up_proj), computed by

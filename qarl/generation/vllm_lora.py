@@ -10,8 +10,9 @@ Numerics: vLLM keeps A and s B in the engine's dtype (B scaled once, in fp32, th
 fp32, rounds it to the engine's dtype and expands it with s B; the policy computes the same roundings
 (`qarl.lora.adapter_output`), so the two differ only in the order of the sums (the parity table measures it).
 
-Where vLLM's LoRA cannot serve the run (`hooks_needed`), the engine adds the adapters by forward hooks instead
-(qarl/generation/adapters.py), eagerly.
+Where vLLM's LoRA cannot serve the run (`hooks_needed`), the engine merges the adapters into its weights where a merge
+can serve it (`merges_adapters`, `policy.generation.qlora_adapters=auto`) and keeps its graphs, or else adds them by
+forward hooks (qarl/generation/adapters.py), eagerly.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import engine_part
 from qarl.lora import adapter_weights
+from qarl.models.experts import config_has_experts
+from qarl.quant import QuantFormat
+from qarl.quant.ops import input_quant_plan
 
 ADAPTER_ID, ADAPTER_NAME = 1, "qarl-policy"
 _PARTS = ("lora_A", "lora_B")
@@ -56,10 +60,19 @@ def engine_adapter_rank(lora: LoraConfig | None) -> int:
     return lora.rank if lora is not None and lora.mode == "qlora" else 0
 
 
-def merges_adapters(cfg: PolicyConfig) -> bool:
-    """The training engine of a policy of `cfg` folds its qlora adapters into its weights
-    (`policy.generation.qlora_adapters=merged`) instead of computing them beside the base."""
-    return cfg.lora.mode == "qlora" and cfg.generation.qlora_adapters == "merged"
+def merges_adapters(cfg: PolicyConfig, model_dir: str, fmt: QuantFormat | None, packed_base: bool) -> bool:
+    """Whether the training engine of a policy of `cfg` (on `model_dir`, serving `fmt`; `packed_base`: its base
+    packed) folds its qlora adapters into its weights instead of computing them beside the base
+    (`policy.generation.qlora_adapters`): "merged" always (refused where a merge cannot serve the format), "lora"
+    never, "auto" where vLLM's LoRA cannot serve the adapters (`hooks_needed`) and a merge can (a format that quantizes
+    no layer input, a base held folded): a merging engine keeps its CUDA graphs, where qarl's hooks run it eagerly."""
+    mode = cfg.generation.qlora_adapters
+    if cfg.lora.mode != "qlora" or mode == "lora":
+        return False
+    if mode == "merged":
+        return True
+    return (not packed_base and not input_quant_plan(model_dir, fmt)
+            and hooks_needed(cfg.lora.rank, cfg.dtype, False, config_has_experts(model_dir)) is not None)
 
 
 def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
@@ -71,10 +84,10 @@ def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
                           "input itself. Use policy.generation.qlora_adapters=lora")
 
 
-def training_engine_rank(cfg: PolicyConfig) -> int:
-    """The adapter rank the engine of a training or QAD run of `cfg` serves (0: it merges the adapters, or there are
-    none)."""
-    return 0 if merges_adapters(cfg) else engine_adapter_rank(cfg.lora)
+def training_engine_rank(cfg: PolicyConfig, merging: bool) -> int:
+    """The adapter rank the engine of a training or QAD run of `cfg` serves (0: it merges the adapters, `merging`, or
+    there are none)."""
+    return 0 if merging else engine_adapter_rank(cfg.lora)
 
 
 def engine_options(rank: int) -> dict:

@@ -39,13 +39,20 @@ def test_parity_of_each_family_is_at_the_fp32_floor(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, lora, fmt", [(f, "none", "nvfp4_a16") for f in FAMILIES]
-                         + [(MOE, "qlora", "nvfp4_a16"), (MOE, "none", "nvfp4_w4a4")])
-def test_each_family_trains_the_embedded_task(tmp_path, family, lora, fmt):
-    """A few QA-GRPO steps (the MoE model also with qlora, and with its experts' inputs quantized), synced."""
+@pytest.mark.parametrize("family, lora, fmt, adapters", [(f, "none", "nvfp4_a16", "auto") for f in FAMILIES]
+                         + [(MOE, "qlora", "nvfp4_a16", "auto"), (MOE, "qlora", "nvfp4_a16", "lora"),
+                            (MOE, "none", "nvfp4_w4a4", "auto")])
+def test_each_family_trains_the_embedded_task(tmp_path, family, lora, fmt, adapters):
+    """A few QA-GRPO steps (the MoE model also with qlora, its adapters merged into the engine's weights as "auto"
+    chooses or added by qarl's hooks, and with its experts' inputs quantized), synced."""
     run_dir = tmp_path / family
-    subprocess.run(GRPO.command(run_dir, f"policy.model_name=embedded:tiny-{family}", f"policy.lora.mode={lora}",
-                                f"policy.quant_cfg=quant_configs/{fmt}.yaml"), check=True, timeout=900)
+    result = subprocess.run(GRPO.command(run_dir, f"policy.model_name=embedded:tiny-{family}", f"policy.lora.mode={lora}",
+                                         f"policy.quant_cfg=quant_configs/{fmt}.yaml",
+                                         f"policy.generation.qlora_adapters={adapters}"),
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("qlora adapters merged into the engine's weights" in result.stdout) is (lora == "qlora" and adapters == "auto")
+    assert ("qlora adapters by qarl's forward hooks" in result.stdout) is (adapters == "lora")
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = rows[:-1]
     assert max(r["mismatch/max_abs_logprob_diff"] for r in steps) < 1e-4  # synced at the fp32 floor

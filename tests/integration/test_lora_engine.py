@@ -115,11 +115,12 @@ def test_an_engine_that_merges_qlora_adapters_runs_no_lora_and_follows_each_step
 
     merged = PolicyConfig(lora=LoraConfig(mode="qlora"))
     merged = replace(merged, generation=replace(merged.generation, qlora_adapters="merged"))
-    assert merges_adapters(merged) and not serves_packed_base(merged, resolve_format("nvfp4_a16"), tiny_dir)
+    w4a16 = resolve_format("nvfp4_a16")
+    assert merges_adapters(merged, tiny_dir, w4a16, False) and not serves_packed_base(merged, w4a16, tiny_dir)
     with pytest.raises(ConfigError, match="qlora_adapters=merged"):
         serves_packed_base(replace(merged, generation=replace(merged.generation, packed_base="on")),
                            resolve_format("nvfp4_a16"), tiny_dir)
-    with pytest.raises(ConfigError, match="choose lora or merged"):
+    with pytest.raises(ConfigError, match="choose auto, lora or merged"):
         GenerationConfig(qlora_adapters="fused")
     # the policy feeds its adapters the input itself: an activation format cannot merge them
     with pytest.raises(ConfigError, match="quantizes layer inputs"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qarl.config import ConfigError, GenerationConfig, LoraConfig, PolicyConfig
-from qarl.generation import engine_adapter_rank, engine_mode, training_engine_rank
+from qarl.generation import engine_adapter_rank, engine_mode, merges_adapters, training_engine_rank
 from qarl.generation.vllm_engine import runs_eager
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.models.resolve import resolve_model_dir
@@ -114,13 +114,12 @@ def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewh
     def hooks(cfg: PolicyConfig, quantized_inputs: bool, model_dir: str = tiny_dir) -> str | None:
         """Why the engine of a run of `cfg` adds adapters by hooks (`engine_mode`, as the run's settings check asks)."""
         fmt = resolve_format("nvfp4_w4a4" if quantized_inputs else "nvfp4_a16")
-        return engine_mode(model_dir, fmt, cfg.generation, cfg.dtype, training_engine_rank(cfg), False)[2]
+        return engine_mode(model_dir, fmt, cfg.generation, cfg.dtype, training_engine_rank(cfg, False), False)[2]
 
     qlora = PolicyConfig(lora=LoraConfig(mode="qlora", rank=16))
     assert engine_adapter_rank(qlora.lora) == 16
     assert engine_adapter_rank(PolicyConfig().lora) == 0 == engine_adapter_rank(None)
-    merged = dataclasses.replace(qlora, generation=GenerationConfig(qlora_adapters="merged"))
-    assert training_engine_rank(qlora) == 16 and training_engine_rank(merged) == 0  # a merging engine serves none
+    assert training_engine_rank(qlora, False) == 16 and training_engine_rank(qlora, True) == 0  # a merging engine: none
     assert hooks(PolicyConfig(), quantized_inputs=True) is None  # no adapters
     assert hooks(dataclasses.replace(qlora, dtype="bfloat16"), quantized_inputs=False) is None
     assert "quantizes layer inputs" in hooks(qlora, quantized_inputs=True)
@@ -130,3 +129,24 @@ def test_vllm_lora_serves_qlora_adapters_where_it_can_and_hooks_are_named_elsewh
     assert "MoE" in moe and ("CPU" in moe) is not torch.cuda.is_available()  # hooks on both: vLLM's MoE LoRA unchecked
     assert (hooks(qlora, quantized_inputs=False) is None) is not torch.cuda.is_available()  # GPU: fp16/bf16
     assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
+
+
+def test_auto_merges_qlora_adapters_where_vllm_lora_cannot_serve_them_and_a_merge_can(tiny_dir):
+    """`policy.generation.qlora_adapters=auto` (the default): vLLM's LoRA where it serves the adapters, a merge where
+    it cannot (the engine keeps its graphs; e.g. MoE, a rank above vLLM's), qarl's hooks where a merge cannot either
+    (a format that quantizes layer inputs, a base served packed); "lora" and "merged" as asked."""
+    w4a16, w4a4 = resolve_format("nvfp4_a16"), resolve_format("nvfp4_w4a4")
+    moe_dir = resolve_model_dir("embedded:tiny-qwen3moe")
+    qlora = PolicyConfig(dtype="bfloat16", lora=LoraConfig(mode="qlora", rank=16))
+    assert qlora.generation.qlora_adapters == "auto"
+    assert merges_adapters(qlora, moe_dir, w4a16, False)  # vLLM's LoRA on experts unchecked: merged, graphs kept
+    assert not merges_adapters(qlora, tiny_dir, w4a16, False)  # dense: vLLM's LoRA serves it
+    assert not merges_adapters(qlora, moe_dir, w4a4, False)  # quantized inputs: a merge cannot; hooks
+    assert not merges_adapters(qlora, moe_dir, w4a16, True)  # a packed base holds no merged weight
+    huge = dataclasses.replace(qlora, lora=LoraConfig(mode="qlora", rank=1024))
+    assert merges_adapters(huge, tiny_dir, w4a16, False)  # above vLLM's largest rank
+    for mode, merges in (("lora", False), ("merged", True)):
+        asked = dataclasses.replace(qlora, generation=GenerationConfig(qlora_adapters=mode))
+        assert merges_adapters(asked, moe_dir, w4a16, False) is merges
+        assert merges_adapters(asked, tiny_dir, w4a16, False) is merges
+    assert not merges_adapters(PolicyConfig(), moe_dir, w4a16, False)  # full training: no adapters
