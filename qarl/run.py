@@ -101,8 +101,7 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     model_dir = resolve_model_dir(cfg.policy.model_name)
-    merging = merges_adapters(cfg.policy, model_dir, rollout_format,
-                              serves_packed_base(cfg.policy, rollout_format, model_dir))
+    merging = engine_merges_adapters(cfg, model_dir)
     engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype,
                 training_engine_rank(cfg.policy, merging), merging)  # what start_engine's engine will be asked
     if cfg.policy.lora.mode != "none":
@@ -176,14 +175,20 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
     cfg = run.cfg
     fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
-    packed_base = packed_engine_base(run, fmt)
-    merging = merges_adapters(cfg.policy, run.policy.model_dir, fmt, packed_base is not None)
+    merging = engine_merges_adapters(cfg, run.policy.model_dir)
     if merging and cfg.policy.generation.qlora_adapters == "auto":
         print("qlora adapters merged into the engine's weights at each refit (policy.generation.qlora_adapters=auto: "
               "vLLM's LoRA cannot serve them here; =lora adds them by qarl's hooks, eagerly)")
     return VLLMEngine(run.policy.model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
                       adapter_rank=training_engine_rank(cfg.policy, merging), exact=cfg.policy.exact_forward,
-                      packed_base=packed_base, merge_adapters=merging)
+                      packed_base=packed_engine_base(run, fmt), merge_adapters=merging)
+
+
+def engine_merges_adapters(cfg: RecipeConfig, model_dir: str) -> bool:
+    """Whether a run's engine merges qlora adapters into its weights (`merges_adapters`), decided once for the run's
+    rollout format: QAD's engine starts in its teacher's and must keep serving the student's after."""
+    fmt = resolve_format(cfg.policy.generation.quant_cfg)
+    return merges_adapters(cfg.policy, model_dir, fmt, serves_packed_base(cfg.policy, fmt, model_dir))
 
 
 def engine_in_format(run: Run, engine: VLLMEngine, fmt: Any) -> VLLMEngine:

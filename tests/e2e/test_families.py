@@ -60,12 +60,14 @@ def test_each_family_trains_the_embedded_task(tmp_path, family, lora, fmt, adapt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_distills(tmp_path, family):
-    """QAD (the recipe's NVFP4 W4A4, the MoE families' experts included) from the family's warm start, the engine
-    synced."""
+@pytest.mark.parametrize("family, lora", [(f, "none") for f in FAMILIES] + [(MOE, "qlora")])
+def test_each_family_distills(tmp_path, family, lora):
+    """QAD (the recipe's NVFP4 W4A4, the MoE families' experts included; the MoE model also with qlora, its engine
+    starting in the teacher's format and keeping qarl's hooks for the student's) from the family's warm start, the
+    engine synced."""
     run_dir = tmp_path / family
-    subprocess.run(QAD.command(run_dir, f"policy.model_name=embedded:tiny-{family}"), check=True, timeout=900)
+    subprocess.run(QAD.command(run_dir, f"policy.model_name=embedded:tiny-{family}", f"policy.lora.mode={lora}"),
+                   check=True, timeout=900)
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "distill/kl" in r]
     assert len(steps) == QAD.steps and all(0.0 <= r["distill/kl"] < 100 for r in steps)
     assert max(abs(r["mismatch/kl"]) for r in steps) < 1e-4

@@ -150,3 +150,17 @@ def test_auto_merges_qlora_adapters_where_vllm_lora_cannot_serve_them_and_a_merg
         assert merges_adapters(asked, moe_dir, w4a16, False) is merges
         assert merges_adapters(asked, tiny_dir, w4a16, False) is merges
     assert not merges_adapters(PolicyConfig(), moe_dir, w4a16, False)  # full training: no adapters
+
+
+def test_a_run_decides_the_merge_for_its_rollout_format_not_the_format_its_engine_starts_in():
+    """QAD's engine starts in its teacher's format (unquantized, which a merge could serve) and then serves the
+    student's: the run decides once, for the student's format, so an activation format keeps qarl's hooks throughout
+    (a merging engine would be refused at the switch)."""
+    from qarl.config import RecipeConfig, load_recipe
+    from qarl.run import engine_merges_adapters
+
+    moe = ["policy.model_name=embedded:tiny-qwen3moe", "policy.lora.mode=qlora"]
+    for fmt, merges in (("nvfp4_w4a4", False), ("nvfp4_a16", True)):
+        cfg = load_recipe("recipes/qa_distillation_tiny.yaml", [*moe, f"policy.quant_cfg=quant_configs/{fmt}.yaml"],
+                          RecipeConfig)
+        assert engine_merges_adapters(cfg, resolve_model_dir("embedded:tiny-qwen3moe")) is merges
