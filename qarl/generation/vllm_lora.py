@@ -71,8 +71,9 @@ def merges_adapters(cfg: PolicyConfig, model_dir: str, fmt: QuantFormat | None, 
         return False
     if mode == "merged":
         return True
-    return (not packed_base and not input_quant_plan(model_dir, fmt)
-            and hooks_needed(cfg.lora.rank, cfg.dtype, False, config_has_experts(model_dir)) is not None)
+    if packed_base or hooks_needed(cfg.lora.rank, cfg.dtype, False, config_has_experts(model_dir)) is None:
+        return False
+    return not input_quant_plan(model_dir, fmt)  # built (a quantized meta model) only where a merge is in question
 
 
 def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:
