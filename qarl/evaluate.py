@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
-from qarl.generation import VLLMEngine, engine_adapter_rank
-from qarl.policy import build_policy
+from qarl.models.resolve import check_model_name
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
+
+if TYPE_CHECKING:
+    from qarl.generation import VLLMEngine
 
 
 @dataclass
@@ -62,16 +65,22 @@ def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:
     return load_recipe(Path(__file__).parent / "recipe_defaults.yaml", overrides, RecipeConfig)
 
 
-def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
-    """Accuracy of a checkpoint (or run directory, or model) quantized and unquantized."""
-    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
-                                 resolve_checkpoint)
-    from qarl.quant import resolve_format
-
+def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
+    """Accuracy of a checkpoint (or run directory: its newest checkpoint, or model) quantized and unquantized, and
+    which checkpoint (path, step, run id) or model was read. The recipe is loaded and checked before anything heavy."""
     path = Path(target)
-    is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
+    if not path.is_dir():
+        check_model_name(target, "qarl eval's target (a run directory, a checkpoint or a model)")
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
+    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
+                                 resolve_checkpoint)
+    from qarl.generation import VLLMEngine, engine_adapter_rank
+    from qarl.policy import build_policy
+    from qarl.quant import resolve_format
+    from qarl.run_dir import checkpoint_run_id, checkpoint_step
+
+    is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
     # evaluation runs in one process on the HF backend, whichever backend trained it (its checkpoints are HF ones)
     cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="hf", tensor_parallel_size=1))
     task = build_task(cfg.task, cfg.run.seed)
@@ -79,6 +88,7 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
     problems = task.eval[: cfg.eval.num_prompts]
     if is_checkpoint:
         checkpoint = resolve_checkpoint(path)
+        print(f"evaluating checkpoint {checkpoint} (step {checkpoint_step(checkpoint)})")
         quantized = load_policy_checkpoint(checkpoint, cfg.policy)
         plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
         prompts = prompt_format(plain.tokenizer, cfg.task)
@@ -95,7 +105,8 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, float]:
                                  model_dir=model_dir)
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,
                         adapter_rank=engine_adapter_rank(plain.lora))  # a checkpoint's own adapters
-    results = {}
+    results: dict[str, Any] = {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint),
+                               "run_id": checkpoint_run_id(checkpoint)} if is_checkpoint else {"model": model_dir}
     if fmt is not None:
         engine.refit(quantized.model)
         results["quantized"] = evaluate(engine, prompts, problems, rewards).accuracy

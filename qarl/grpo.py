@@ -10,30 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qarl.config import ConfigError, TrainerConfig
+from qarl.config import TrainerConfig
 
-SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-IS_LEVELS = ("token", "sequence")
-
-
-def check_trainer_config(cfg: TrainerConfig) -> None:
-    """Everything about the GRPO settings that can be wrong, before any model is loaded."""
-    if cfg.num_generations < 2:
-        raise ConfigError(f"trainer.num_generations={cfg.num_generations}: GRPO compares completions within a "
-                          "group, so it needs at least 2 per prompt")
-    if cfg.batch_size % cfg.num_generations:
-        raise ConfigError(f"trainer.batch_size={cfg.batch_size} is not divisible by trainer.num_generations="
-                          f"{cfg.num_generations}: every prompt needs a full group of completions")
-    for value, allowed, key in ((cfg.scale_rewards, SCALE_REWARDS, "scale_rewards"), (cfg.loss_type, LOSS_TYPES, "loss_type"),
-                                (cfg.importance_sampling_level, IS_LEVELS, "importance_sampling_level")):
-        if value not in allowed:
-            raise ConfigError(f"trainer.{key}={value!r}; choose one of {allowed}")
-    if cfg.num_iterations < 1 or cfg.micro_batch_size < 1 or cfg.steps < 1:
-        raise ConfigError("trainer.num_iterations, trainer.micro_batch_size and trainer.steps must be >= 1")
-    if cfg.max_tokens_per_micro_batch < 0:
-        raise ConfigError(f"trainer.max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch}: use 0 (micro-batches "
-                          "of trainer.micro_batch_size rows) or a number of tokens")
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, float]:

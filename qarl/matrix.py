@@ -330,6 +330,7 @@ def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> di
         "num_prompts": len(plan.problems),
         "precisions": [p.name for p in plan.precisions],
         "models": {m: {"sources": [s.path for s in sources], "seeds": len(sources),
+                       "checkpoints": [str(s.checkpoint) if s.checkpoint else None for s in sources],
                        "trained_format": (sources[0].trained_format.name if sources[0].trained_format else None)}
                    for m, sources in plan.models.items()},
         "accuracy": {}, "gain": {}, "survival": {},

@@ -32,14 +32,9 @@ from qarl.quant.rollout_view import RolloutView
 
 T = TypeVar("T")
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def check_precision(cfg: PolicyConfig) -> None:
     """Compute and master dtypes that can train, before anything is loaded."""
-    for key in ("dtype", "master_dtype"):
-        if getattr(cfg, key) not in DTYPES:
-            raise ConfigError(f"policy.{key}={getattr(cfg, key)!r}; choose one of {DTYPES}")
     if cfg.master_dtype == "float16":
         raise ConfigError("policy.master_dtype=float16 cannot train: AdamW's updates and epsilon underflow in "
                           "fp16 and the loss goes NaN. Keep master weights in float32 (the default) and compute "
@@ -158,8 +153,6 @@ def backend_module(cfg: PolicyConfig) -> ModuleType:
 def check_backend(cfg: PolicyConfig) -> None:
     """`policy.backend` and what it allows, before anything loads."""
     module = backend_module(cfg)
-    if cfg.tensor_parallel_size < 1:
-        raise ConfigError(f"policy.tensor_parallel_size={cfg.tensor_parallel_size} must be at least 1")
     module.check(cfg)
 
 

@@ -1,6 +1,6 @@
 """What both training loops share, top to bottom:
 
-    start_run:    checks -> task -> run directory -> policy (resumed from the newest complete checkpoint, or built
+    start_run:    checks -> task -> run directory (claimed: qarl/run_dir.py) -> policy (resumed from the newest complete checkpoint, or built
                   fresh: warm start, quantize, calibrate) -> the loop's frozen model -> optimizer
     start_engine: the vLLM engine in the rollout format
     run_steps:    sync the engine (weights + amax), then for each step:
@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import torch
 from omegaconf import OmegaConf
 
-from qarl.checkpoint import (latest_checkpoint, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
-                             trainer_state)
-from qarl.config import ConfigError, RecipeConfig, to_dict
+from qarl.checkpoint import load_policy_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
+from qarl.config import RecipeConfig, to_dict
+from qarl.distributed import is_main_launch
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
@@ -44,6 +44,7 @@ from qarl.quant import check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
+from qarl.run_dir import claim_run_dir, plan_run_dir
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, build_task, recipe_prompt_format
 from qarl.warm_start import fingerprint, warm_start
@@ -96,8 +97,6 @@ def check_run_settings(cfg: RecipeConfig) -> None:
     check_trainable_format(rollout_format, "policy.generation.quant_cfg")
     check_generation_matches(policy_format, rollout_format, cfg.policy.generation.allow_quant_mismatch)
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
-    if cfg.eval.every < 0:
-        raise ConfigError(f"eval.every={cfg.eval.every}: evaluate every N >= 1 steps, or 0 for no held-out evaluation")
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     model_dir = resolve_model_dir(cfg.policy.model_name)
@@ -145,20 +144,19 @@ def planned(cfg: RecipeConfig, task: Task, prompts: PromptFormat, frozen_model: 
 def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda policy, task: None,
               checks: Callable[[RecipeConfig], None] = lambda cfg: None,
               frozen_model: FrozenShape = lambda cfg, shape: None) -> Run:
-    """Everything cheap is checked (`check_run_settings`, then the loop's `checks`, then the memory plan with the
-    loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory, the policy
-    (resumed from the newest complete checkpoint, or built fresh), the loop's `frozen(policy, task)` model, and the
-    optimizer (with its state, when resumed)."""
+    """Everything cheap is checked (what the run directory holds, `check_run_settings`, then the loop's `checks`, then
+    the memory plan with the loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory
+    is claimed, and the policy (resumed from the run's newest complete checkpoint, or built fresh), the loop's
+    `frozen(policy, task)` model and the optimizer (with its state, when resumed) are made."""
+    plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
     check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
     prompts = recipe_prompt_format(cfg)
     cfg, memory = planned(cfg, task, prompts, frozen_model)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
-    t = cfg.trainer
-    checkpoint = latest_checkpoint(run_dir) if t.resume else None
+    if is_main_launch():
+        claim_run_dir(plan, to_dict(cfg), OmegaConf.to_yaml(to_dict(cfg)))
+    run_dir, t, checkpoint = plan.path, cfg.trainer, plan.checkpoint
     torch.manual_seed(cfg.run.seed)
     policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
     companion = frozen(policy, task)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from qarl.config import RecipeConfig
+from qarl.config import RecipeConfig, check_grpo_recipe
 from qarl.evaluate import evaluate
-from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED
@@ -29,7 +29,7 @@ from qarl.tasks import Task
 
 
 def train(cfg: RecipeConfig) -> Path:
-    check_trainer_config(cfg.trainer)
+    check_grpo_recipe(cfg)
     run = start_run(cfg, frozen=lambda policy, task: kl_reference(cfg, policy, task), frozen_model=reference_memory)
     engine = start_engine(run)
     return run_steps(run, engine, GRPOSteps(run, engine))

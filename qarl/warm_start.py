@@ -34,7 +34,8 @@ def fingerprint(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, s
     for name in ("config.json", "tokenizer_config.json", "chat_template.jinja"):
         file = Path(model_dir) / name
         h.update(file.read_bytes() if file.is_file() else b"")
-    settings = {k: v for k, v in asdict(cfg).items() if k != "seed"}  # the seed in effect is hashed beside
+    # the seed in effect is hashed beside; `enabled` only says whether to run it
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("seed", "enabled")}
     formatting = [chat_mode(chat), chat.system_prompt, chat.stop_token]
     h.update(json.dumps([settings, seed, [(p.prompt, p.answer) for p in problems], formatting]).encode())
     return h.hexdigest()[:16]

@@ -26,7 +26,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
     from qarl.export.core import _check_out_dir
     from qarl.lora import lora_layers
     from qarl.models.experts import fuse_expert_weights
-    from qarl.policy import DTYPES
+    from qarl.config import DTYPES
     from qarl.quant import folded_weights
 
     if dtype not in DTYPES:

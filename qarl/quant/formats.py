@@ -11,15 +11,13 @@ import copy
 import fnmatch
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from qarl.config import REPO_ROOT, ConfigError
+from qarl.config import NO_QUANT, REPO_ROOT, ConfigError, find_quant_yaml
 from qarl.quant import modelopt_compat
 
-NO_QUANT = {"", "none", "null", "bf16", "fp32", "false"}
 
 
 @dataclass(frozen=True)
@@ -88,20 +86,12 @@ def builtin_names() -> list[str]:
     return sorted(n for n in dir(mtq) if n.endswith("_CFG") and isinstance(getattr(mtq, n), dict))
 
 
-def _find_yaml(spec: str) -> Path | None:
-    for candidate in (Path(spec), REPO_ROOT / spec, REPO_ROOT / "quant_configs" / spec):
-        for path in (candidate, candidate.with_suffix(".yaml")):
-            if path.is_file():
-                return path
-    return None
-
-
 def resolve_format(spec: str | None) -> QuantFormat | None:
     """`None`/"none" -> no quantization; a ModelOpt config name or a YAML path -> a QuantFormat."""
     if spec is None or str(spec).strip().lower() in NO_QUANT:
         return None
     spec = str(spec).strip()
-    path = _find_yaml(spec)
+    path = find_quant_yaml(spec)
     if path is None:
         import modelopt.torch.quantization as mtq
 

@@ -1,7 +1,10 @@
-"""A prompt dataset with reference answers, loaded through `datasets` (local files or a hub name)."""
+"""A prompt dataset with reference answers: local JSON Lines, JSON or CSV files (read directly), parquet files or
+a hub name (through `datasets`)."""
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,29 +14,55 @@ from qarl.tasks.arithmetic import Problem
 if TYPE_CHECKING:
     from qarl.tasks.chat import PromptFormat
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+LOCAL_FORMATS = (".jsonl", ".json", ".csv")  # read with the standard library: no `datasets` needed (the GPU kit)
+
+
+def _read_local(path: Path) -> list[dict]:
+    """Rows of a JSON Lines, JSON (a list of objects) or CSV file."""
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
+    if path.suffix == ".json":
+        rows = json.loads(path.read_text())
+        return rows if isinstance(rows, list) else [rows]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_with_datasets(source: str, path: Path) -> list[dict]:
+    """Rows of a parquet file or a hub dataset, through `datasets`."""
+    import datasets
+
+    data = (datasets.load_dataset("parquet", data_files=str(path), split="train") if path.suffix == ".parquet"
+            else datasets.load_dataset(source, split="train"))
+    return list(data)
+
+
+def check_data_files(cfg: TaskConfig) -> None:
+    """A dataset task's local files, there before anything loads."""
+    if cfg.name != "dataset":
+        return
+    if not cfg.train_data or not cfg.eval_data:
+        raise ConfigError("task.name=dataset needs task.train_data and task.eval_data")
+    for key, source in (("task.train_data", cfg.train_data), ("task.eval_data", cfg.eval_data)):
+        path = Path(source).expanduser()
+        if path.suffix in (*LOCAL_FORMATS, ".parquet") and not path.is_file():
+            raise ConfigError(f"{key}={source}: dataset file not found")
 
 
 def load_problems(source: str, prompt_column: str, answer_column: str) -> list[Problem]:
     """Rows of `source` as Problems; a missing file or column is a ConfigError that names it."""
-    import datasets
-
     path = Path(source).expanduser()
+    if path.suffix in (*LOCAL_FORMATS, ".parquet") and not path.is_file():
+        raise ConfigError(f"dataset file not found: {source}")
     try:
-        if path.suffix in _BUILDERS:
-            if not path.is_file():
-                raise ConfigError(f"dataset file not found: {source}")
-            data = datasets.load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train")
-        else:
-            data = datasets.load_dataset(source, split="train")
-    except ConfigError:
-        raise
+        rows = _read_local(path) if path.suffix in LOCAL_FORMATS else _read_with_datasets(source, path)
     except Exception as e:
         raise ConfigError(f"dataset {source!r} could not be loaded ({type(e).__name__}: {e})") from None
+    columns = list(rows[0]) if rows else []
     for column, key in ((prompt_column, "task.prompt_column"), (answer_column, "task.answer_column")):
-        if column not in data.column_names:
-            raise ConfigError(f"dataset {source!r} has no column {column!r} (columns: {data.column_names}); set {key}")
-    return [Problem(prompt=str(p), answer=str(a)) for p, a in zip(data[prompt_column], data[answer_column])]
+        if column not in columns:
+            raise ConfigError(f"dataset {source!r} has no column {column!r} (columns: {columns}); set {key}")
+    return [Problem(prompt=str(r[prompt_column]), answer=str(r[answer_column])) for r in rows]
 
 
 class DatasetTask:
@@ -42,8 +71,7 @@ class DatasetTask:
     name = "dataset"
 
     def __init__(self, cfg: TaskConfig):
-        if not cfg.train_data or not cfg.eval_data:
-            raise ConfigError("task.name=dataset needs task.train_data and task.eval_data")
+        check_data_files(cfg)
         self.train = load_problems(cfg.train_data, cfg.prompt_column, cfg.answer_column)
         self.eval = load_problems(cfg.eval_data, cfg.prompt_column, cfg.answer_column)
 

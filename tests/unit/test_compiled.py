@@ -229,7 +229,7 @@ def test_compiled_scores_are_refused_where_nothing_would_compile(task, tiny_dir)
         tiny_policy(task, tiny_dir, W4A16, trainable=True, compile_scores=True,
                     lora=LoraConfig(mode="qlora", target_modules=["q_proj", "lm_head"]))
     from qarl.config import load_recipe
-    from qarl.distill import check_distill_config
+    from qarl.config import check_qad_recipe
 
     with pytest.raises(ConfigError, match="QAD's KL"):
-        check_distill_config(load_recipe("recipes/qa_distillation_tiny.yaml", ["policy.compile_scores=true"]))
+        check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", ["policy.compile_scores=true"]))

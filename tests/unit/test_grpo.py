@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from qarl.config import ConfigError, TrainerConfig
-from qarl.grpo import check_trainer_config, group_advantages, grpo_loss, sequence_weights
+from qarl.config import ConfigError, TrainerConfig, check_grpo_recipe, load_recipe
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights
 
 
 def test_group_advantages():
@@ -100,11 +100,11 @@ def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
     assert torch.allclose(lp.grad, -adv[:, None].expand(2, 3) / 6)
 
 
-@pytest.mark.parametrize("changes, needle", [({"num_generations": 1}, "at least 2"),
-                                             ({"batch_size": 30, "num_generations": 8}, "not divisible"),
-                                             ({"loss_type": "ppo"}, "loss_type"),
-                                             ({"scale_rewards": "std"}, "scale_rewards"),
-                                             ({"importance_sampling_level": "seq"}, "importance_sampling_level")])
+@pytest.mark.parametrize("changes, needle", [(["trainer.num_generations=1"], "at least 2"),
+                                             (["trainer.batch_size=30", "trainer.num_generations=8"], "not divisible"),
+                                             (["trainer.loss_type=ppo"], "loss_type"),
+                                             (["trainer.scale_rewards=std"], "scale_rewards"),
+                                             (["trainer.importance_sampling_level=seq"], "importance_sampling_level")])
 def test_bad_trainer_settings_are_named(changes, needle):
     with pytest.raises(ConfigError, match=needle):
-        check_trainer_config(TrainerConfig(**changes))
+        check_grpo_recipe(load_recipe("recipes/qa_grpo_tiny.yaml", changes))

@@ -23,10 +23,7 @@ BAD_INPUT = {
         (["task.name=dataset", "task.train_data=MISSING.jsonl", "task.eval_data=MISSING.jsonl"], "not found"),
         (["policy.master_dtype=float16", "policy.dtype=float16"], "cannot train"),
         (["policy.dtype=bfloat16", "policy.master_dtype=bfloat16", "policy.dtype=float32"], "narrower"),
-        (["policy.dtype=int8"], "choose one of"),
         (["run.loggers=[nope]"], "unknown logger"),
-        (["eval.every=-1"], "0 for no held-out evaluation"),
-        (["policy.backend=nope"], "choose one of"),
         (["policy.tensor_parallel_size=2"], "needs policy.backend=megatron"),
         (["policy.backend=megatron", "policy.lora.mode=qlora"], "trains whole models"),
         (["policy.backend=megatron", "policy.tensor_parallel_size=2"], "a multiple of 2"),
@@ -36,12 +33,9 @@ BAD_INPUT = {
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="allowed where CUDA is")),
     ],
     QAD: [
-        (["distill.top_k=-1"], "distill.top_k"),
-        (["teacher.dtype=int8"], "teacher.dtype"),
         (["trainer.batch_size=10", "trainer.num_generations=4"], "not divisible"),
         (["teacher.model_name=/no/such/teacher"], "model not found"),
-        (["teacher.model_name=no-such-org/no-such-model"], "could not be loaded.*HF_HUB_OFFLINE"),
-        (["distill.lr_schedule=linear"], "distill.lr_schedule"),
+        (["teacher.model_name=no-such-org/no-such-model"], "not in the Hugging Face cache.*HF_HUB_OFFLINE"),
     ],
 }
 
@@ -78,7 +72,7 @@ def test_dataset_without_the_answer_column_is_named(tmp_path):
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "solution": "2"}) + "\n")
-    cfg = load_recipe(GRPO.recipe, [f"run.dir={tmp_path}", "task.name=dataset",
+    cfg = load_recipe(GRPO.recipe, [f"run.dir={tmp_path / 'run'}", "task.name=dataset",
                                     f"task.train_data={data}", f"task.eval_data={data}"], RecipeConfig)
     with pytest.raises(ConfigError, match="no column 'answer'"):
         train(cfg)

@@ -50,5 +50,5 @@ def test_cli_refuses_bad_settings_with_exit_code_2(capsys, tmp_path):
 
     assert main(["matrix", "recipes/matrix_tiny.yaml", "matrix.ptq_methods=[gptq]"]) == 2
     assert "matrix.ptq_methods ['gptq']: choose among" in capsys.readouterr().err
-    assert main(["diagnose", str(tmp_path / "nope")]) == 2
+    assert main(["diagnose", "qarl/recipe_defaults.yaml", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

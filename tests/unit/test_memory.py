@@ -75,7 +75,7 @@ def test_bad_memory_settings_are_refused_as_the_recipe_loads():
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         PolicyConfig(gradient_checkpointing="sometimes")
     with pytest.raises(ConfigError, match="logprob_chunk_tokens"):
-        PolicyConfig(logprob_chunk_tokens=-1)
+        load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.logprob_chunk_tokens=-1"])
 
 
 def test_weight_memory_counts_each_side_once_per_storage(task, tiny_dir):
