@@ -1,4 +1,4 @@
-"""The README's LoRA table: per run, trainable parameters, optimizer memory, refit bytes, mismatch,
+"""The LoRA table of docs/guides/lora.md: per run, trainable parameters, optimizer memory, refit bytes, mismatch,
 held-out accuracy (quantized and not) and wall time.
 
     python benchmarks/lora_table.py NAME=RUN_DIR[:WALL_SECONDS] ...

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The runs behind the README's accuracy matrix and W4A4 study (issue 13), on the embedded default, 2 CPU cores.
+# The runs behind the accuracy matrix and W4A4 study of docs/results/cpu.md (issue 13), on the embedded default, 2 CPU cores.
 # Every run shares one held-out split (task.seed=0) and one warm-started base (warm_start.seed=0); run.seed varies.
 #   bash benchmarks/matrix_runs.sh        (~45 min), then
-#   .venv/bin/qarl matrix recipes/matrix_tiny.yaml          the README's matrix (runs/matrix/table)
+#   .venv/bin/qarl matrix recipes/matrix_tiny.yaml          the matrix of docs/results/cpu.md (runs/matrix/table)
 #   .venv/bin/qarl matrix recipes/matrix_w4a4_tiny.yaml     the W4A4 study's matrix (runs/matrix/table_w4a4)
 #   .venv/bin/python benchmarks/compare_runs.py runs/matrix/{qagrpo_w4a16_s0,qagrpo_w4a4_s0,w4a4_*,grpo_s0,grpo_lr3e-4_s0} \
 #       --out benchmarks/results/w4a4_study.png               the W4A4 study's curves

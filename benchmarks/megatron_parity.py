@@ -32,6 +32,7 @@ def main() -> None:
 
     from qarl.backends.convert import gpt_shape, read_hf_config
     from qarl.backends.megatron import build_megatron_model
+    from qarl.distributed import local_device
     from qarl.models.resolve import resolve_model_dir
     from qarl.quant import quantize_policy, resolve_format
 
@@ -43,7 +44,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device()  # this rank's own GPU (a bare "cuda" is GPU 0 on every rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     tp = int(os.environ.get("WORLD_SIZE", 1))
     shape = gpt_shape(read_hf_config(model_dir))
     ids = torch.randint(2, shape.vocab, (args.batch, args.length), generator=torch.Generator().manual_seed(0)).to(device)

@@ -242,7 +242,7 @@ class PolicyConfig:
     # backend.
     compile_scores: bool = False
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
-    # over the processes torchrun starts; see the README's Megatron section).
+    # over the processes torchrun starts; see docs/guides/megatron.md).
     backend: str = knob("hf", choices=("hf", "megatron"))
     tensor_parallel_size: int = knob(1, ge=1)  # megatron: the TP size (the processes beyond it are data parallel)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (none: full training)
@@ -462,7 +462,11 @@ class MatrixConfig:
         "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
     ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])  # PTQ calibration methods compared
     num_prompts: int = knob(1000, ge=1)  # held-out prompts (task.num_eval must provide them); SE <= 0.5/sqrt(n)
-    out: str = "${run.dir}/matrix"  # where matrix.json, matrix.md and matrix.png go
+    # Export targets (names or paths of export/*.yaml): each trained run whose format a target writes is also exported
+    # to it and evaluated as that real low-precision checkpoint, served by vLLM with its own kernels (a GPU with
+    # NVFP4 / FP8 kernels): the column "exported TARGET".
+    exports: list[str] = field(default_factory=list)
+    out: str = "${run.dir}/matrix"  # where matrix.json, matrix.md and matrix.png go (and exports/)
 
 
 @dataclass

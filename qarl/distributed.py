@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -33,6 +34,19 @@ def is_main_launch() -> bool:
     """Whether torchrun launched this process as rank 0 (or without torchrun): known before torch.distributed starts,
     for what one process does first (claiming the run directory)."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def local_device() -> torch.device:
+    """This process's own device: under torchrun with CUDA the GPU of its local rank (`cuda:LOCAL_RANK`), else the
+    CPU. A bare `torch.device("cuda")` is whichever GPU is current, GPU 0 on every rank until something calls
+    `torch.cuda.set_device`: rank 1's inputs would land on GPU 0 and its model on GPU 1."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this node sees {gpus} GPU(s); launch at "
+                           f"most {gpus} processes a node (torchrun --nproc_per_node)")
+    return torch.device("cuda", local_rank)
 
 
 def barrier() -> None:

@@ -7,6 +7,8 @@ is evaluated greedily, in the rollout engine, on one held-out set at every preci
              (ModelOpt's max calibration, and stronger ones: AWQ's activation-aware smoothing, MSE
              scale search), so "quantization-aware training beats PTQ" is tested against each of them;
   trained    a run trained quantized, at its own trained quantization (its checkpoint's format and amax).
+  exported T the same run written by `qarl export` as target T's real low-precision checkpoint and served by vLLM
+             with its own kernels (matrix.exports; a GPU): what a user deploys.
 A run's trained format is always also a PTQ column, so its transfer to the other formats shows too.
 
   gain      D(m, p) = acc(m, p) - acc(base, p)            the trained column compares with the base's PTQ
@@ -23,6 +25,7 @@ rate, truncation rate, stop/EOS rate, mean length), matrix.md (the tables), matr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -77,7 +80,8 @@ class Precision:
 
     name: str
     format: Any = None  # qarl.quant.QuantFormat
-    trained: bool = False
+    trained: bool = False  # the model's own trained quantization: fake-quantized, or exported (`export`)
+    export: Any = None  # qarl.export.ExportTarget: the column of the runs exported to it
 
 
 @dataclass
@@ -263,6 +267,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     _check_columns(precisions)
     if trained_precision:
         precisions.append(Precision(TRAINED, trained=True))
+    precisions += _export_columns(cfg, models)
     for precision in precisions:
         if precision.format is not None:
             check_format_fits(base_dir, precision.format, trust)
@@ -284,6 +289,48 @@ def _policy(plan: Plan, source: ModelSource, precision: Precision):
     return build_policy(plan.cfg.policy, plan.calibration, model_dir=source.model_dir, fmt=precision.format)
 
 
+def _export_columns(cfg: RecipeConfig, models: dict[str, list[ModelSource]]) -> list[Precision]:
+    """A column per export target of matrix.exports that some trained row's format fits."""
+    from qarl.export.targets import check_target_matches, load_target
+
+    columns = []
+    for spec in cfg.matrix.exports:
+        target = load_target(spec)
+        fits = []
+        for sources in models.values():
+            with contextlib.suppress(ConfigError):
+                if sources[0].trained_format is not None:
+                    check_target_matches(sources[0].trained_format, target)
+                    fits.append(sources)
+        if not fits:
+            raise ConfigError(f"matrix.exports: target {target.name} writes no trained row's format")
+        columns.append(Precision(f"exported {target.name}", trained=True, export=target))
+    return columns
+
+
+def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision: Precision) -> EvalResult | None:
+    """`source`'s checkpoint exported to the column's target, then evaluated in an engine started from the export
+    (vLLM's own low-precision kernels; no fake quantization, no refit); None where the target does not fit its format."""
+    from qarl.evaluate import evaluate
+    from qarl.export import export_checkpoint
+    from qarl.export.targets import check_target_matches
+    from qarl.generation import VLLMEngine
+    from qarl.rewards import WeightedRewards
+
+    try:
+        check_target_matches(source.trained_format, precision.export)
+    except ConfigError:
+        return None
+    out = Path(plan.cfg.matrix.out) / "exports" / f"{name}_{index}_{precision.export.name}"
+    export_checkpoint(source.checkpoint, precision.export, out, overwrite=True)
+    engine = VLLMEngine(out, plan.cfg.policy.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
+    try:
+        rewards = WeightedRewards.from_specs(plan.cfg.trainer.rewards, plan.cfg.trainer.reward_error)
+        return evaluate(engine, plan.prompts, plan.problems, rewards)
+    finally:
+        engine.close()
+
+
 def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
     """{model: {precision: one EvalResult per seed}}, grouped by the engine's format (one switch each):
     the trained column first, by trained format, then precision by precision."""
@@ -299,6 +346,8 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
     for precision in plan.precisions:
         for name, sources in plan.models.items():
             for source in sources:
+                if precision.export is not None:
+                    continue  # evaluated apart, each in an engine of its own (below)
                 if not precision.trained:
                     cells.append((precision.format, name, source, precision))
                 elif source.trained_format is not None:
@@ -313,6 +362,14 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
         policy = _policy(plan, source, precision)
         engine.refit(policy.model)
         results[name].setdefault(precision.name, []).append(evaluate(engine, plan.prompts, plan.problems, rewards))
+    exports = [p for p in plan.precisions if p.export is not None]
+    if exports:
+        engine.close()  # one engine at a time: each export starts its own
+    for precision in exports:
+        for name, sources in plan.models.items():
+            for index, source in enumerate(sources):
+                if source.trained_format is not None and (result := _exported(plan, name, index, source, precision)):
+                    results[name].setdefault(precision.name, []).append(result)
     return results
 
 
@@ -345,7 +402,7 @@ def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> di
             continue
         report["gain"][m], report["survival"][m] = {}, {}
         for p in cells:
-            base_p = plan.trained_precision[m] if p == TRAINED else p
+            base_p = plan.trained_precision[m] if p == TRAINED or p.startswith("exported ") else p
             g, g_se = gain(scores[m][p], base[base_p])
             report["gain"][m][p] = {"mean": g, "se": g_se}
             if p == FULL:

@@ -336,10 +336,21 @@ def update_or_name_the_knob(steps: Steps, step: int, batch: Rollout, memory: Mem
             f"policy.gradient_checkpointing=on; resume from the last checkpoint with trainer.resume=true. ({e})") from e
 
 
+def world_row(cfg: RecipeConfig) -> dict[str, int]:
+    """The Megatron backend's world layout (processes, nodes, tensor and data parallel sizes) for step 0's metrics
+    row, so a run on several nodes records the world it trained in; the HF backend runs in one process: nothing."""
+    if cfg.policy.backend != "megatron":
+        return {}
+    from qarl.backends.megatron import world_layout
+
+    return world_layout()
+
+
 def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, float] | None = None) -> Path:
     """Sync the engine to the policy, run the steps from `run.start_step`, evaluate at the end. `first_row` joins
     step 0's metrics row."""
     cfg, policy, t = run.cfg, run.policy, run.cfg.trainer
+    first_row = {**world_row(cfg), **(first_row or {})}
     prompts_per_step = t.batch_size // t.num_generations
     step_state = policy.prepare_step(run.start_step)
     engine.refit(policy.rollout_model())
@@ -351,8 +362,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
     with DriverPeak() as driver_peak:
         for step in bar:
             step_start = time.perf_counter()
-            row: dict[str, float | int | None] = {"step": step, **step_state,
-                                                  **((first_row or {}) if step == 0 else {})}
+            row: dict[str, float | int | None] = {"step": step, **step_state, **(first_row if step == 0 else {})}
             if cfg.eval.every and step % cfg.eval.every == 0:
                 row.update(steps.evaluate())
 

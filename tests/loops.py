@@ -111,6 +111,8 @@ class Runs:
             kill_after_first_checkpoint(loop.command(run_dir), run_dir)
             assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
             assert not (run_dir / "checkpoints" / "step_3").exists()
-            subprocess.run(loop.command(run_dir, "trainer.resume=true"), check=True, timeout=600)
+            resumed = subprocess.run(loop.command(run_dir, "trainer.resume=true"), check=True, timeout=600,
+                                     capture_output=True, text=True)
+            assert "resuming from step 2" in resumed.stdout, resumed.stdout[-2000:]
 
         return self._once(loop, "resumed", make)

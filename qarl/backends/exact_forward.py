@@ -6,7 +6,7 @@ the list of kernels: qarl/generation/exact.py).
 Why it is needed: the two sides otherwise run different kernels (vLLM's FlashAttention, fused RMSNorm and
 rotary embedding against transformers' SDPA and torch ops), so activations differ in their last bits; an
 activation quantizer (W4A4, FP8) turns such a difference next to a rounding boundary into a whole 4- or
-8-bit step, and at 24 layers syncing W4A4 bought less than 2x (README, parity table).
+8-bit step, and at 24 layers syncing W4A4 bought less than 2x (docs/results/gpu.md, the parity table).
 
 How, layer by layer, as vLLM's Qwen2/Qwen3/Llama decoder computes it: the tokens of all rows packed into one
 [tokens, hidden] matrix (no padding), attention run as the engine ran each token (its prompt as a prefill, and, where

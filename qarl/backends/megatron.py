@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from torch import nn
 from qarl.backends.convert import FAMILIES, GPTShape, check_parallel, gpt_shape, hf_modules, hf_sources, megatron_shards, \
     read_hf_config, unshard
 from qarl.config import ConfigError
+from qarl.distributed import local_device
 from qarl.quant.formats import QuantFormat
 
 if TYPE_CHECKING:
@@ -40,14 +42,14 @@ def init_parallel(tensor_parallel_size: int) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = local_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
+            dist.init_process_group(backend)
         else:
-            store = dist.HashStore()
-            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} does not divide the "
@@ -57,6 +59,30 @@ def init_parallel(tensor_parallel_size: int) -> None:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    _announce_world()
+
+
+def world_layout() -> dict[str, int]:
+    """The processes and nodes torchrun brought together and Megatron's split of them into tensor and data parallel
+    ranks (step 0's metrics row): what a launch on several nodes actually formed, beside what its command meant."""
+    from megatron.core import parallel_state
+
+    return {"world/processes": dist.get_world_size(), "world/nodes": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+            "world/tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "world/data_parallel": parallel_state.get_data_parallel_world_size()}
+
+
+def _announce_world() -> None:
+    """Print from rank 0 the world layout and each node's host (collective: every rank names its node and host), so
+    a node that joined as another one than meant, or a rendezvous that formed a smaller world, shows at start-up."""
+    hosts: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, (int(os.environ.get("GROUP_RANK", 0)), socket.gethostname()))
+    if dist.get_rank() == 0:
+        layout, nodes = world_layout(), dict(sorted(hosts))
+        processes, count = layout["world/processes"], layout["world/nodes"]
+        print(f"world: {processes} process{'es' * (processes > 1)} on {count} node{'s' * (count > 1)} "
+              f"(host{'s' * (len(nodes) > 1)} {', '.join(nodes.values())}), tensor parallel "
+              f"{layout['world/tensor_parallel']}, data parallel {layout['world/data_parallel']}", flush=True)
 
 
 def tp_group() -> dist.ProcessGroup:

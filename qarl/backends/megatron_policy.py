@@ -21,6 +21,7 @@ from qarl.backends.megatron import (MegatronModel, all_data_parallel_values, bui
                                     data_parallel_rank_and_size, read_master_weights)
 from qarl.calibration import calibration_batches
 from qarl.config import ConfigError, PolicyConfig
+from qarl.distributed import local_device
 from qarl.models.resolve import default_device, resolve_model_dir
 from qarl.policy import Policy, T
 from qarl.quant import QuantFormat, resolve_format
@@ -93,7 +94,7 @@ def check(cfg: PolicyConfig) -> None:
                           f"the engine spans the {world} process(es) of the policy; leave it at 1 or set {world}")
     check_megatron_model(resolve_model_dir(cfg.model_name), cfg.tensor_parallel_size, fmt)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device())
 
 
 def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase, fmt: QuantFormat | None,

@@ -22,9 +22,10 @@ def cache_dir() -> Path:
 
 
 def default_device() -> torch.device:
-    import torch
+    """Where this process loads its models: its own GPU under torchrun (`qarl.distributed.local_device`)."""
+    from qarl.distributed import local_device
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return local_device()
 
 
 def check_model_name(model_name: str, key: str = "") -> None:

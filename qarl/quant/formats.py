@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -103,14 +104,22 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
             f"unknown quant config {spec!r}: neither a YAML file nor a ModelOpt built-in. Use a shipped "
             f"config {shipped} (name or path), your own YAML path, or one of ModelOpt's: {', '.join(builtin_names())}"
         )
+    stat = path.stat()
+    cfg = _parsed_yaml(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    return QuantFormat(name=path.stem, source=str(path), modelopt_cfg=copy.deepcopy(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_yaml(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """A quant config file through ModelOpt's schema, once per version of the file: a run asks for its formats in
+    several places (the checks, the memory plan, the policy, the engine), and each gets its own copy."""
     from modelopt.torch.opt.config_loader import load_config
     from modelopt.torch.quantization.config import QuantizeConfig
 
     try:
-        cfg = load_config(path, schema_type=QuantizeConfig).model_dump(exclude_unset=True)
+        return load_config(path, schema_type=QuantizeConfig).model_dump(exclude_unset=True)
     except Exception as e:  # ModelOpt's schema names the bad field
         raise ConfigError(f"invalid quant config {path}: {e}") from None
-    return QuantFormat(name=path.stem, source=str(path), modelopt_cfg=cfg)
 
 
 def same_format(a: QuantFormat | None, b: QuantFormat | None) -> bool:

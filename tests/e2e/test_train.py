@@ -12,6 +12,7 @@ import sys
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import PolicyConfig
 from qarl.metrics import read_metrics
+from qarl.run_dir import checkpoint_run_id, read_identity
 from tests.loops import GRPO
 
 
@@ -35,3 +36,18 @@ def test_eval_reports_quantized_and_unquantized_accuracy(loop_runs):
     assert 0.0 <= result["quantized"] <= 1.0 and 0.0 <= result["unquantized"] <= 1.0
     final = read_metrics(uninterrupted / "metrics.jsonl")[-1]
     assert result["quantized"] == final["eval/accuracy"]  # the same greedy evaluation as the training run's
+    assert result["checkpoint"] == str(uninterrupted / "checkpoints" / "step_4") and result["step"] == 4
+    assert result["run_id"] == read_identity(uninterrupted)["run_id"]
+
+
+def test_a_second_run_into_a_finished_runs_directory_loses_nothing(loop_runs):
+    """The newcomer's data loss: a second run into the directory of a finished one is refused before anything
+    loads, and the first run's config, metrics and checkpoints are as they were."""
+    run_dir = loop_runs.uninterrupted(GRPO)
+    files = ["config.yaml", "metrics.jsonl", *(f"checkpoints/{c.name}/COMPLETE" for c in complete_checkpoints(run_dir))]
+    before = {f: (run_dir / f).read_bytes() for f in files}
+    proc = subprocess.run(GRPO.command(run_dir, "trainer.steps=2"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "holds another run" in proc.stderr
+    assert {f: (run_dir / f).read_bytes() for f in files} == before
+    run_id = read_identity(run_dir)["run_id"]
+    assert all(checkpoint_run_id(c) == run_id for c in complete_checkpoints(run_dir))

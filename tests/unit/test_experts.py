@@ -109,7 +109,7 @@ def test_the_packed_export_writes_each_expert_and_decodes_to_the_policy(task, mo
     """Each expert's gate, up and down as a quantized layer of its own, one global scale for an expert's gate and
     up (vLLM fuses them), the experts' shared input scale where the format quantizes inputs, decoding to the
     policy's weights (bit for bit in ModelOpt's format; compressed-tensors stores the global scale as a divisor,
-    README) and logits; the routers stay unquantized (listed in compressed-tensors' `ignore`, where vLLM looks)."""
+    docs/guides/export.md) and logits; the routers stay unquantized (listed in compressed-tensors' `ignore`, where vLLM looks)."""
     import json
 
     from qarl.export.core import export_policy
