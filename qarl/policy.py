@@ -163,6 +163,7 @@ def build_policy(
     fmt: QuantFormat | None | str = "from-config",
     calibrate: bool = True,
     trainable: bool = False,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Policy:
     """Load and quantize the policy with `cfg.backend`. `fmt` overrides `cfg.quant_cfg`; `calibrate=False`
     leaves amax to be loaded from a saved quantizer state. `trainable`: keep master weights
@@ -178,17 +179,18 @@ def build_policy(
 
         check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code))
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return backend_module(cfg).build(cfg, model_dir, tokenizer, fmt, texts, trainable)
 
 
-def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: list[str]) -> None:
-    """When `policy.generation.quant_cfg` differs from the policy's format (allowed by
+def attach_rollout_view(policy: Policy, cfg: PolicyConfig, calibration_texts: list[str],
+                        fmt: QuantFormat | None | str = "from-config") -> None:
+    """When `policy.generation.quant_cfg` (`fmt`: it resolved) differs from the policy's format (allowed by
     `allow_quant_mismatch`), give the policy a RolloutView in the generation format: a second copy of
     the model that the engine is refitted from (qarl/quant/rollout_view.py). Otherwise nothing."""
-    fmt = resolve_format(cfg.generation.quant_cfg)
+    fmt = resolve_format(cfg.generation.quant_cfg) if fmt == "from-config" else fmt
     if fmt is None or (policy.format is not None and fmt.fingerprint() == policy.format.fingerprint()):
         return
     texts = load_calibration_texts(cfg, calibration_texts)

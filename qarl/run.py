@@ -40,21 +40,39 @@ from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
-from qarl.quant import check_generation_matches, resolve_format
+from qarl.quant import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.run_dir import claim_run_dir, plan_run_dir
 from qarl.seeds import derived_seed
-from qarl.tasks import Problem, PromptFormat, Task, build_task, recipe_prompt_format
+from qarl.tasks import Problem, PromptFormat, Task, build_task, model_prompt_format
 from qarl.warm_start import fingerprint, warm_start
 
 
-# -- the step-0 policy and the checks before it -----------------------------------------------------
-def initial_model_dir(cfg: RecipeConfig, task: Task) -> str:
-    """The step-0 model directory: the base model, warm-started if asked (cached, so a resumed run,
-    a baseline and a distillation teacher all find the very model the policy started from)."""
+# -- the recipe resolved, the step-0 policy and the checks before it ---------------------------------
+@dataclass(frozen=True)
+class Resolved:
+    """What a recipe's names stand for, resolved once as a run starts and carried by it: the checks, the memory plan,
+    the step-0 policy (and its tokenizer), the engine and the loops take them from here."""
+
+    model_dir: str  # policy.model_name's directory (before any warm start)
+    policy_format: QuantFormat | None
+    rollout_format: QuantFormat | None  # policy.generation.quant_cfg's
+    prompts: PromptFormat  # the task's prompts on the model's tokenizer (a warm start keeps the tokenizer)
+
+
+def resolve_recipe(cfg: RecipeConfig) -> Resolved:
     model_dir = resolve_model_dir(cfg.policy.model_name)
+    return Resolved(model_dir, resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg),
+                    model_prompt_format(model_dir, cfg.task, cfg.policy.trust_remote_code))
+
+
+def initial_model_dir(cfg: RecipeConfig, task: Task, base_dir: str | None = None) -> str:
+    """The step-0 model directory: the base model (`base_dir`, else policy.model_name's), warm-started if asked
+    (cached, so a resumed run, a baseline and a distillation teacher all find the very model the policy started
+    from)."""
+    model_dir = base_dir or resolve_model_dir(cfg.policy.model_name)
     if cfg.warm_start.enabled:
         model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir(), cfg.task)
     return model_dir
@@ -73,38 +91,41 @@ def initial_model_key(cfg: RecipeConfig, task: Task) -> str:
     return fingerprint(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cfg.task)
 
 
-def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True) -> Policy:
+def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True, resolved: Resolved | None = None) -> Policy:
     """The step-0 policy: the initial model, quantized and calibrated (`trainable`: with master weights).
-    Deterministic, so the KL reference is this policy built again."""
-    calibration = task.calibration_texts(cfg.policy.quant_calib_size, recipe_prompt_format(cfg))
-    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task), trainable=trainable)
+    Deterministic, so the KL reference is this policy built again. `resolved`: the run's (else resolved here)."""
+    resolved = resolved or resolve_recipe(cfg)
+    calibration = task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts)
+    return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task, resolved.model_dir),
+                        fmt=resolved.policy_format, trainable=trainable, tokenizer=resolved.prompts.tokenizer)
 
 
-def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task) -> Policy:
+def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task, resolved: Resolved) -> Policy:
     """A checkpoint's policy, trainable. A LoRA adapter must sit on the very base this recipe starts from."""
-    base = initial_model_dir(cfg, task) if cfg.policy.lora.mode != "none" else None
+    base = initial_model_dir(cfg, task, resolved.model_dir) if cfg.policy.lora.mode != "none" else None
     return load_policy_checkpoint(checkpoint, cfg.policy, trainable=True, base_dir=base)
 
 
-def check_run_settings(cfg: RecipeConfig) -> None:
+def check_run_settings(cfg: RecipeConfig, resolved: Resolved | None = None) -> Resolved:
     """What every training loop checks before anything loads: precision, the backend, trainable quant formats and
     the rollout's against the policy's, rewards, metric loggers, colocation, LoRA settings against the model's
-    layers."""
+    layers. Returns the recipe resolved (`resolved`, else resolved here)."""
     check_precision(cfg.policy)
     check_backend(cfg.policy)
-    policy_format, rollout_format = resolve_format(cfg.policy.quant_cfg), resolve_format(cfg.policy.generation.quant_cfg)
+    resolved = resolved or resolve_recipe(cfg)
+    policy_format, rollout_format, model_dir = resolved.policy_format, resolved.rollout_format, resolved.model_dir
     check_trainable_format(policy_format, "policy.quant_cfg")
     check_trainable_format(rollout_format, "policy.generation.quant_cfg")
     check_generation_matches(policy_format, rollout_format, cfg.policy.generation.allow_quant_mismatch)
     WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
-    model_dir = resolve_model_dir(cfg.policy.model_name)
-    merging = engine_merges_adapters(cfg, model_dir)
+    merging = engine_merges_adapters(cfg, model_dir, rollout_format)
     engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype,
                 training_engine_rank(cfg.policy, merging), merging)  # what start_engine's engine will be asked
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, model_dir)
+    return resolved
 
 
 @dataclass
@@ -112,8 +133,8 @@ class Run:
     """What a loop's steps run on, made once by `start_run`."""
 
     cfg: RecipeConfig
+    resolved: Resolved
     task: Task
-    prompts: PromptFormat  # how the task's prompts reach the model (qarl/tasks/chat.py)
     dir: Path
     rewards: WeightedRewards
     policy: Policy
@@ -122,6 +143,11 @@ class Run:
     checkpoint: Path | None  # the checkpoint the run resumed from
     start_step: int
     memory: MemoryPlan
+
+    @property
+    def prompts(self) -> PromptFormat:
+        """How the task's prompts reach the model (qarl/tasks/chat.py)."""
+        return self.resolved.prompts
 
 
 def longest_prompt_tokens(task: Task, prompts: PromptFormat) -> int:
@@ -132,11 +158,11 @@ def longest_prompt_tokens(task: Task, prompts: PromptFormat) -> int:
 FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the loop's frozen model, for the plan
 
 
-def planned(cfg: RecipeConfig, task: Task, prompts: PromptFormat, frozen_model: FrozenShape
+def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: FrozenShape
             ) -> tuple[RecipeConfig, MemoryPlan]:
     """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided."""
-    shape = ModelShape.of(resolve_model_dir(cfg.policy.model_name), cfg.policy.trust_remote_code)
-    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, prompts), frozen_model(cfg, shape))
+    shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
+    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
     return cfg, memory
 
@@ -149,31 +175,31 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
     is claimed, and the policy (resumed from the run's newest complete checkpoint, or built fresh), the loop's
     `frozen(policy, task)` model and the optimizer (with its state, when resumed) are made."""
     plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
-    check_run_settings(cfg)
+    resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
-    prompts = recipe_prompt_format(cfg)
-    cfg, memory = planned(cfg, task, prompts, frozen_model)
+    cfg, memory = planned(cfg, task, resolved, frozen_model)
     if is_main_launch():
         claim_run_dir(plan, to_dict(cfg), OmegaConf.to_yaml(to_dict(cfg)))
     run_dir, t, checkpoint = plan.path, cfg.trainer, plan.checkpoint
     torch.manual_seed(cfg.run.seed)
-    policy = resumed_policy(checkpoint, cfg, task) if checkpoint else initial_policy(cfg, task)
+    policy = resumed_policy(checkpoint, cfg, task, resolved) if checkpoint else initial_policy(cfg, task, True, resolved)
     companion = frozen(policy, task)
     policy.start_noise(t.steps, cfg.run.seed)
-    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts))
+    attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts),
+                        resolved.rollout_format)
     optimizer = PolicyOptimizer(policy, t.lr, t.weight_decay, t.max_grad_norm)
     start_step = restore_trainer_state(checkpoint, optimizer) if checkpoint else 0
     policy.model.eval()
     rewards = WeightedRewards.from_specs(t.rewards, t.reward_error)
-    return Run(cfg, task, prompts, run_dir, rewards, policy, companion, optimizer, checkpoint, start_step, memory)
+    return Run(cfg, resolved, task, run_dir, rewards, policy, companion, optimizer, checkpoint, start_step, memory)
 
 
 def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
     """The vLLM engine on the policy's model, in the rollout format (`policy.generation.quant_cfg` unless given)."""
     cfg = run.cfg
-    fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
-    merging = engine_merges_adapters(cfg, run.policy.model_dir)
+    fmt = run.resolved.rollout_format if rollout_format == "from-config" else rollout_format
+    merging = engine_merges_adapters(cfg, run.policy.model_dir, run.resolved.rollout_format)
     if merging and cfg.policy.generation.qlora_adapters == "auto":
         print("qlora adapters merged into the engine's weights at each refit (policy.generation.qlora_adapters=auto: "
               "vLLM's LoRA cannot serve them here; =lora adds them by qarl's hooks, eagerly)")
@@ -182,10 +208,11 @@ def start_engine(run: Run, rollout_format: Any = "from-config") -> VLLMEngine:
                       packed_base=packed_engine_base(run, fmt), merge_adapters=merging)
 
 
-def engine_merges_adapters(cfg: RecipeConfig, model_dir: str) -> bool:
+def engine_merges_adapters(cfg: RecipeConfig, model_dir: str, rollout_format: Any = "from-config") -> bool:
     """Whether a run's engine merges qlora adapters into its weights (`merges_adapters`), decided once for the run's
-    rollout format: QAD's engine starts in its teacher's and must keep serving the student's after."""
-    fmt = resolve_format(cfg.policy.generation.quant_cfg)
+    rollout format (`rollout_format`, else policy.generation.quant_cfg's): QAD's engine starts in its teacher's and must
+    keep serving the student's after."""
+    fmt = resolve_format(cfg.policy.generation.quant_cfg) if rollout_format == "from-config" else rollout_format
     return merges_adapters(cfg.policy, model_dir, fmt, serves_packed_base(cfg.policy, fmt, model_dir))
 
 
