@@ -94,7 +94,7 @@ def test_an_engine_that_merges_qlora_adapters_runs_no_lora_and_follows_each_step
     floor of the qlora policy; every refit sends the adapted layers' weights again, and the engine follows."""
     from dataclasses import replace
 
-    from qarl.config import ConfigError, LoraConfig, PolicyConfig
+    from qarl.config import ConfigError, LoraConfig, PolicyConfig, load_recipe
     from qarl.generation import VLLMEngine, merges_adapters, serves_packed_base
     from qarl.quant import resolve_format
 
@@ -120,8 +120,8 @@ def test_an_engine_that_merges_qlora_adapters_runs_no_lora_and_follows_each_step
     with pytest.raises(ConfigError, match="qlora_adapters=merged"):
         serves_packed_base(replace(merged, generation=replace(merged.generation, packed_base="on")),
                            resolve_format("nvfp4_a16"), tiny_dir)
-    with pytest.raises(ConfigError, match="choose auto, lora or merged"):
-        GenerationConfig(qlora_adapters="fused")
+    with pytest.raises(ConfigError, match="must be auto . lora . merged"):
+        load_recipe("recipes/qlora_grpo_tiny.yaml", ["policy.generation.qlora_adapters=fused"])
     # the policy feeds its adapters the input itself: an activation format cannot merge them
     with pytest.raises(ConfigError, match="quantizes layer inputs"):
         VLLMEngine(tiny_dir, GenerationConfig(max_new_tokens=16, kv_cache_gib=1), dtype="float32", seed=0,
