@@ -28,13 +28,14 @@ class ConfigError(ValueError):
 
 
 SWITCH_MODES = ("auto", "on", "off")
+YAML_SWITCHES = {"true": "on", "false": "off"}  # YAML reads a bare on/off as a boolean
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def switch_mode(value: object, key: str) -> str:
     """A setting of SWITCH_MODES read from a recipe (`key`: its name, for the error). YAML reads a bare on/off as a
     boolean: both spellings are accepted."""
-    mode = {"true": "on", "false": "off"}.get(str(value).lower(), str(value))
+    mode = YAML_SWITCHES.get(str(value).lower(), str(value))
     if mode not in SWITCH_MODES:
         raise ConfigError(f"{key}={value!r}; choose one of {SWITCH_MODES}")
     return mode
@@ -63,7 +64,7 @@ def _choice(value: Any, choices: tuple[str, ...]) -> str:
     """A choice as recipes may spell it: YAML turns a bare true/false/on/off into a boolean."""
     text = str(value).lower()
     if choices == SWITCH_MODES:
-        return {"true": "on", "false": "off"}.get(text, text)
+        return YAML_SWITCHES.get(text, text)
     return text
 
 

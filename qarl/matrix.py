@@ -25,7 +25,6 @@ rate, truncation rate, stop/EOS rate, mean length), matrix.md (the tables), matr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -291,41 +290,42 @@ def _policy(plan: Plan, source: ModelSource, precision: Precision):
 
 def _export_columns(cfg: RecipeConfig, models: dict[str, list[ModelSource]]) -> list[Precision]:
     """A column per export target of matrix.exports that some trained row's format fits."""
-    from qarl.export.targets import check_target_matches, load_target
+    from qarl.export.targets import load_target
 
     columns = []
     for spec in cfg.matrix.exports:
         target = load_target(spec)
-        fits = []
-        for sources in models.values():
-            with contextlib.suppress(ConfigError):
-                if sources[0].trained_format is not None:
-                    check_target_matches(sources[0].trained_format, target)
-                    fits.append(sources)
-        if not fits:
+        if not any(_writes(target, sources[0]) for sources in models.values()):
             raise ConfigError(f"matrix.exports: target {target.name} writes no trained row's format")
         columns.append(Precision(f"exported {target.name}", trained=True, export=target))
     return columns
 
 
-def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision: Precision) -> EvalResult | None:
+def _writes(target: Any, source: ModelSource) -> bool:
+    """Whether export `target` writes the format `source` was trained in (an unquantized row: never)."""
+    from qarl.export.targets import check_target_matches
+
+    if source.trained_format is None:
+        return False
+    try:
+        check_target_matches(source.trained_format, target)
+    except ConfigError:
+        return False
+    return True
+
+
+def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision: Precision, rewards: Any
+              ) -> EvalResult:
     """`source`'s checkpoint exported to the column's target, then evaluated in an engine started from the export
-    (vLLM's own low-precision kernels; no fake quantization, no refit); None where the target does not fit its format."""
+    (vLLM's own low-precision kernels; no fake quantization, no refit)."""
     from qarl.evaluate import evaluate
     from qarl.export import export_checkpoint
-    from qarl.export.targets import check_target_matches
     from qarl.generation import VLLMEngine
-    from qarl.rewards import WeightedRewards
 
-    try:
-        check_target_matches(source.trained_format, precision.export)
-    except ConfigError:
-        return None
     out = Path(plan.cfg.matrix.out) / "exports" / f"{name}_{index}_{precision.export.name}"
     export_checkpoint(source.checkpoint, precision.export, out, overwrite=True)
     engine = VLLMEngine(out, plan.cfg.policy.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
     try:
-        rewards = WeightedRewards.from_specs(plan.cfg.trainer.rewards, plan.cfg.trainer.reward_error)
         return evaluate(engine, plan.prompts, plan.problems, rewards)
     finally:
         engine.close()
@@ -368,8 +368,9 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
     for precision in exports:
         for name, sources in plan.models.items():
             for index, source in enumerate(sources):
-                if source.trained_format is not None and (result := _exported(plan, name, index, source, precision)):
-                    results[name].setdefault(precision.name, []).append(result)
+                if _writes(precision.export, source):
+                    results[name].setdefault(precision.name, []).append(
+                        _exported(plan, name, index, source, precision, rewards))
     return results
 
 

@@ -180,7 +180,8 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
     task = build_task(cfg.task, cfg.run.seed)
     cfg, memory = planned(cfg, task, resolved, frozen_model)
     if is_main_launch():
-        claim_run_dir(plan, to_dict(cfg), OmegaConf.to_yaml(to_dict(cfg)))
+        recipe = to_dict(cfg)
+        claim_run_dir(plan, recipe, OmegaConf.to_yaml(recipe))
     run_dir, t, checkpoint = plan.path, cfg.trainer, plan.checkpoint
     torch.manual_seed(cfg.run.seed)
     policy = resumed_policy(checkpoint, cfg, task, resolved) if checkpoint else initial_policy(cfg, task, True, resolved)

@@ -52,9 +52,14 @@ def checkpoint_run_id(checkpoint: Path) -> str | None:
     return json.loads(path.read_text())["run_id"] if path.is_file() else None
 
 
-def checkpoint_step(checkpoint: Path) -> int:
+def checkpoint_step(checkpoint: Path) -> int | None:
+    """The step a checkpoint was written at: its step_N name, else its COMPLETE marker; None for a checkpoint copied
+    under another name without its marker (still loadable: `qarl eval` names it without a step)."""
     match = STEP_DIR.match(checkpoint.name)
-    return int(match.group(1)) if match else int((checkpoint / "COMPLETE").read_text())
+    if match:
+        return int(match.group(1))
+    marker = checkpoint / "COMPLETE"
+    return int(marker.read_text()) if marker.is_file() else None
 
 
 def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
@@ -87,7 +92,7 @@ class RunDirPlan:
     checkpoint: Path | None = None  # the checkpoint a resume continues from
 
     @property
-    def resume_step(self) -> int | None:
+    def resume_step(self) -> int | None:  # (a resume's checkpoint is always a step_N of the run)
         return checkpoint_step(self.checkpoint) if self.checkpoint is not None else None
 
 
