@@ -4,6 +4,8 @@ metric of every step compared. Writes a markdown table (--out) with the command.
 
     python benchmarks/resume_check.py recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron trainer.steps=20 \
         checkpoint.every=10 --out benchmarks/results/gpu/resume_megatron_0p5b.md
+    python benchmarks/resume_check.py --nproc 2 recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron \
+        policy.tensor_parallel_size=2 ...        # each run under torchrun, one process per GPU
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import time
 from pathlib import Path
 
 
-def train(recipe: str, run_dir: Path, overrides: list[str], kill_at: int | None = None) -> None:
-    """`qarl train`; with `kill_at`, SIGKILLed as soon as checkpoint step_<kill_at> is complete."""
-    command = [sys.executable, "-m", "qarl", "train", recipe, f"run.dir={run_dir}", *overrides]
+def train(recipe: str, run_dir: Path, overrides: list[str], kill_at: int | None = None, nproc: int = 1) -> None:
+    """`qarl train` (under torchrun with `nproc` > 1); with `kill_at`, SIGKILLed (torchrun and its workers: one
+    process group) as soon as checkpoint step_<kill_at> is complete."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    command = [sys.executable, *launcher, "-m", "qarl", "train", recipe, f"run.dir={run_dir}", *overrides]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
     if kill_at is None:
         if process.wait() != 0:
@@ -48,19 +52,21 @@ def main() -> None:
     parser.add_argument("--runs", default="runs/resume_check", help="where the two runs go")
     parser.add_argument("--kill-at", type=int, required=True, help="the checkpoint step after which to SIGKILL")
     parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, started by torchrun")
     args = parser.parse_args()
     root = Path(args.runs)
     whole, killed = root / "uninterrupted", root / "killed"
     for run in (whole, killed):
         subprocess.run(["rm", "-rf", str(run)], check=True)
-    train(args.recipe, whole, args.overrides)
-    train(args.recipe, killed, args.overrides, kill_at=args.kill_at)
+    train(args.recipe, whole, args.overrides, nproc=args.nproc)
+    train(args.recipe, killed, args.overrides, kill_at=args.kill_at, nproc=args.nproc)
     steps_before = len(rows(killed))
-    train(args.recipe, killed, [*args.overrides, "trainer.resume=true"])
+    train(args.recipe, killed, [*args.overrides, "trainer.resume=true"], nproc=args.nproc)
     a, b = rows(whole), rows(killed)
     differing = [(x["step"], k, x[k], y.get(k)) for x, y in zip(a, b) for k in x
                  if x[k] != y.get(k) and not (isinstance(x[k], float) and math.isnan(x[k]) and math.isnan(y.get(k)))]
-    lines = [f"`python benchmarks/resume_check.py {args.recipe} {' '.join(args.overrides)} --kill-at {args.kill_at}`", "",
+    nproc = f"--nproc {args.nproc} " if args.nproc > 1 else ""
+    lines = [f"`python benchmarks/resume_check.py {nproc}{args.recipe} {' '.join(args.overrides)} --kill-at {args.kill_at}`", "",
              f"killed after checkpoint step_{args.kill_at} (metric rows written before the kill: {steps_before}), "
              f"resumed to step {a[-1]['step']}; {len(a)} vs {len(b)} metric rows",
              f"non-timing values that differ: **{len(differing)}** of {sum(len(x) for x in a)}"]

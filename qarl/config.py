@@ -456,9 +456,9 @@ class MatrixConfig:
     # name -> qarl run directories, checkpoints or Hugging Face model directories. Several paths are
     # seeds of one recipe: each is evaluated, and the rows average them prompt by prompt.
     models: dict[str, list[str]] = field(default_factory=dict)
-    # Every model is evaluated unquantized, at each of these formats with each PTQ method (ModelOpt
-    # calibration algorithms: max, mse, awq_lite, ...; "default" = the format's own; on the recipe's
-    # calibration data), and at its own trained quantization.
+    # Every model is evaluated unquantized and, unless it was trained quantized, at each of these formats with each
+    # PTQ method (ModelOpt calibration algorithms: max, mse, awq_lite, ...; "default" = the format's own; on the
+    # recipe's calibration data); a model trained quantized at its own trained quantization instead.
     formats: list[str] = field(default_factory=lambda: [
         "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
     ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])  # PTQ calibration methods compared

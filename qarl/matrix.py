@@ -349,7 +349,8 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
                 if precision.export is not None:
                     continue  # evaluated apart, each in an engine of its own (below)
                 if not precision.trained:
-                    cells.append((precision.format, name, source, precision))
+                    if precision.format is None or source.trained_format is None:  # a row trained quantized is
+                        cells.append((precision.format, name, source, precision))  # asked in its own format only
                 elif source.trained_format is not None:
                     cells.append((source.trained_format, name, source, precision))
     # trained cells first: a checkpoint that cannot load fails before the long part
@@ -413,7 +414,20 @@ def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> di
                                                             results["base"][FULL][0])))[0] for i in range(len(cells[p]))]
             seed_sd = (math.sqrt(sum((x - s) ** 2 for x in seeds) / (len(seeds) - 1)) if len(seeds) > 1 else None)
             report["survival"][m][p] = {"mean": s, "se": s_se, "per_seed": seeds, "seed_sd": seed_sd}
+    report["reference"], report["share"] = _shares(plan, report["gain"])
     return report
+
+
+def _shares(plan: Plan, gains: dict[str, dict[str, dict]]) -> tuple[str | None, dict[str, dict[str, float | None]]]:
+    """Each cell's gain as a share of the unquantized RL gain: the one trained row that is not quantized (GRPO in
+    bf16), at full precision. None where there is no such single row, or its gain is 0."""
+    unquantized = [m for m, sources in plan.models.items() if m != "base" and sources[0].trained_format is None
+                   and sources[0].checkpoint is not None]
+    if len(unquantized) != 1 or not gains[unquantized[0]][FULL]["mean"]:
+        return None, {}
+    reference = unquantized[0]
+    full_gain = gains[reference][FULL]["mean"]
+    return reference, {m: {p: cell["mean"] / full_gain for p, cell in cells.items()} for m, cells in gains.items()}
 
 
 def _points(value: float, se: float, signed: bool = False) -> str:
@@ -436,6 +450,9 @@ def markdown(report: dict[str, Any]) -> str:
             row = []
             for p in precisions:
                 c = cells.get(p)
+                if key == "share":
+                    row.append(f"{100 * c:.0f} %" if c is not None else "–")
+                    continue
                 text = _points(c["mean"], c["se"], signed) if c else "–"
                 if c and extra and c.get(extra) is not None:
                     text += f" (sd {100 * c[extra]:.1f})"
@@ -459,6 +476,8 @@ def markdown(report: dict[str, Any]) -> str:
         table("gain", True),
         "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",
         table("survival", True, "seed_sd"),
+        *([f"### Share of {report['reference']}'s unquantized gain kept (gain at the precision / {report['reference']}'s "
+           "gain at full precision)", table("share", False)] if report.get("reference") else []),
         "### Evaluation hygiene (%, mean over seeds)", "\n".join(hygiene)])
 
 

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 from qarl.calibration import calibration_batches, load_calibration_texts
 from qarl.config import ConfigError, LoraConfig, PolicyConfig
 from qarl.lora import AdapterDisabled, QuantNoise, pack_base, save_adapter, write_lora_manifest
+from qarl.models.checks import with_pad_token
 from qarl.models.resolve import resolve_model_dir
 from qarl.quant import QuantFormat, load_quantizer_state, pack_frozen_weights, quantizer_state, resolve_format
 from qarl.quant.formats import format_to_yaml, is_quantizer_key
@@ -179,9 +180,8 @@ def build_policy(
 
         check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code))
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = with_pad_token(tokenizer or AutoTokenizer.from_pretrained(model_dir,
+                                                                         trust_remote_code=cfg.trust_remote_code))
     return backend_module(cfg).build(cfg, model_dir, tokenizer, fmt, texts, trainable)
 
 

@@ -332,9 +332,9 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    from qarl.models.checks import with_pad_token
+
+    tokenizer = with_pad_token(AutoTokenizer.from_pretrained(export_dir))
     tokenizer.padding_side = "right"
     ids, mask = _batch(tokenizer, prompts or PROMPTS)
     reference = _logits(policy.model, ids, mask)

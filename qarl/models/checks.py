@@ -28,10 +28,19 @@ def vocab_width(model_dir: str, trust_remote_code: bool = False) -> int:
     return load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config().vocab_size
 
 
+def with_pad_token(tokenizer: Any) -> Any:
+    """qarl pads with the EOS token where a tokenizer names no pad token (the attention mask hides pads: which token
+    pads never changes a log-prob). A checkpoint's tokenizer is saved so, so its base, which named none, is compared
+    through this too."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def tokenizer_differences(a_dir: str, b_dir: str, trust_remote_code: bool = False) -> list[str]:
     """What differs between two models' tokenizers and output widths (empty: token ids mean the same)."""
-    a = load_pretrained(AutoTokenizer, a_dir, trust_remote_code)
-    b = load_pretrained(AutoTokenizer, b_dir, trust_remote_code)
+    a = with_pad_token(load_pretrained(AutoTokenizer, a_dir, trust_remote_code))
+    b = with_pad_token(load_pretrained(AutoTokenizer, b_dir, trust_remote_code))
     problems = []
     a_vocab, b_vocab = a.get_vocab(), b.get_vocab()
     if a_vocab != b_vocab:

@@ -107,6 +107,9 @@ def test_small_matrix_end_to_end(models):
     q = "nvfp4_w4a4 max"
     assert surv["noisy"][q]["mean"] == pytest.approx(gains["noisy"][q]["mean"] - gains["noisy"][FULL]["mean"], abs=1e-12)
     assert TRAINED not in acc["noisy"]  # a Hugging Face directory has no trained quantization
+    assert set(acc["same"]) == {FULL, TRAINED}, "a row trained quantized: unquantized and its own format, no PTQ"
+    # the share of the one unquantized trained row's gain: none here (the noisy copy is no run of qarl's)
+    assert report["reference"] is None and report["share"] == {}
     n = report["num_prompts"]
     assert n == 48 and acc["base"][FULL]["se"] == pytest.approx(
         math.sqrt(acc["base"][FULL]["mean"] * (1 - acc["base"][FULL]["mean"]) / n))

@@ -52,3 +52,32 @@ def test_cli_refuses_bad_settings_with_exit_code_2(capsys, tmp_path):
     assert "matrix.ptq_methods ['gptq']: choose among" in capsys.readouterr().err
     assert main(["diagnose", "qarl/recipe_defaults.yaml", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_share_of_the_unquantized_rl_gain():
+    """The one trained row that is not quantized (GRPO in bf16) is the reference: every cell's gain over it."""
+    from pathlib import Path
+
+    from qarl.matrix import FULL, TRAINED, ModelSource, Plan, Precision, markdown, summarize
+    from qarl.quant import resolve_format
+
+    w4a16 = resolve_format("quant_configs/nvfp4_a16.yaml")
+    ckpt = Path("run/checkpoints/step_1")
+    models = {"base": [ModelSource("base", "base")],
+              "grpo": [ModelSource("grpo", "g", ckpt)],
+              "qa_grpo": [ModelSource("qa", "q", ckpt, w4a16)]}
+    plan = Plan(None, [None] * 4, None, [], models, [Precision(FULL), Precision("nvfp4_a16 max", w4a16),
+                                                     Precision(TRAINED, trained=True)],
+                {"qa_grpo": "nvfp4_a16 max"})
+    results = {"base": {FULL: [_result([1, 0, 0, 0])], "nvfp4_a16 max": [_result([0, 0, 0, 0])]},
+               "grpo": {FULL: [_result([1, 1, 1, 0])], "nvfp4_a16 max": [_result([1, 1, 0, 0])]},
+               "qa_grpo": {FULL: [_result([1, 1, 0, 0])], TRAINED: [_result([1, 1, 1, 0])]}}
+    report = summarize(plan, results)
+    assert report["reference"] == "grpo"  # gain 0.5 at full precision
+    assert report["share"]["grpo"] == pytest.approx({FULL: 1.0, "nvfp4_a16 max": 1.0})
+    assert report["share"]["qa_grpo"] == pytest.approx({FULL: 0.5, TRAINED: 1.5})  # 0.75 over the base's W4A16 PTQ
+    assert "Share of grpo's unquantized gain kept" in markdown(report) and "150 %" in markdown(report)
+    # two unquantized rows: no single reference, no share table
+    plan.models["grpo_2"] = [ModelSource("g2", "g2", ckpt)]
+    report = summarize(plan, {**results, "grpo_2": results["grpo"]})
+    assert report["reference"] is None and "Share of" not in markdown(report)
