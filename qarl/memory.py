@@ -18,6 +18,7 @@ metrics row), in benchmarks/results/gpu/.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,14 +82,16 @@ class ModelShape:
         return max(self.vocab * self.hidden, self.expert_params // self.layers if self.experts else 0,
                    self.intermediate * self.hidden)
 
-    def layer_activation_bytes(self, dtype_bytes: int) -> int:
+    def layer_activation_bytes(self, dtype_bytes: int, tensor_parallel: int = 1) -> int:
         """What autograd keeps of one decoder layer for one token: the norms' fp32 inputs and outputs, q/k/v and the
         attention output, the MLP's gate/up, activation and down-projection input, the residual stream; in a MoE
         layer also about four hidden-wide tensors for each expert the token is routed to (transformers' eager experts
         gather its input, and keep the expert's output and its weighted copy; fitted to the H100 runs of
-        benchmarks/results/gpu/moe)."""
+        benchmarks/results/gpu/moe). With tensor parallelism a rank keeps its shard of q/k/v, attention and the MLP;
+        the hidden-wide tensors are whole on every rank."""
         routed = 4 * self.experts_per_token * self.hidden
-        width = 6 * self.hidden + self.attention_width + 4 * self.intermediate + routed
+        sharded = -(-(self.attention_width + 4 * self.intermediate) // tensor_parallel)
+        width = 6 * self.hidden + sharded + routed
         return width * dtype_bytes + 4 * 4 * self.hidden
 
 
@@ -150,22 +153,30 @@ class MemoryPlan:
 
 
 def available_bytes(cfg: RecipeConfig) -> tuple[int, int]:
-    """(free bytes the plan may use, the engine's share of the device while it runs)."""
+    """(free bytes the plan may use, the engine's share of the device while it runs), for this process: on a GPU its
+    own device; on a CPU its share of the host's memory, which torchrun's processes on this host (LOCAL_WORLD_SIZE)
+    divide."""
     gen = cfg.policy.generation
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return int(free * HEADROOM), int(gen.gpu_memory_utilization * total)
     import psutil
 
-    return int(psutil.virtual_memory().available * HEADROOM), int(max(1.0, gen.kv_cache_gib) * GiB)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(psutil.virtual_memory().available * HEADROOM) // processes, int(max(1.0, gen.kv_cache_gib) * GiB)
 
 
 def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointing: bool,
          frozen: FrozenModel | None = None, micro_batch_size: int | None = None) -> MemoryPlan:
     """The plan of `cfg` for a policy of `shape` (and the loop's frozen model), one micro-batch of
-    `micro_batch_size` rows (default: the recipe's) of at most `longest_prompt` + max_new_tokens tokens each."""
+    `micro_batch_size` rows (default: the recipe's) of at most `longest_prompt` + max_new_tokens tokens each, on one
+    process: on the Megatron backend its tensor-parallel shard of the weights, master weights, AdamW state,
+    gradients and layer activations (data-parallel ranks each hold their whole shard; the frozen model and the
+    gathered vocabulary are counted whole)."""
     p, t, gen = cfg.policy, cfg.trainer, cfg.policy.generation
     compute, master = _bytes(p.dtype), _bytes(p.master_dtype)
+    tp = p.tensor_parallel_size if p.backend == "megatron" else 1
+    params = -(-shape.params // tp)  # this rank's share
     row = min(longest_prompt + gen.max_new_tokens, gen.max_model_len)
     if t.max_tokens_per_micro_batch > 0 and micro_batch_size is None:  # by tokens (a longer row goes alone)
         tokens = max(t.max_tokens_per_micro_batch, row)
@@ -176,16 +187,16 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
         resident = {"weights": weight_bytes(shape, p.dtype, packed)}
         gradients, step = 0, 0
     else:
-        resident = {"weights": shape.params * compute}
+        resident = {"weights": params * compute}
         if master != compute:
-            resident["masters"] = shape.params * master
-        resident["adamw"] = 2 * shape.params * master
-        gradients = shape.params * compute
-        step_group = min(shape.params, max(STEP_GROUP_BYTES // master, shape.largest_tensor))
-        step = (shape.params + step_group) * master - gradients  # master-dtype gradients, a group's temporaries
+            resident["masters"] = params * master
+        resident["adamw"] = 2 * params * master
+        gradients = params * compute
+        step_group = min(params, max(STEP_GROUP_BYTES // master, -(-shape.largest_tensor // tp)))
+        step = (params + step_group) * master - gradients  # master-dtype gradients, a group's temporaries
     if frozen is not None:
         resident[frozen.name] = weight_bytes(frozen.shape, frozen.dtype, frozen.packed_format)
-    layer = shape.layer_activation_bytes(compute)
+    layer = shape.layer_activation_bytes(compute, tp)
     if checkpointing:  # each layer's input kept, one layer's activations at a time in the backward
         activations = tokens * (shape.layers * shape.hidden * compute + layer)
     else:

@@ -137,3 +137,38 @@ def test_the_driver_peak_sees_memory_torch_gave_back_before_the_phase_ended():
         del block
         torch.cuda.empty_cache()
         assert peak.take() >= base + 2**30 * 0.9
+
+
+# Qwen3-8B's shape: full training needs ~16 bytes a parameter (bf16 weights and gradients, fp32 masters and AdamW)
+QWEN3_8B = ModelShape(params=8_190_735_360, layers=36, hidden=4096, intermediate=12288, vocab=151_936,
+                      attention_width=(32 + 2 * 8) * 128, query_width=32 * 128)
+
+
+def test_megatron_ranks_plan_their_tensor_parallel_shard(monkeypatch):
+    """An 8B model's full-training state does not fit one H200 (141 GiB) but fits each of two at TP=2: the plan counts
+    a rank's shard of the state and of the layer activations, and refuses TP=1 up front."""
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (int(0.95 * 141 * GiB), int(0.3 * 141 * GiB)))
+    cfg = user_recipe(micro_batch_size=4)
+    megatron = {tp: dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="megatron",
+                                                                         tensor_parallel_size=tp)) for tp in (1, 2)}
+    one, two = (plan(megatron[tp], QWEN3_8B, 100, True) for tp in (1, 2))
+    assert sum(one.resident.values()) == pytest.approx(14 * QWEN3_8B.params, rel=1e-6)  # + bf16 gradients: 16
+    assert sum(two.resident.values()) == pytest.approx(sum(one.resident.values()) / 2, rel=1e-6)
+    assert two.activations < one.activations
+    hf = plan(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, tensor_parallel_size=2)),
+              QWEN3_8B, 100, True)
+    assert hf.resident == one.resident  # tensor_parallel_size is the Megatron backend's: the HF policy is whole
+    with pytest.raises(ConfigError, match="does not fit"):
+        plan_memory(megatron[1], QWEN3_8B, 100)
+    decided, found = plan_memory(megatron[2], QWEN3_8B, 100)
+    assert found.fits() and found.update < 141 * GiB
+
+
+def test_processes_on_one_cpu_host_share_its_memory(monkeypatch):
+    from qarl.memory import available_bytes
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = available_bytes(user_recipe())[0]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert available_bytes(user_recipe())[0] == pytest.approx(alone / 2, rel=0.05)
