@@ -20,8 +20,10 @@
 #   megatron  HF vs Megatron-core backend log-probs on the 0.5B model, fp32 and bf16, every format, TP = the
 #             number of GPUs (benchmarks/megatron_parity.py; one GPU: TP=1, two: TP=2)
 #   megatron_grpo  QA-GRPO NVFP4 W4A16 of the 0.5B model on the Megatron backend (TP=1; the `grpo` stage's recipe)
-#   megatron_resume  a shorter such run SIGKILLed after its first checkpoint and resumed, against the same run
-#             uninterrupted (benchmarks/resume_check.py)
+#   megatron_resume  a shorter such run at TP = the number of GPUs, SIGKILLed after its first checkpoint and resumed,
+#             against the same run uninterrupted (benchmarks/resume_check.py --nproc)
+#   megatron_user_shape [SHAPE [TP]]  QA-GRPO NVFP4 W4A16 of a real shape (default qwen3-8b: no room on one GPU for its
+#             full-training state) on the Megatron backend over every GPU, TP (default all), the rest data parallel
 #   megatron_qad  QAD NVFP4 W4A4 of the 0.5B model on the Megatron backend (the `qad` stage's recipe)
 #   share     the e2e runs with the policy's compute weights shared with the engine and copied (share_weights)
 #   exact [DTYPE:EAGER ...]  the exact forward: its kernels' row invariance, then `qarl parity` with
@@ -275,10 +277,24 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       checkpoint.every=1000 2>&1 | grep -v -i "warn\|it/s\]" | tail -5
     keep runs/megatron_grpo_0p5b megatron_qa_grpo_0p5b_bf16
     ;;
-  megatron_resume)
-    python3 benchmarks/resume_check.py recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron trainer.steps=12 \
-      checkpoint.every=6 eval.every=6 --kill-at 6 --runs runs/megatron_resume --out "$out/resume_megatron_0p5b.md" \
-      2>&1 | grep -v -i "warn\|it/s\]" | tail -8
+  megatron_resume)  # SIGKILL after a checkpoint, resume, compare: at TP = every GPU of the machine
+    gpus=$(nvidia-smi -L | wc -l)
+    python3 benchmarks/resume_check.py --nproc "$gpus" recipes/qa_grpo_0p5b_gpu.yaml policy.backend=megatron \
+      "policy.tensor_parallel_size=$gpus" trainer.steps=12 checkpoint.every=6 eval.every=6 --kill-at 6 \
+      --runs runs/megatron_resume --out "$out/resume_megatron_0p5b_tp$gpus.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -8
+    ;;
+  megatron_user_shape)  # QA-GRPO NVFP4 W4A16 of shape $3 (default qwen3-8b) on the Megatron backend over every GPU:
+    # TP=$4 (default: all of them), the other processes data parallel; the user-shape recipe (256 x 1,024 tokens)
+    gpus=$(nvidia-smi -L | wc -l); name="${3:-qwen3-8b}"; tp="${4:-$gpus}"; shift 4 2>/dev/null || shift $#
+    shape_dir="runs/$(echo "$name" | tr .- p_)_shape"
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$name" 2>&1 | tail -1
+    run="megatron_$(echo "$name" | tr .- p_)_tp${tp}_dp$((gpus / tp))"
+    torchrun --standalone --nproc_per_node "$gpus" -m qarl train benchmarks/recipes/user_shape_grpo.yaml \
+      "policy.model_name=$shape_dir" "run.dir=runs/$run" policy.backend=megatron "policy.tensor_parallel_size=$tp" \
+      "$@" > "$out/$run.log" 2>&1
+    echo "exit $? ($run)"; grep -E "memory plan|world:|Error|error:|out of memory" "$out/$run.log" | tail -6
+    keep "runs/$run" "$run"
+    python3 benchmarks/user_shape.py report "runs/$run" | tee "$out/$run.txt"
     ;;
   megatron_qad)
     qarl distill recipes/qa_distillation_0p5b_gpu.yaml policy.backend=megatron warm_start.steps=80 \
