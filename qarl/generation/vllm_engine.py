@@ -231,6 +231,8 @@ class VLLMEngine:
             shutil.rmtree(self.packed_base.model_dir, ignore_errors=True)
         self._worker = vllm_compat.in_process_worker(self.llm)
         runner = vllm_compat.worker_runner(self._worker)
+        if not torch.cuda.is_available():  # a rollout whose prompts outgrow one prefill step samples on CPU too
+            vllm_compat.keep_seeds_of_split_prefills(runner)
         self.model: nn.Module = vllm_compat.runner_model(runner)
         if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
             self._shut_down_vllm()
