@@ -11,7 +11,7 @@
 #   start     the whole pipeline below in a process session of its own (it outlives the call; `wait` follows it)
 #   pipeline  the 12 training runs side by side; QAD (3 seeds, on the last GPU) once GRPO seed 0 is done; once the
 #             12 are done, `qarl matrix` of recipes/matrix_smollm2.yaml (GPU 0) and matrix_smollm2_exports.yaml
-#             (the last GPU), then matrix_smollm2_qad.yaml (GPU 0); then `keep`
+#             (the last GPU), then matrix_smollm2_qad.yaml (GPU 0)
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config, the logs, the three tables and the learning curves, as one tar
 #             (unpack it into benchmarks/results/gpu/)
@@ -37,7 +37,9 @@ run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run, started again while
       "${SHARED[@]}" "$@" "${again[@]}" >> "$out/$name.log" 2>&1 < /dev/null
     rc=$?
     [ "$rc" = 0 ] && break
-    # a run that logged a step failed in training, not at its engine's start: no second try
+    # a recipe error (exit 2), or a run that logged a step (it failed in training, not at its engine's start): no
+    # second try
+    [ "$rc" = 2 ] && break
     [ -s "runs/smollm2/$name/metrics.jsonl" ] && break
     echo "== try $try failed (rc $rc); again in 20 s" >> "$out/$name.log"; again=(run.overwrite=true); sleep 20
   done
@@ -53,7 +55,7 @@ launch() { # NAME GPU COMMAND RECIPE OVERRIDES...: run_one in the background; it
 
 finished() { [ -f "runs/smollm2/$1.rc" ]; }
 
-matrix() { # GPU RECIPE: `qarl matrix recipes/RECIPE.yaml` into OUT/RECIPE (a second try if its engine fails to start)
+matrix() { # GPU RECIPE: `qarl matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE (a second try if its engine fails)
   local gpu="$1" name="$2" try
   for try in 1 2; do
     CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
@@ -75,6 +77,7 @@ case "$stage" in
     echo "pipeline started (pid $!): $out/pipeline.log"
     ;;
   pipeline)
+    rm -f runs/smollm2/*.rc  # a run's exit status: `finished` waits for this pipeline's own
     i=0
     for seed in $SEEDS; do
       for run in grpo_bf16:grpo_smollm2_bf16 qa_grpo_w4a16:qa_grpo_smollm2 qa_grpo_w4a4:qa_grpo_smollm2_w4a4 \
