@@ -180,8 +180,8 @@ def build_policy(
 
         check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code))
     texts = load_calibration_texts(cfg, task_texts) if fmt is not None and calibrate else None
-    tokenizer = with_pad_token(tokenizer or AutoTokenizer.from_pretrained(model_dir,
-                                                                         trust_remote_code=cfg.trust_remote_code))
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = with_pad_token(tokenizer)
     return backend_module(cfg).build(cfg, model_dir, tokenizer, fmt, texts, trainable)
 
 

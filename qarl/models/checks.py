@@ -30,7 +30,7 @@ def vocab_width(model_dir: str, trust_remote_code: bool = False) -> int:
 
 def with_pad_token(tokenizer: Any) -> Any:
     """qarl pads with the EOS token where a tokenizer names no pad token (the attention mask hides pads: which token
-    pads never changes a log-prob). A checkpoint's tokenizer is saved so, so its base, which named none, is compared
+    pads never changes a log-prob). Checkpoints save the tokenizer padded so; compare their base, which named no pad,
     through this too."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
