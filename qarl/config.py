@@ -126,6 +126,9 @@ class GenerationConfig:
     # vLLM engine settings. kv_cache_gib only matters on CPU (VLLM_CPU_KVCACHE_SPACE).
     gpu_memory_utilization: float = knob(0.3, gt=0, le=1)  # the share of the GPU's memory vLLM may take
     kv_cache_gib: float = knob(1.0, gt=0)  # the KV cache on CPU, in GiB
+    # On a GPU, a KV cache of this many GiB instead of gpu_memory_utilization's share: vLLM then skips its start-up
+    # memory profile, which fails when another process on the GPU frees memory meanwhile (runs sharing one GPU).
+    gpu_kv_cache_gib: float | None = knob(None, gt=0)
     # The longest prompt + completion the engine serves, in tokens: raise it for long prompts or completions.
     max_model_len: int = knob(256, ge=1)
     tensor_parallel_size: int = knob(1, ge=1)  # the engine's tensor parallel size (GPUs it spans)

@@ -34,6 +34,7 @@ GiB = 2**30
 CHECKPOINTING = ("off", "on", "auto")
 HEADROOM = 0.92  # of the device's free memory the plan may use: the allocator's fragmentation, CUDA graphs, NCCL
 VOCAB_CHUNK_TENSORS = 10  # fp32 [chunk, vocab] tensors alive while one chunk is scored and differentiated
+ENGINE_WORKSPACE = GiB  # a GPU engine with a fixed KV cache (gpu_kv_cache_gib): its activations and CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def available_bytes(cfg: RecipeConfig) -> tuple[int, int]:
     gen = cfg.policy.generation
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        return int(free * HEADROOM), int(gen.gpu_memory_utilization * total)
+        kv = gen.gpu_kv_cache_gib
+        return int(free * HEADROOM), int(kv * GiB if kv is not None else gen.gpu_memory_utilization * total)
     import psutil
 
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -210,9 +212,13 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
                      "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
                     if forward_backward >= gradients + step else {"optimizer step": gradients + step})
     available, share = available_bytes(cfg)
-    # the engine's memory while it runs: its share of the GPU (weights it shares with the policy are in it already);
-    # on CPU its KV cache and its own weights. Awake during the update where it does not sleep.
-    engine = share if torch.cuda.is_available() else share + shape.params * compute
+    # the engine's memory while it runs: its share of the GPU (weights it shares with the policy are in it already),
+    # or its fixed KV cache, its weights and working memory; on CPU its KV cache and its own weights. Awake during the
+    # update where it does not sleep.
+    if torch.cuda.is_available() and gen.gpu_kv_cache_gib is None:
+        engine = share
+    else:
+        engine = share + shape.params * compute + (ENGINE_WORKSPACE if torch.cuda.is_available() else 0)
     if not sleeps_between_rollouts(gen):
         update_parts["engine (awake)"] = engine
     return MemoryPlan(resident, update_parts, engine, available, checkpointing, tokens, activations)
@@ -240,8 +246,10 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
         head += ("Change teacher.dtype (e.g. bfloat16) or choose a smaller teacher.model_name "
                  f"({frozen.shape.params / 1e9:.2f}B parameters in {frozen.dtype}). ")
     if failed.rollout > failed.available:
-        engine_knob = ("policy.generation.gpu_memory_utilization" if torch.cuda.is_available()
-                       else "policy.generation.kv_cache_gib")
+        gen = cfg.policy.generation
+        engine_knob = ("policy.generation.kv_cache_gib" if not torch.cuda.is_available() else
+                       "policy.generation.gpu_kv_cache_gib" if gen.gpu_kv_cache_gib is not None
+                       else "policy.generation.gpu_memory_utilization")
         return head + (f"The policy's state and the engine's share do not fit together: lower {engine_knob}, train "
                        "adapters (policy.lora.mode=qlora), or use a smaller model.")
     budget = cfg.trainer.max_tokens_per_micro_batch

@@ -217,6 +217,8 @@ class VLLMEngine:
             enforce_eager=eager,
             max_model_len=self.cfg.max_model_len,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=(None if self.cfg.gpu_kv_cache_gib is None or not torch.cuda.is_available()
+                                   else int(self.cfg.gpu_kv_cache_gib * 2**30)),
             tensor_parallel_size=self.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,

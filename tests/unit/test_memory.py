@@ -172,3 +172,21 @@ def test_processes_on_one_cpu_host_share_its_memory(monkeypatch):
     alone = available_bytes(user_recipe())[0]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert available_bytes(user_recipe())[0] == pytest.approx(alone / 2, rel=0.05)
+
+
+def test_a_fixed_gpu_kv_cache_is_planned_as_the_cache_the_engine_weights_and_its_workspace(monkeypatch):
+    """policy.generation.gpu_kv_cache_gib (runs sharing a GPU) replaces the engine's share of the device in the plan,
+    and a run that cannot fit then names that knob."""
+    from qarl.memory import ENGINE_WORKSPACE
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (140 * GiB, 141 * GiB))
+    cfg = user_recipe()
+    fixed = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, generation=dataclasses.replace(
+        cfg.policy.generation, gpu_kv_cache_gib=4.0)))
+    share = plan(cfg, QWEN3_1P7B, 100, False)
+    assert share.engine == int(cfg.policy.generation.gpu_memory_utilization * 141 * GiB)
+    assert plan(fixed, QWEN3_1P7B, 100, False).engine == 4 * GiB + QWEN3_1P7B.params * 2 + ENGINE_WORKSPACE
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (30 * GiB, 141 * GiB))
+    with pytest.raises(ConfigError, match="lower policy.generation.gpu_kv_cache_gib"):
+        plan_memory(fixed, QWEN3_1P7B, 100)
