@@ -457,7 +457,8 @@ class MatrixConfig:
     # The model gains are measured from: "warm-start" (this recipe's step-0 model) or a model/run path.
     base: str = "warm-start"
     # name -> qarl run directories, checkpoints or Hugging Face model directories. Several paths are
-    # seeds of one recipe: each is evaluated, and the rows average them prompt by prompt.
+    # seeds of one recipe: each is evaluated, and the rows average them prompt by prompt. None: the base alone at every
+    # format and PTQ method (which PTQ suits it, before any training).
     models: dict[str, list[str]] = field(default_factory=dict)
     # Every model is evaluated unquantized and, unless it was trained quantized, at each of these formats with each
     # PTQ method (ModelOpt calibration algorithms: max, mse, awq_lite, ...; "default" = the format's own; on the

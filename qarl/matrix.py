@@ -167,9 +167,6 @@ def _check_settings(cfg: RecipeConfig) -> None:
     if "awq_lite" in m.ptq_methods and cfg.policy.generation.tensor_parallel_size > 1:
         raise ConfigError("AWQ's input scales are not sharded for a tensor-parallel engine: use "
                           "policy.generation.tensor_parallel_size=1 for the matrix, or drop awq_lite")
-    if not m.models:
-        raise ConfigError("matrix.models is empty: name the models to compare with the base, e.g. "
-                          "matrix.models={grpo: [runs/grpo], qa_grpo: [runs/qa_grpo]}")
     if m.num_prompts < 1:
         raise ConfigError(f"matrix.num_prompts={m.num_prompts}: the held-out set is empty")
     for name, paths in m.models.items():
@@ -472,10 +469,10 @@ def markdown(report: dict[str, Any]) -> str:
                                f"{100 * c['stop_rate']:.1f} | {c['mean_length']:.2f} |")
     return "\n\n".join([
         f"### Held-out accuracy (%, greedy, n = {n} prompts, ± SE: binomial for one seed, over prompts for seed means)", table("accuracy", False),
-        "### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's PTQ in that format)",
-        table("gain", True),
-        "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",
-        table("survival", True, "seed_sd"),
+        *(["### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's PTQ in that "
+           "format)", table("gain", True),
+           "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",
+           table("survival", True, "seed_sd")] if report["gain"] else []),  # a base alone: its PTQ columns only
         *([f"### Share of {report['reference']}'s unquantized gain kept (gain at the precision / {report['reference']}'s "
            "gain at full precision)", table("share", False)] if report.get("reference") else []),
         "### Evaluation hygiene (%, mean over seeds)", "\n".join(hygiene)])
@@ -489,8 +486,11 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     precisions = report["precisions"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
-    for ax, key, models in ((axes[0], "accuracy", list(report["accuracy"])), (axes[1], "survival", list(report["survival"]))):
+    panels = [("accuracy", list(report["accuracy"]))] + ([("survival", list(report["survival"]))] if report["survival"]
+                                                          else [])  # a base alone: no gains
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.6), squeeze=False)
+    axes = axes[0]
+    for ax, (key, models) in zip(axes, panels):
         columns = precisions if key == "accuracy" else [p for p in precisions if p != FULL]
         width = 0.8 / max(len(models), 1)
         for i, m in enumerate(models):
@@ -503,7 +503,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
         ax.grid(axis="y", alpha=0.3)
         ax.axhline(0, color="black", lw=0.6)
     axes[0].set_title(f"held-out accuracy (%), n = {report['num_prompts']}", fontsize=10)
-    axes[1].set_title("gain survival: Δ at precision − Δ unquantized (points)", fontsize=10)
+    if len(axes) > 1:
+        axes[1].set_title("gain survival: Δ at precision − Δ unquantized (points)", fontsize=10)
     axes[0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -52,8 +52,6 @@ def _cfg(made: dict, **matrix) -> RecipeConfig:
 
 
 def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
-    with pytest.raises(ConfigError, match="matrix.models is empty"):
-        plan_matrix(_cfg(models, models={}))
     with pytest.raises(ConfigError, match="held-out set is empty"):
         plan_matrix(_cfg(models, num_prompts=0))
     with pytest.raises(ConfigError, match="raise task.num_eval"):
@@ -89,8 +87,13 @@ def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
         plan_matrix(_cfg(models, formats=[str(blocky)]))
 
 
-def test_small_matrix_end_to_end(models):
-    report, out = run_matrix(_cfg(models))
+@pytest.fixture(scope="module")
+def small_matrix(models):
+    return run_matrix(_cfg(models))
+
+
+def test_small_matrix_end_to_end(small_matrix):
+    report, out = small_matrix
     assert {p for p in report["precisions"]} == {FULL, "nvfp4_w4a4 max", "nvfp4_w4a4 awq_lite", "nvfp4_a16 max", TRAINED}
     acc, gains, surv = report["accuracy"], report["gain"], report["survival"]
     assert 0.05 < acc["base"][FULL]["mean"] < 0.6, "the warm-started base is partly right"
@@ -118,6 +121,19 @@ def test_small_matrix_end_to_end(models):
         assert cell["mean_length"] > 0
     assert json.loads((out / "matrix.json").read_text())["precisions"] == report["precisions"]
     assert "Gain survival" in (out / "matrix.md").read_text() and (out / "matrix.png").stat().st_size > 10_000
+
+
+def test_a_base_alone_gets_its_precision_columns_as_in_a_whole_matrix(models, small_matrix):
+    """matrix.models empty: the base at every format and PTQ method (which PTQ suits a model before training), the same
+    cells, to the prompt, as the base row of a matrix with models."""
+    whole, _ = small_matrix
+    report, out = run_matrix(_cfg(models, models={}, ptq_methods=["max"], out=str(models["root"] / "alone")))
+    assert report["precisions"] == [FULL, "nvfp4_w4a4 max"] and list(report["accuracy"]) == ["base"]
+    for precision in report["precisions"]:
+        assert report["accuracy"]["base"][precision] == whole["accuracy"]["base"][precision], precision
+    assert report["gain"] == {} and report["reference"] is None
+    text = (out / "matrix.md").read_text()
+    assert "Held-out accuracy" in text and "Gain survival" not in text and (out / "matrix.png").is_file()
 
 
 def test_diagnose_statistics_and_report(models, tmp_path):
