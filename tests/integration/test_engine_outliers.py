@@ -15,6 +15,7 @@ import torch
 
 from qarl.generation import engine_quant
 from qarl.generation.engine_quant import policy_names
+from qarl.generation.vllm_compat import CPU_TALL_ROWS
 from qarl.quant.ops import fake_quant_input
 
 ACTIVATION_FORMATS = ["quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]
@@ -110,7 +111,13 @@ def _policy_inputs(policy, prompt: list[int], attention: dict[str, torch.Tensor]
 @pytest.mark.parametrize("fmt", ACTIVATION_FORMATS)
 def test_engine_quantizes_inputs_beyond_amax_as_the_policy(engine, make_policy, task, fmt, monkeypatch):
     policy = make_policy(fmt)
-    prompt = policy.tokenizer(task.eval[0].prompt).input_ids
+    # a prompt of at least CPU_TALL_ROWS tokens: the engine computes shorter matmuls as that tall (as the policy's
+    # scoring of a micro-batch always is), a lone short prompt on the policy's side would not be
+    prompt: list[int] = []
+    for problem in task.eval:
+        prompt += policy.tokenizer(problem.prompt).input_ids
+        if len(prompt) >= CPU_TALL_ROWS:
+            break
     _plant_outliers(policy, prompt)
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
