@@ -33,8 +33,8 @@ MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 G
 KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 [ "$NGPU" -ge 1 ] || NGPU=1
-SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8
-        policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")
+ENGINE=(policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")  # runs, matrices
+SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8 "${ENGINE[@]}")
 # each kind of run: its command and recipe; QAD's teacher is GRPO's seed 0
 declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a16]="train recipes/qa_grpo_smollm2.yaml"
                 [qa_grpo_fp8]="train recipes/qa_grpo_smollm2_fp8.yaml" [qa_grpo_w4a4]="train recipes/qa_grpo_smollm2_w4a4.yaml"
@@ -65,10 +65,10 @@ running_on() { # GPU: how many of this pipeline's runs hold it now
 }
 
 free_gpu() { # the GPU with the fewest runs, if one has a free slot
-  local g best=""
+  local g n best="" fewest="$MAX_RUNS_PER_GPU"
   for g in $(seq 0 $((NGPU - 1))); do
-    if [ "$(running_on "$g")" -lt "$MAX_RUNS_PER_GPU" ] \
-        && { [ -z "$best" ] || [ "$(running_on "$g")" -lt "$(running_on "$best")" ]; }; then best="$g"; fi
+    n="$(running_on "$g")"
+    if [ "$n" -lt "$fewest" ]; then best="$g"; fewest="$n"; fi
   done
   echo "$best"
 }
@@ -98,8 +98,7 @@ matrix() { # GPU RECIPE KIND...: when RUNS has every KIND, once their runs are d
   for kind in "$@"; do wait_for $(seeds_of "$kind"); done
   echo "matrix $name started: $(date)"
   CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
-    policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB" \
-    >> "$out/$name.log" 2>&1 < /dev/null
+    "${ENGINE[@]}" >> "$out/$name.log" 2>&1 < /dev/null
   echo "matrix $name ended (rc $?): $(date)"
 }
 

@@ -486,8 +486,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     precisions = report["precisions"]
-    panels = [("accuracy", list(report["accuracy"]))] + ([("survival", list(report["survival"]))] if report["survival"]
-                                                          else [])  # a base alone: no gains
+    panels = [("accuracy", list(report["accuracy"]))]
+    if report["survival"]:  # a base alone has no gains
+        panels.append(("survival", list(report["survival"])))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.6), squeeze=False)
     axes = axes[0]
     for ax, (key, models) in zip(axes, panels):

