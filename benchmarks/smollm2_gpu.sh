@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16 and FP8, three
-# seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a 135M model
+# The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16, FP8 and NVFP4
+# W4A4, three seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a 135M model
 # leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a time).
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
 # Runs, logs and tables go under runs/smollm2/ (ignored by git: a remote machine that re-syncs the repository between
@@ -11,24 +11,26 @@
 #   start     the whole pipeline below in a process session of its own (it outlives the call; `wait` follows it)
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order (QAD once GRPO's seed 0, its teacher, is done), each
 #             on the GPU with the fewest runs once it has a free slot; each `qarl matrix` whose runs are all in RUNS
-#             as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and its
-#             exports), matrix_smollm2_fp8.yaml (QA-GRPO FP8 and its export), matrix_smollm2_qad.yaml (QAD W4A4)
+#             with SEEDS as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and
+#             its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
+#             matrix_smollm2_qad.yaml (QAD W4A4).
+#             A kind in RUNS may name its own seeds, KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5: more seeds of a row;
+#             the matrices name seeds 0-2, so a kind given other seeds makes no table)
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config, the logs, the three tables and the learning curves, as one tar
 #             (unpack it into benchmarks/results/gpu/)
 # Runs sharing a GPU do not let their engines sleep (a sleeping engine frees memory, which a neighbour's start-up
 # would see), update in micro-batches of 8 (memory), and each engine takes a fixed KV cache of KV_GIB (with it vLLM
 # skips its start-up memory profile, which fails when a neighbour frees memory meanwhile).
-# QA-GRPO NVFP4 W4A4 (exact forward) trains too with RUNS="... qa_grpo_w4a4"; no table reads it (its own-format
-# accuracy is in its metrics). A part of the pipeline: e.g. RUNS="grpo_bf16 qad_w4a4 qa_grpo_fp8" (GRPO is the
-# teacher and the PTQ rows, so every table needs it).
+# A part of the pipeline: e.g. RUNS="grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4" (GRPO is QAD's teacher and the PTQ rows, so
+# every table needs it). One H200 runs nine at a time (MAX_RUNS_PER_GPU=9: ~10 s a step each).
 set -uo pipefail
 stage="$1"
 out=runs/smollm2/logs
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SEEDS="${SEEDS:-0 1 2}"
-RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qad_w4a4 qa_grpo_fp8}"
+RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qad_w4a4 qa_grpo_fp8 qa_grpo_w4a4}"
 MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 GiB of an H200 each
 KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
@@ -92,8 +94,8 @@ wait_for() { local name; for name in "$@"; do until finished "$name"; do sleep 5
 
 seeds_of() { local seed; for seed in $SEEDS; do echo "$1_s$seed"; done; }
 
-matrix() { # GPU RECIPE KIND...: when RUNS has every KIND, once their runs are done, `qarl matrix recipes/RECIPE.yaml`
-  local gpu="$1" name="$2" kind; shift 2  # into runs/smollm2/RECIPE
+matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once their runs are done, `qarl matrix
+  local gpu="$1" name="$2" kind; shift 2  # recipes/RECIPE.yaml` into runs/smollm2/RECIPE
   for kind in "$@"; do [[ " $RUNS " == *" $kind "* ]] || return 0; done
   for kind in "$@"; do wait_for $(seeds_of "$kind"); done
   echo "matrix $name started: $(date)"
@@ -116,13 +118,16 @@ case "$stage" in
     ;;
   pipeline)
     rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
-    for kind in $RUNS; do [ -n "${RUN[$kind]:-}" ] || { echo "unknown run kind $kind" >&2; exit 2; }; done
+    for entry in $RUNS; do [ -n "${RUN[${entry%%:*}]:-}" ] || { echo "unknown run kind $entry" >&2; exit 2; }; done
     last=$((NGPU - 1))
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
-    matrix "$last" matrix_smollm2_fp8 grpo_bf16 qa_grpo_fp8 &
+    matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
     pending=()
-    for kind in $RUNS; do for seed in $SEEDS; do pending+=("$kind $seed"); done; done
+    for entry in $RUNS; do  # KIND, or KIND:S,S,...
+      seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
+      for seed in $seeds; do pending+=("${entry%%:*} $seed"); done
+    done
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do

@@ -29,11 +29,11 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.config import ConfigError, GenerationConfig, RecipeConfig, load_recipe
 
 if TYPE_CHECKING:  # the engine's import is heavy: the checks come first
     from qarl.evaluate import EvalResult
@@ -104,6 +104,14 @@ class Plan:
     models: dict[str, list[ModelSource]]  # "base" first
     precisions: list[Precision]
     trained_precision: dict[str, str] = field(default_factory=dict)  # model -> its trained format's PTQ column
+
+    @property
+    def generation(self) -> GenerationConfig:
+        """The engines' settings: the recipe's, never sleeping. Nothing trains between a matrix's evaluations, and
+        vLLM's sleep-mode allocator serves one engine per process: the engine of a compressed-tensors FP8 export left
+        memory in it that the next export's engine refused ("CuMem allocator can only be used for one instance per
+        process"; vLLM 0.26, H200)."""
+        return replace(self.cfg.policy.generation, sleep_between_rollouts="off")
 
 
 def resolve_model_source(path: str) -> ModelSource:
@@ -321,7 +329,7 @@ def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision:
 
     out = Path(plan.cfg.matrix.out) / "exports" / f"{name}_{index}_{precision.export.name}"
     export_checkpoint(source.checkpoint, precision.export, out, overwrite=True)
-    engine = VLLMEngine(out, plan.cfg.policy.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
+    engine = VLLMEngine(out, plan.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
     try:
         return evaluate(engine, plan.prompts, plan.problems, rewards)
     finally:
@@ -353,7 +361,7 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
     # trained cells first: a checkpoint that cannot load fails before the long part
     cells.sort(key=lambda c: (not c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
     results: dict[str, dict[str, list[EvalResult]]] = {name: {} for name in plan.models}
-    engine = VLLMEngine(plan.models["base"][0].model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed,
+    engine = VLLMEngine(plan.models["base"][0].model_dir, plan.generation, cfg.policy.dtype, cfg.run.seed,
                         quant_format=cells[0][0])  # grouped by format: a graph engine restarts once per format
     for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
         engine.set_quant_format(fmt)  # the same format again changes nothing

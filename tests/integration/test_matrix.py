@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,5 +159,29 @@ def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models)
     plan = plan_matrix(_cfg(models, exports=["nvfp4_w4a16_modelopt"]))
     column = plan.precisions[-1]
     assert column.name == "exported nvfp4_w4a16_modelopt" and column.trained and column.export.name in column.name
+    assert plan.generation.sleep_between_rollouts == "off", "an engine per export in one process: none may sleep"
     with pytest.raises(ConfigError, match="writes no trained row's format"):
         plan_matrix(_cfg(models, exports=["fp8_w8a8_modelopt"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM's FP8 kernels and sleep mode)")
+def test_the_exports_of_several_seeds_each_get_an_engine_in_one_process(models, tmp_path):
+    """Each exported cell starts an engine from its export, one after another in the matrix's process. On an H200 the
+    engine of a compressed-tensors FP8 export left memory in vLLM's sleep-mode allocator that the next seed's engine
+    refused; the matrix's engines never sleep (nothing trains between its evaluations), even where the recipe asks."""
+    cfg = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.quant_cfg=quant_configs/fp8_w8a8.yaml"], RecipeConfig)
+    policy = build_policy(cfg.policy, ArithmeticTask(num_train=2000, num_eval=1000, seed=0).calibration_texts(64),
+                          model_dir=models["base"])
+    seeds = [str(tmp_path / f"fp8_{seed}") for seed in range(2)]
+    for seed in seeds:  # one checkpoint twice: the exports are equal, and so are their cells
+        save_checkpoint(Path(seed), 1, policy, {"step": 1})
+    matrix_cfg = _cfg(models, models={"fp8": seeds}, formats=[], ptq_methods=["max"],
+                      exports=["fp8_w8a8_compressed_tensors"], out=str(tmp_path / "out"))
+    matrix_cfg = dataclasses.replace(matrix_cfg, policy=dataclasses.replace(
+        matrix_cfg.policy, generation=dataclasses.replace(matrix_cfg.policy.generation, sleep_between_rollouts="on")))
+    assert plan_matrix(matrix_cfg).generation.sleep_between_rollouts == "off"
+    report, _ = run_matrix(matrix_cfg)
+    cell = report["accuracy"]["fp8"]["exported fp8_w8a8_compressed_tensors"]
+    assert len(cell["per_seed"]) == 2 and cell["per_seed"][0] == cell["per_seed"][1]
+    assert cell["per_seed"][0] == pytest.approx(report["accuracy"]["fp8"][TRAINED]["mean"], abs=0.1)
