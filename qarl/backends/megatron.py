@@ -10,10 +10,21 @@ Two pieces of Megatron's local layer spec are replaced so the model runs on CPU 
 how CI tests it: the core attention is torch's scaled_dot_product_attention (causal, grouped query;
 Megatron's unfused DotProductAttention allocates its buffers with `torch.cuda.current_device()`), and,
 on CPU only, the rotary table stays on the model's device (Megatron's moves it to the current GPU).
+
+A Mixture-of-Experts model (Qwen3-MoE, Qwen2-MoE) gets Megatron's MoE layer with its local experts (a SequentialMLP
+of plain linear layers, expert parallel size 1), each expert sharded across TP as the dense MLP is. Its tokens are on
+every TP rank (no sequence parallelism), so they are not gathered across TP, as Megatron's dispatchers would: every
+rank runs its shard of every expert on all of them, and the partial outputs are summed across TP
+(`_replicate_moe_tokens`). Its router computes its logits with torch on any device (`_torch_router`: Megatron's needs
+Transformer Engine); Qwen2-MoE's shared expert gate is a linear layer, quantized as the HF backend quantizes it
+(`_linear_shared_expert_gates`). These three swap the class of megatron-core's own modules after checking it is the
+one they replace: checked on megatron-core 0.16.1 (CPU, the tests); 0.19.2 (the GPU kit) has the same methods with the
+same signatures, not yet run with experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -26,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qarl.backends.convert import FAMILIES, GPTShape, check_parallel, gpt_shape, hf_modules, hf_sources, megatron_shards, \
-    read_hf_config, unshard
+from qarl.backends.convert import FAMILIES, GPTShape, check_parallel, gpt_shape, hf_quantizers, hf_sources, \
+    megatron_shards, read_hf_config, unshard
 from qarl.config import ConfigError
 from qarl.distributed import local_device
 from qarl.quant.formats import QuantFormat
@@ -161,6 +172,105 @@ def _keep_rotary_on_device(model: nn.Module) -> None:
     rotary.__class__ = DeviceRotaryEmbedding
 
 
+def _torch_router(model: nn.Module) -> None:
+    """Megatron's MoE router computes its logits with Transformer Engine's GEMM (megatron-core 0.16 without Transformer
+    Engine: a NameError) and moves a weight it finds on the CPU to `torch.cuda.current_device()` at every forward; here
+    they are torch's linear where the model is, in the input's dtype (`_moe_config` leaves moe_router_dtype unset), as
+    Hugging Face's router computes them."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class TorchTopKRouter(TopKRouter):
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(input, self.weight, self.bias)
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            if type(module) is not TopKRouter or module.config.moe_router_dtype is not None:
+                raise RuntimeError(f"unexpected MoE router {type(module).__name__} in megatron-core")
+            module.__class__ = TorchTopKRouter
+
+
+def _replicate_moe_tokens(model: nn.Module) -> None:
+    """Megatron's MoE layers for tokens every TP rank holds whole: the gradients of the router's and the routed
+    experts' inputs summed across TP as a column-parallel layer's are, the partial expert outputs summed across TP as
+    a row-parallel layer's are (Megatron's allgather dispatcher instead gathers sequence-parallel shards of the tokens
+    over TP, which would run each token TP times here, and allocates on the current GPU). The router sees every token
+    on every rank, but its routing weights scale this rank's partial expert outputs only: its weight's gradient is a
+    sum of TP partial ones (`MegatronModel.finish_gradients`). The routing weights scale each expert's
+    output, as Hugging Face's experts and vLLM's FusedMoE apply them, not its down projection's input, as Megatron's
+    experts do: a quantized input would otherwise be another one. A layer's config says sequence parallel, as its
+    tokens are this rank's own: Megatron's MoE layer refuses to train at TP > 1 without."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, \
+        reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class ReplicatedTokensDispatcher(MoEAllGatherTokenDispatcher):
+        def token_dispatch(self, hidden_states, probs):
+            return copy_to_tensor_model_parallel_region(hidden_states, group=self.tp_group), probs
+
+        def dispatch_postprocess(self, hidden_states, probs):
+            hidden_states, tokens_per_expert, probs = super().dispatch_postprocess(hidden_states, probs)
+            return hidden_states, tokens_per_expert, torch.ones_like(probs)  # applied in combine_preprocess
+
+        def combine_preprocess(self, hidden_states):
+            return super().combine_preprocess(hidden_states * self.local_probs.unsqueeze(-1))
+
+        def token_combine(self, hidden_states):
+            return reduce_from_tensor_model_parallel_region(hidden_states, group=self.tp_group)
+
+    class ReplicatedTokensMoELayer(MoELayer):
+        def route(self, hidden_states, padding_mask=None):
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.token_dispatcher.tp_group)
+            return super().route(hidden_states, padding_mask)
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            if type(module) is not MoELayer or type(module.token_dispatcher) is not MoEAllGatherTokenDispatcher:
+                raise RuntimeError(f"unexpected MoE layer {type(module).__name__} / token dispatcher "
+                                   f"{type(module.token_dispatcher).__name__} in megatron-core")
+            module.__class__, module.token_dispatcher.__class__ = ReplicatedTokensMoELayer, ReplicatedTokensDispatcher
+            module.config = dataclasses.replace(module.config,
+                                                sequence_parallel=module.config.tensor_model_parallel_size > 1)
+
+
+def _linear_shared_expert_gates(model: nn.Module) -> None:
+    """Megatron's shared expert gate is a bare parameter (`gate_weight`), which ModelOpt does not quantize; Hugging
+    Face's (`shared_expert_gate`) is a linear layer, which the HF backend quantizes as any other: here it is a linear
+    layer too (`gate`), the shared expert's output scaled by sigmoid(gate(x)) as in both."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    class LinearGateSharedExpertMLP(SharedExpertMLP):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            output, _ = MLP.forward(self, hidden_states)
+            return output * torch.sigmoid(self.gate(hidden_states))
+
+    for module in model.modules():
+        if isinstance(module, SharedExpertMLP):
+            if type(module) is not SharedExpertMLP or not module.use_shared_expert_gate \
+                    or module.config.moe_shared_expert_overlap:
+                raise RuntimeError(f"unexpected shared expert {type(module).__name__} in megatron-core")
+            weight = module.gate_weight
+            del module.gate_weight
+            module.gate = nn.Linear(weight.shape[1], 1, bias=False, dtype=weight.dtype, device=weight.device)
+            module.__class__ = LinearGateSharedExpertMLP
+
+
+def _moe_config(shape: GPTShape) -> dict:
+    """TransformerConfig's MoE fields for `shape`: Qwen's router (the softmax over all experts' logits, of which the
+    top k; renormalized over them, norm_topk_prob, that is the softmax over the top-k logits: Megatron's default), no
+    load-balancing loss, no token dropping, local experts, Qwen2-MoE's gated shared expert."""
+    if not shape.experts:
+        return {}
+    return dict(num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.expert_ffn,
+                moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=None,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_shared_expert_intermediate_size=shape.shared_ffn or None,
+                moe_shared_expert_gate=bool(shape.shared_ffn))
+
+
 def build_gpt_model(shape: GPTShape, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A megatron-core GPTModel of `shape` for this process's TP rank, weights uninitialized."""
     from megatron.core.models.gpt import GPTModel
@@ -177,13 +287,17 @@ def build_gpt_model(shape: GPTShape, dtype: torch.dtype, device: torch.device) -
         tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=True, perform_initialization=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        persist_layer_norm=False, **_moe_config(shape),
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=shape.experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=shape.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
     model = GPTModel(config, spec, vocab_size=shape.vocab, max_sequence_length=shape.max_positions,
                      parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                      position_embedding_type="rope", rotary_base=shape.rope_theta)
+    _replicate_moe_tokens(model)
+    _torch_router(model)
+    _linear_shared_expert_gates(model)
     if device.type != "cuda":
         _keep_rotary_on_device(model)
     return model.to(device)
@@ -320,7 +434,8 @@ class MegatronModel(nn.Module):
     def finish_gradients(self) -> None:
         """After backward, before the optimizer step: sum across TP ranks the gradients of the parameters every
         rank holds whole but feeds only its own heads through (Qwen3's q/k norms), as Megatron's own
-        finalize_model_grads does for qk_layernorm. The other replicated parameters (RMSNorm weights, biases of
+        finalize_model_grads does for qk_layernorm, or whose outputs weight only its own shards of the experts (a MoE
+        router: `_replicate_moe_tokens`). The other replicated parameters (RMSNorm weights, biases of
         replicated inputs) see the whole activations on every rank and have whole gradients already. With data
         parallelism (more processes than TP), every gradient is then summed across the data-parallel ranks:
         each computes its own rows' share of one loss, normalised by the whole batch."""
@@ -328,7 +443,8 @@ class MegatronModel(nn.Module):
 
         _, tp = tp_rank_and_size()
         for name, param in self.model.named_parameters():
-            if tp > 1 and param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            if tp > 1 and param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name
+                                                      or name.endswith("mlp.router.weight")):
                 dist.all_reduce(param.grad, group=tp_group())
         if parallel_state.get_data_parallel_world_size() > 1:
             group = parallel_state.get_data_parallel_group()
@@ -363,9 +479,18 @@ class MegatronModel(nn.Module):
         return self.hf_tensors(fold=True)
 
     def input_quantizers(self) -> dict[str, nn.Module]:
-        """{Hugging Face linear layer: its input quantizer}: a fused Megatron layer's goes to each of its parts."""
-        return {hf_name: module.input_quantizer for name, module in self.model.named_modules()
-                if hasattr(module, "input_quantizer") for hf_name in hf_counterparts(name)}
+        """{Hugging Face linear layer (a MoE layer's experts: `expert_input_key`): its input quantizer}: a fused
+        Megatron layer's goes to each of its parts; the experts' (they share one amax) to their experts module's."""
+        from qarl.quant.ops import expert_input_key
+
+        quantizers = {}
+        for name, module in self.model.named_modules():
+            if hasattr(module, "input_quantizer"):
+                for hf_name in hf_counterparts(name, "input_quantizer"):
+                    layer, _, kind = hf_name.rpartition(".")
+                    key = layer if kind == "input_quantizer" else expert_input_key(layer, kind)
+                    quantizers[key] = module.input_quantizer
+        return quantizers
 
     def save_policy(self, out_dir: str | Path, fmt: QuantFormat | None, tokenizer: PreTrainedTokenizerBase,
                     masters: dict[str, torch.Tensor] | None = None) -> None:
@@ -403,13 +528,13 @@ class MegatronModel(nn.Module):
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
         """The inverse of `quantizer_state`: a fused layer takes the amax its Hugging Face parts share."""
-        from qarl.quant.quantize import load_quantizer_state
+        from qarl.quant.quantize import QUANTIZER_ROLES, load_quantizer_state
 
         megatron_state, problems = {}, []
         for module_name, module in self.model.named_modules():
-            parts = hf_counterparts(module_name)
-            for quantizer in ("input_quantizer", "weight_quantizer", "output_quantizer"):
-                values = [state.get(f"{p}.{quantizer}") for p in parts]
+            for quantizer in QUANTIZER_ROLES:
+                parts = hf_counterparts(module_name, quantizer)
+                values = [state.get(p) for p in parts]
                 if not parts or all(v is None for v in values):
                     continue
                 if any(v is None or not torch.equal(v, values[0]) for v in values):
@@ -423,7 +548,8 @@ class MegatronModel(nn.Module):
 
     def quantizer_state(self) -> dict[str, torch.Tensor]:
         """{Hugging Face quantizer name: amax}, as the HF backend's `quantizer_state` names them: a fused
-        Megatron layer's amax goes to each of its Hugging Face parts (they share one by construction)."""
+        Megatron layer's amax goes to each of its Hugging Face parts (they share one by construction), the experts'
+        input amax (one they all share, as ModelOpt max-reduces it) to their experts module's input quantizer."""
         from qarl.quant.quantize import quantizer_state
 
         state = {}
@@ -431,15 +557,16 @@ class MegatronModel(nn.Module):
             module_name, _, quantizer = name.rpartition(".")
             if amax.numel() != 1:
                 raise ConfigError(f"{name} has a per-channel amax; the Megatron backend handles per-tensor amax only")
-            for hf_module in hf_modules(module_name):
-                state[f"{hf_module}.{quantizer}"] = amax.clone()
+            for hf_quantizer in hf_quantizers(module_name, quantizer):
+                state[hf_quantizer] = amax.clone()
         return state
 
 
-def hf_counterparts(megatron_module: str) -> list[str]:
-    """The Hugging Face modules a Megatron module stands for; [] for one that has none."""
+def hf_counterparts(megatron_module: str, role: str) -> list[str]:
+    """The Hugging Face quantizers that quantizer `role` of a Megatron module stands for (`hf_quantizers`); [] for a
+    module that has none."""
     try:
-        return hf_modules(megatron_module)
+        return hf_quantizers(megatron_module, role)
     except KeyError:
         return []
 

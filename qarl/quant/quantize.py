@@ -174,9 +174,10 @@ def _canonical_blocks(blocks: dict | None) -> str:
 
 
 def match_reference_quantizers(model: nn.Module, reference: nn.Module,
-                               counterparts: Callable[[str], list[str]]) -> None:
+                               counterparts: Callable[[str, str], list[str]]) -> None:
     """Make `model`'s quantizers those the same format gave `reference`, the same weights laid out another way
-    (Megatron's fused linear_qkv is Hugging Face's q/k/v_proj: `counterparts(name)` lists them). A format's
+    (Megatron's fused linear_qkv is Hugging Face's q/k/v_proj: `counterparts(name, role)` lists the quantizers of
+    `reference` that quantizer `role` of module `name` stands for). A format's
     patterns name Hugging Face modules ('*lm_head*'), so on another layout they can switch on a quantizer the
     Hugging Face model keeps off: it is switched off here. Anything else that differs is refused by name:
     a fused layer whose parts the format quantizes differently, a quantizer the layout lacks or computes
@@ -186,21 +187,21 @@ def match_reference_quantizers(model: nn.Module, reference: nn.Module,
     for name, module in model.named_modules():
         if not any(isinstance(getattr(module, r, None), _quantizer_modules()) for r in QUANTIZER_ROLES):
             continue
-        parts = [reference_modules.get(n) for n in counterparts(name)]
-        if not parts or any(p is None for p in parts):
-            problems.append(f"{name}: no counterpart in the Hugging Face model (looked for {counterparts(name)})")
-            continue
         for role in QUANTIZER_ROLES:
-            wanted = {quantizer_spec(getattr(p, role, None)) for p in parts}
+            parts = counterparts(name, role)
+            if not parts or any(p.rpartition(".")[0] not in reference_modules for p in parts):
+                problems.append(f"{name}.{role}: no counterpart in the Hugging Face model (looked for {parts})")
+                continue
+            wanted = {quantizer_spec(reference_modules.get(p)) for p in parts}
             if len(wanted) > 1:
-                problems.append(f"{name}.{role}: the format quantizes its parts {counterparts(name)} differently, "
+                problems.append(f"{name}.{role}: the format quantizes its parts {parts} differently, "
                                 "but this layout fuses them into one layer")
                 continue
             want, quantizer = wanted.pop(), getattr(module, role, None)
             if want is None and quantizer_spec(quantizer) is not None:
                 quantizer.disable()
             elif want != quantizer_spec(quantizer):
-                problems.append(f"{name}.{role}: {quantizer_spec(quantizer)} here, {want} in {counterparts(name)[0]}")
+                problems.append(f"{name}.{role}: {quantizer_spec(quantizer)} here, {want} in {parts[0]}")
     if problems:
         raise ConfigError(f"the format does not quantize this layout as it quantizes the Hugging Face model: "
                           f"{'; '.join(problems[:4])}")

@@ -1,11 +1,13 @@
 """The Megatron backend: real megatron-core models in real torch.distributed processes (gloo on CPU, TP=1 and TP=2,
 launched by torchrun) against the HF backend: logits, folded weights and amax, unquantized and in every shipped
-format. The converter alone (round trip, shapes, refusals): tests/unit/test_convert.py."""
+format; Mixture-of-Experts models (Qwen3-MoE, Qwen2-MoE) too. The converter alone (round trip, shapes, refusals):
+tests/unit/test_convert.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from qarl.models.experts import split_expert_weights
+from qarl.models.resolve import resolve_model_dir
 from qarl.quant import folded_weights, quantize_policy, quantizer_state, resolve_format
 from tests.conftest import FORMATS
 
@@ -40,14 +44,15 @@ def outputs(out: Path, formats: list[str]) -> dict[str, dict[str, torch.Tensor]]
 
 
 def hf_backend(model_dir: str, fmt_name: str, ids: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-    """The HF backend on the same weights and calibration batches: logits, folded weights, amax."""
+    """The HF backend on the same weights and calibration batches: logits, folded weights, amax, gradients (a MoE
+    layer's experts by their checkpoint names, as the Megatron backend gives them)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     fmt = resolve_format(fmt_name)
     if fmt is not None:
         quantize_policy(model, fmt, lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
     logits = model(input_ids=ids).logits
     torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = split_expert_weights(model, {n: p.grad for n, p in model.named_parameters()})
     return {"logits": logits.detach(), "weights": dict(folded_weights(model)), "amax": quantizer_state(model),
             "grads": grads}
 
@@ -68,27 +73,48 @@ def split(result: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]
 
 ALL_FORMATS = ["none", *FORMATS]
 TRAINED_FORMATS = ["none", FORMATS[0], FORMATS[2]]
+MOE_FORMATS = ["none", FORMATS[0], FORMATS[1]]  # unquantized, NVFP4 W4A16 and W4A4 (the experts' inputs quantized)
 
 
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory, tiny_dir, families) -> Path:
+def moe_dir() -> str:
+    return resolve_model_dir("embedded:tiny-qwen3moe")
+
+
+@pytest.fixture(scope="module")
+def qwen2moe_dir(tmp_path_factory) -> str:
+    """The tiny Qwen2-MoE with its routing weights not renormalized over the top k (Qwen1.5-MoE's norm_topk_prob)."""
+    out = tmp_path_factory.mktemp("qwen2moe") / "model"
+    shutil.copytree(resolve_model_dir("embedded:tiny-qwen2moe"), out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory, tiny_dir, families, moe_dir, qwen2moe_dir) -> Path:
     """Every Megatron run of these tests, in two torchrun launches (starting one is most of a small run's time), each
     job's outputs in `<root>/<job>`:
-    - one process: `tp1` (TP=1, every format, a checkpoint of each), then `refit` (a vLLM engine in that process);
-    - two processes: `tp2` (TP=2, every format); `llama` and `qwen3` at TP=2; `tp2_saved` (TP=2 checkpoints with the
-      quantizer state of the TP=1 run loaded through the fused layers); `trained` (three AdamW steps at TP=2);
-      `data_parallel` (TP=1: two data-parallel ranks)."""
+    - one process: `tp1` (TP=1, every format, a checkpoint of each), `moe_tp1` (Qwen3-MoE), then `refit` (a vLLM
+      engine in that process);
+    - two processes: `tp2` (TP=2, every format); `moe_tp2`, `qwen2moe_tp2` (Qwen2-MoE); `llama` and `qwen3` at
+      TP=2; `tp2_saved` (TP=2 checkpoints with the quantizer state of the TP=1 run loaded through the fused layers);
+      `trained` and `moe_trained` (three AdamW steps at TP=2); `data_parallel` (TP=1: two data-parallel ranks)."""
     root = tmp_path_factory.mktemp("megatron")
 
     def job(name: str, formats: list[str], model_dir: str = tiny_dir, **fields) -> dict:
         return {"model_dir": model_dir, "out": str(root / name), "formats": formats, **fields}
 
-    run_workers(root, 1, [job("tp1", ALL_FORMATS, save=True), job("refit", [FORMATS[1]], refit=True)])
+    run_workers(root, 1, [job("tp1", ALL_FORMATS, save=True), job("moe_tp1", MOE_FORMATS, moe_dir),
+                          job("refit", [FORMATS[1]], refit=True)])
     run_workers(root, 2, [
         job("tp2", ALL_FORMATS, tp=2),
+        job("moe_tp2", MOE_FORMATS, moe_dir, tp=2),
+        job("qwen2moe_tp2", MOE_FORMATS, qwen2moe_dir, tp=2),
         *(job(family, ["none", FORMATS[0]], families[family], tp=2) for family in ("llama", "qwen3")),
         job("tp2_saved", FORMATS, tp=2, save=True, state_from=str(root / "tp1")),
         job("trained", TRAINED_FORMATS, tp=2, train_steps=3),
+        job("moe_trained", MOE_FORMATS[:2], moe_dir, tp=2, train_steps=3),
         job("data_parallel", [FORMATS[0]], data_parallel=True),
     ])
     return root
@@ -148,6 +174,28 @@ def test_megatron_other_families(families, megatron_runs, family):
         assert_close_grads(run, hf, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", MOE_FORMATS)
+@pytest.mark.parametrize("job", ["moe_tp1", "moe_tp2", "qwen2moe_tp2"])
+def test_megatron_moe_equals_hf_backend(megatron_runs, moe_dir, qwen2moe_dir, job, fmt):
+    """Qwen3-MoE (8 experts, top 2, renormalized) at TP=1 and 2, and Qwen2-MoE (a gated shared expert beside them, the
+    top 2 not renormalized) at TP=2, on Megatron's MoE layer, each expert sharded across TP as the dense MLP: the HF
+    backend's logits and gradients at the fp32 floor (experts' outputs summed in another order), quantized or not; its
+    folded weights by checkpoint name, and amax by the HF backend's quantizer names (the fused experts module's: one
+    input quantizer the experts share, one weight quantizer an expert; the shared expert's gate is a quantized linear
+    layer), the HF backend's."""
+    run = outputs(megatron_runs / job, [fmt])[fmt]
+    hf = hf_backend(qwen2moe_dir if job.startswith("qwen2moe") else moe_dir, fmt, run["ids"])
+    assert (run["logits"] - hf["logits"]).abs().max().item() < 1e-5
+    weights, amax = split(run, "weight"), split(run, "amax")
+    assert weights.keys() == hf["weights"].keys() and amax.keys() == hf["amax"].keys()
+    assert all(torch.equal(weights[k], hf["weights"][k]) for k in weights)
+    assert all(torch.allclose(amax[k], hf["amax"][k], rtol=1e-6, atol=0) for k in amax)
+    if fmt != "none":
+        assert "model.layers.1.mlp.experts.down_proj_weight_quantizers.7" in amax
+        assert ("model.layers.1.mlp.shared_expert_gate.weight_quantizer" in amax) == job.startswith("qwen2moe")
+    assert_close_grads(run, hf, rtol=1e-5)
+
+
 def files_bytes(root: Path) -> dict[str, bytes]:
     """Every file of an export; the manifest without the lines naming its checkpoint and its own directory."""
     files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
@@ -188,25 +236,28 @@ def test_export_from_tp2_equals_tp1_and_hf_backend(megatron_runs, tiny_dir, tmp_
         assert weights and all(ours[k] == theirs[k] for k in weights)
 
 
-@pytest.mark.parametrize("fmt", TRAINED_FORMATS)
-def test_megatron_tp2_trains_as_hf_backend(megatron_runs, tiny_dir, fmt):
+@pytest.mark.parametrize(("job", "fmt"), [*(("trained", fmt) for fmt in TRAINED_FORMATS),
+                                          *(("moe_trained", fmt) for fmt in MOE_FORMATS[:2])])
+def test_megatron_tp2_trains_as_hf_backend(megatron_runs, tiny_dir, moe_dir, job, fmt):
     """Three AdamW steps of a policy-gradient loss on qarl's completion scores (straight-through gradients,
     the weight cache invalidated by each step): the TP=2 Megatron model's master weights follow the HF
     backend's to 1/1000 of an update on average (FP8 W8A8: 1/20), and its NVFP4 folded weights are the HF
-    backend's but for rare roundings (FP8's 8-bit grid turns those last-bit differences into a few % of values)."""
+    backend's but for rare roundings (FP8's 8-bit grid turns those last-bit differences into a few % of values).
+    Qwen3-MoE too: its experts by checkpoint name, its routers' gradients summed across TP."""
     from tests.megatron_worker import train_step
 
-    run = outputs(megatron_runs / "trained", [fmt])[fmt]
+    run = outputs(megatron_runs / job, [fmt])[fmt]
     ids = run["ids"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir if job == "moe_trained" else tiny_dir, dtype=torch.float32)
     if resolve_format(fmt) is not None:
         quantize_policy(model, resolve_format(fmt), lambda: [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = split_expert_weights(model, {k: v.clone() for k, v in model.state_dict().items()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):
         train_step(model, optimizer, ids)
     masters, folded = split(run, "master"), split(run, "weight")
-    for name, tensor in model.state_dict().items():
+    assert masters.keys() <= before.keys()
+    for name, tensor in split_expert_weights(model, model.state_dict()).items():
         if "_quantizer" in name or name not in masters:
             continue
         assert not torch.equal(before[name], tensor), f"{name} did not train"
