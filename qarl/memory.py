@@ -204,7 +204,7 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     else:
         activations = tokens * shape.layers * layer
     if shape.experts and resolve_format(p.quant_cfg) is not None:  # ModelOpt's experts keep each used expert's Q(W)
-        activations += shape.expert_params * compute // (shape.layers if checkpointing else 1)  # for the backward
+        activations += shape.expert_params * compute // tp // (shape.layers if checkpointing else 1)  # (backward)
     chunk = min(p.logprob_chunk_tokens, tokens) if p.logprob_chunk_tokens > 0 else tokens
     vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * chunk * shape.vocab * 4
     forward_backward = gradients + activations + VOCAB_CHUNK_TENSORS * vocab_chunks + tokens * shape.hidden * 4

@@ -190,3 +190,25 @@ def test_a_fixed_gpu_kv_cache_is_planned_as_the_cache_the_engine_weights_and_its
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (30 * GiB, 141 * GiB))
     with pytest.raises(ConfigError, match="lower policy.generation.gpu_kv_cache_gib"):
         plan_memory(fixed, QWEN3_1P7B, 100)
+
+
+# Qwen3-30B-A3B's shape: 48 layers of 128 experts (width 768, 8 a token)
+QWEN3_30B_A3B = ModelShape(params=30_532_122_624, layers=48, hidden=2048, intermediate=8 * 768, vocab=151_936,
+                           attention_width=(32 + 2 * 4) * 128, query_width=32 * 128, experts=128, experts_per_token=8,
+                           expert_params=48 * 128 * 3 * 2048 * 768)
+
+
+def test_megatron_ranks_plan_their_shard_of_the_quantized_experts():
+    """ModelOpt keeps each expert's quantized weight for the backward; a Megatron rank holds its TP shard of every
+    expert, so it keeps its shard of them (with checkpointing one layer's, without all layers')."""
+    cfg = user_recipe()
+    for checkpointing in (True, False):
+        extra = {}
+        for tp in (1, 2, 4):
+            megatron = dataclasses.replace(cfg.policy, backend="megatron", tensor_parallel_size=tp)
+            quantized, unquantized = (plan(dataclasses.replace(cfg, policy=dataclasses.replace(megatron, quant_cfg=q)),
+                                           QWEN3_30B_A3B, 100, checkpointing).activations
+                                      for q in (cfg.policy.quant_cfg, None))
+            extra[tp] = quantized - unquantized
+        per_layer = QWEN3_30B_A3B.expert_params * 2 // (QWEN3_30B_A3B.layers if checkpointing else 1)  # bf16
+        assert extra == {tp: per_layer // tp for tp in (1, 2, 4)}
