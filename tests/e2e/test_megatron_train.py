@@ -143,3 +143,22 @@ def test_qad_runs_on_the_megatron_backend(tmp_path):
     for name, amax in theirs.items():
         if "input_quantizer" in name:  # weight amax move with training; the input amax are calibration's
             assert torch.allclose(ours[name], amax, rtol=1e-5, atol=0), name
+
+
+def test_megatron_qa_grpo_of_a_mixture_of_experts_in_two_processes(tmp_path):
+    """Qwen3-MoE QA-GRPO (NVFP4 W4A16) at TP=2, the engine spanning both processes: every refit reaches the engine's
+    experts (policy and engine log-probs agree to the fp32 floor at every step), and the checkpoint is a Hugging Face
+    one with the model's own tensor names and each expert's weight quantizer under the HF backend's name."""
+    from qarl.models.resolve import resolve_model_dir
+
+    model = "embedded:tiny-qwen3moe"
+    run(two_processes(tmp_path, 2, f"policy.model_name={model}", "warm_start.enabled=false"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(GRPO.steps + 1))  # the last row: the final evaluation
+    mismatch = [r["mismatch/max_abs_logprob_diff"] for r in rows if "mismatch/max_abs_logprob_diff" in r]
+    assert len(mismatch) == GRPO.steps and max(mismatch) < 1e-4
+    checkpoint = complete_checkpoints(tmp_path)[-1]
+    saved = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    assert saved.keys() == load_file(str(Path(resolve_model_dir(model)) / "model.safetensors")).keys()
+    amax = load_file(str(checkpoint / "quantizer_state.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj_weight_quantizers.7" in amax
