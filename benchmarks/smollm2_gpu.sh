@@ -119,7 +119,11 @@ case "$stage" in
     ;;
   pipeline)
     rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
-    for entry in $RUNS; do [ -n "${RUN[${entry%%:*}]:-}" ] || { echo "unknown run kind $entry" >&2; exit 2; }; done
+    for entry in $RUNS; do
+      [ -n "${RUN[${entry%%:*}]:-}" ] || { echo "unknown run kind $entry" >&2; exit 2; }
+      [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
+        || { echo "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)" >&2; exit 2; }
+    done
     last=$((NGPU - 1))
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
