@@ -102,6 +102,7 @@ class RunConfig:
     # unless trainer.resume continues it or run.overwrite clears it (qarl/run_dir.py).
     dir: str = "runs/default"
     # Clear run.dir first when it holds another run (said on the console). Never together with trainer.resume.
+    # `qarl matrix`: replace the matrix an earlier one wrote to matrix.out (refused without it).
     overwrite: bool = False
     seed: int = knob(0, ge=0)  # seeds the task split, the warm start, the rollouts and the policy's initialization
     # Where metrics go besides RUN_DIR/metrics.jsonl (always written, the source of truth):

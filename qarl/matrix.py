@@ -177,6 +177,10 @@ def _check_settings(cfg: RecipeConfig) -> None:
                           "policy.generation.tensor_parallel_size=1 for the matrix, or drop awq_lite")
     if m.num_prompts < 1:
         raise ConfigError(f"matrix.num_prompts={m.num_prompts}: the held-out set is empty")
+    earlier = Path(m.out).expanduser() / "matrix.json"
+    if earlier.is_file() and not cfg.run.overwrite:
+        raise ConfigError(f"matrix.out={m.out} holds an earlier matrix ({earlier}): give another matrix.out, or "
+                          "run.overwrite=true to replace it")
     for name, paths in m.models.items():
         if not paths:
             raise ConfigError(f"matrix.models.{name} lists no model")

@@ -59,6 +59,13 @@ def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
         plan_matrix(_cfg(models, num_prompts=5000))
     with pytest.raises(ConfigError, match="does not exist"):
         plan_matrix(_cfg(models, models={"x": [str(tmp_path / "nope")]}))
+    earlier = tmp_path / "earlier"  # an earlier matrix's out: kept unless run.overwrite replaces it
+    earlier.mkdir()
+    (earlier / "matrix.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an earlier matrix.*run.overwrite=true"):
+        plan_matrix(_cfg(models, out=str(earlier)))
+    replacing = _cfg(models, out=str(earlier))
+    plan_matrix(dataclasses.replace(replacing, run=dataclasses.replace(replacing.run, overwrite=True)))
     with pytest.raises(ConfigError, match=r"matrix.ptq_methods \['awq_best'\]"):
         plan_matrix(_cfg(models, ptq_methods=["awq_best"]))
     with pytest.raises(ConfigError, match="matrix columns repeat"):
