@@ -129,7 +129,8 @@ class MemoryPlan:
 
     resident: dict[str, int]  # the policy's state through the whole run
     update_parts: dict[str, int]  # on top of `resident` at the update's peak
-    engine: int  # the engine's share while it runs (rollout)
+    engine: int  # the engine's memory while it runs (rollout)
+    engine_knob: str  # the setting that sizes it
     available: int
     checkpointing: bool
     tokens_per_micro_batch: int
@@ -153,19 +154,27 @@ class MemoryPlan:
                 f"{self.available / GiB:.1f} GiB usable")
 
 
-def available_bytes(cfg: RecipeConfig) -> tuple[int, int]:
-    """(free bytes the plan may use, the engine's share of the device while it runs), for this process: on a GPU its
-    own device; on a CPU its share of the host's memory, which torchrun's processes on this host (LOCAL_WORLD_SIZE)
-    divide."""
-    gen = cfg.policy.generation
+def available_bytes() -> int:
+    """The free bytes the plan may use, for this process: on a GPU its own device; on a CPU its share of the host's
+    memory, which torchrun's processes on this host (LOCAL_WORLD_SIZE) divide."""
     if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        kv = gen.gpu_kv_cache_gib
-        return int(free * HEADROOM), int(kv * GiB if kv is not None else gen.gpu_memory_utilization * total)
+        return int(torch.cuda.mem_get_info()[0] * HEADROOM)
     import psutil
 
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return int(psutil.virtual_memory().available * HEADROOM) // processes, int(max(1.0, gen.kv_cache_gib) * GiB)
+    return int(psutil.virtual_memory().available * HEADROOM) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def engine_bytes(cfg: RecipeConfig, shape: ModelShape) -> tuple[int, str]:
+    """The engine's memory while it runs, and the setting that sizes it: on a GPU its share of the device (the weights
+    it shares with the policy are in it already), or a fixed KV cache with its own weights and working memory; on a
+    CPU its KV cache and its own weights."""
+    gen, weights = cfg.policy.generation, shape.params * _bytes(cfg.policy.dtype)
+    if not torch.cuda.is_available():
+        return int(max(1.0, gen.kv_cache_gib) * GiB) + weights, "policy.generation.kv_cache_gib"
+    if gen.gpu_kv_cache_gib is None:
+        share = gen.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
+        return int(share), "policy.generation.gpu_memory_utilization"
+    return int(gen.gpu_kv_cache_gib * GiB) + weights + ENGINE_WORKSPACE, "policy.generation.gpu_kv_cache_gib"
 
 
 def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointing: bool,
@@ -211,17 +220,11 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     update_parts = ({"gradients": gradients, "activations": activations,
                      "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
                     if forward_backward >= gradients + step else {"optimizer step": gradients + step})
-    available, share = available_bytes(cfg)
-    # the engine's memory while it runs: its share of the GPU (weights it shares with the policy are in it already),
-    # or its fixed KV cache, its weights and working memory; on CPU its KV cache and its own weights. Awake during the
-    # update where it does not sleep.
-    if torch.cuda.is_available() and gen.gpu_kv_cache_gib is None:
-        engine = share
-    else:
-        engine = share + shape.params * compute + (ENGINE_WORKSPACE if torch.cuda.is_available() else 0)
-    if not sleeps_between_rollouts(gen):
+    engine, engine_knob = engine_bytes(cfg, shape)
+    if not sleeps_between_rollouts(gen):  # awake during the update
         update_parts["engine (awake)"] = engine
-    return MemoryPlan(resident, update_parts, engine, available, checkpointing, tokens, activations)
+    return MemoryPlan(resident, update_parts, engine, engine_knob, available_bytes(), checkpointing, tokens,
+                      activations)
 
 
 def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
@@ -246,12 +249,8 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
         head += ("Change teacher.dtype (e.g. bfloat16) or choose a smaller teacher.model_name "
                  f"({frozen.shape.params / 1e9:.2f}B parameters in {frozen.dtype}). ")
     if failed.rollout > failed.available:
-        gen = cfg.policy.generation
-        engine_knob = ("policy.generation.kv_cache_gib" if not torch.cuda.is_available() else
-                       "policy.generation.gpu_kv_cache_gib" if gen.gpu_kv_cache_gib is not None
-                       else "policy.generation.gpu_memory_utilization")
-        return head + (f"The policy's state and the engine's share do not fit together: lower {engine_knob}, train "
-                       "adapters (policy.lora.mode=qlora), or use a smaller model.")
+        return head + (f"The policy's state and the engine's share do not fit together: lower {failed.engine_knob}, "
+                       "train adapters (policy.lora.mode=qlora), or use a smaller model.")
     budget = cfg.trainer.max_tokens_per_micro_batch
     if budget > 0:  # micro-batches by tokens: the largest budget that fits, in steps of 1,024 tokens
         fitting = [tokens for tokens in range(budget - budget % 1024, 0, -1024)

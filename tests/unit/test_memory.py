@@ -25,7 +25,8 @@ def user_recipe(**trainer) -> RecipeConfig:
 def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_needed(monkeypatch):
     cfg = user_recipe()
     room = GiB  # the device's room, set below (the same on a CPU and a GPU machine)
-    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (room, 0))
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: room)
+    monkeypatch.setattr("qarl.memory.engine_bytes", lambda cfg, shape: (0, "policy.generation.gpu_memory_utilization"))
     off, on = (plan(cfg, QWEN3_1P7B, 100, checkpointing) for checkpointing in (False, True))
     assert on.activations * 10 < off.activations and on.update < off.update
     assert on.resident == off.resident and on.tokens_per_micro_batch == 8 * 1124
@@ -47,8 +48,9 @@ def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_neede
 
 
 def test_a_run_whose_state_cannot_fit_is_refused_naming_what_to_change(monkeypatch):
-    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (20 * GiB, 10 * GiB))
-    with pytest.raises(ConfigError, match="(gpu_memory_utilization|kv_cache_gib).*policy.lora.mode=qlora"):
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: 20 * GiB)
+    with pytest.raises(ConfigError, match="lower policy.generation.(gpu_memory_utilization|kv_cache_gib).*"
+                                          "policy.lora.mode=qlora"):
         plan_memory(user_recipe(), QWEN3_1P7B, 100)
 
 
@@ -147,7 +149,8 @@ QWEN3_8B = ModelShape(params=8_190_735_360, layers=36, hidden=4096, intermediate
 def test_megatron_ranks_plan_their_tensor_parallel_shard(monkeypatch):
     """An 8B model's full-training state does not fit one H200 (141 GiB) but fits each of two at TP=2: the plan counts
     a rank's shard of the state and of the layer activations, and refuses TP=1 up front."""
-    monkeypatch.setattr("qarl.memory.available_bytes", lambda cfg: (int(0.95 * 141 * GiB), int(0.3 * 141 * GiB)))
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: int(0.95 * 141 * GiB))
+    monkeypatch.setattr("qarl.memory.engine_bytes", lambda cfg, shape: (int(0.3 * 141 * GiB), "an engine knob"))
     cfg = user_recipe(micro_batch_size=4)
     megatron = {tp: dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="megatron",
                                                                          tensor_parallel_size=tp)) for tp in (1, 2)}
@@ -169,9 +172,9 @@ def test_processes_on_one_cpu_host_share_its_memory(monkeypatch):
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    alone = available_bytes(user_recipe())[0]
+    alone = available_bytes()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert available_bytes(user_recipe())[0] == pytest.approx(alone / 2, rel=0.05)
+    assert available_bytes() == pytest.approx(alone / 2, rel=0.05)
 
 
 def test_a_fixed_gpu_kv_cache_is_planned_as_the_cache_the_engine_weights_and_its_workspace(monkeypatch):
