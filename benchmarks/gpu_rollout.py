@@ -1,13 +1,17 @@
 """Rollout throughput on a GPU: plain vLLM against qarl's engine in every shipped format, one process.
 
     python benchmarks/gpu_rollout.py [--model embedded:0.5b] [--batches 64 512] [--tokens 256] [--eager] [--out F.md]
+    python benchmarks/gpu_rollout.py --no-plain --formats nvfp4_w4a4 --exact     # the exact forward's engine
 
 Every engine serves the same model (default: the embedded Qwen2.5-0.5B-shaped model, random weights,
 bf16) and samples `--tokens` tokens per completion whatever it draws (EOS ignored), from 16-token
-prompts, at temperature 1. Plain vLLM runs with its defaults (CUDA graphs and compilation); qarl's
-engine runs as a training run would use it: refitted from a ModelOpt-quantized policy of each format
+prompts, at temperature 1. Plain vLLM runs with its defaults (CUDA graphs and compilation) and is asked
+what qarl asks of every sample, the sampled token's log-prob and a seed per sample (`--plain-bare`: neither);
+qarl's engine runs as a training run would use it: refitted from a ModelOpt-quantized policy of each format
 (folded weights and amax), sampling through `VLLMEngine.generate` (per-sample seeds, log-probs).
-`--eager` runs qarl's engines with `enforce_eager` for comparison. `--request-options` adds the unquantized
+`--eager` runs qarl's engines with `enforce_eager` for comparison. `--exact` runs them as the exact forward's
+engines (`policy.exact_forward`: vLLM's batch-invariant mode, process-wide, so a plain vLLM beside them would run
+it too: time them with `--no-plain`, plain vLLM in a process of its own). `--request-options` adds the unquantized
 qarl engine driven through vLLM's own `generate` with and without what qarl asks of every sample (the
 sampled token's log-prob, a seed per sample), to tell what those cost.
 
@@ -44,15 +48,22 @@ def _prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, 16), generator=generator).tolist()
 
 
-def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float) -> Callable[[int], int]:
-    """generate(batch) -> generated tokens, with vLLM's own defaults."""
+def _max_model_len(tokens: int) -> int:
+    return max(512, 16 + tokens)  # a 16-token prompt and its completion
+
+
+def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float, bare: bool = False) -> Callable[[int], int]:
+    """generate(batch) -> generated tokens, with vLLM's own defaults, asked for each sampled token's log-prob with a
+    seed per sample as qarl asks (`bare`: neither)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=512, gpu_memory_utilization=memory)
+    llm = LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=_max_model_len(tokens),
+              gpu_memory_utilization=memory)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, detokenize=False)
 
     def generate(batch: int) -> int:
+        params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, detokenize=False,
+                                 logprobs=None if bare else 0, seed=None if bare else i) for i in range(batch)]
         requests = [{"prompt_token_ids": p} for p in _prompts(batch, vocab)]
         return sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False))
 
@@ -60,13 +71,14 @@ def plain_vllm(model_dir: str, dtype: str, tokens: int, memory: float) -> Callab
 
 
 def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: bool, memory: float,
-                request_options: bool = False, qlora: bool = False, packed: bool = False, adapters: bool = True
-                ) -> dict[str, Callable[[int], int]]:
+                request_options: bool = False, qlora: bool = False, packed: bool = False, adapters: bool = True,
+                exact: bool = False) -> dict[str, Callable[[int], int]]:
     """{name: generate(batch) -> generated tokens} of qarl's engine refitted from a policy in `fmt_name`;
     `request_options`: also vLLM's own generate on that engine, with each combination of log-probs and seeds;
     `qlora`: the policy has rank-16 qlora adapters (vLLM's LoRA serves them); `packed`: the engine serves the
     qlora base packed (vLLM's 4-bit kernel, qarl/generation/packed_base.py); `adapters=False` (with `packed`): the same
-    packed engine without vLLM's LoRA, serving the base as it loaded it (no refit)."""
+    packed engine without vLLM's LoRA, serving the base as it loaded it (no refit); `exact`: the exact forward's
+    engine, refitted from a policy built with it."""
     import tempfile
     from pathlib import Path
 
@@ -79,16 +91,17 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
     torch.manual_seed(0)
     lora = LoraConfig(mode="qlora" if qlora else "none")
     policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64,
-                                       lora=lora),
+                                       lora=lora, exact_forward=exact),
                           ArithmeticTask(num_train=400, num_eval=32, seed=0).calibration_texts(64), model_dir=model_dir)
-    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=512, gpu_memory_utilization=memory,
-                                enforce_eager="true" if eager else "auto", sleep_between_rollouts="off")
+    settings = GenerationConfig(max_new_tokens=tokens, max_model_len=_max_model_len(tokens),
+                                gpu_memory_utilization=memory, enforce_eager="true" if eager else "auto",
+                                sleep_between_rollouts="off")
     base = write_packed_base(policy, Path(tempfile.mkdtemp(prefix="qarl-base-")) / "base") if packed else None
     if not adapters and not packed:
         raise SystemExit("--no-adapters measures the packed engine without LoRA: pass --qlora --packed-base (a folded "
                          "engine without adapters is the format's engine without --qlora)")
     engine = VLLMEngine(model_dir, settings, dtype, 0, quant_format=policy.format,
-                        adapter_rank=lora.rank if qlora and adapters else 0, packed_base=base)
+                        adapter_rank=lora.rank if qlora and adapters else 0, exact=exact, packed_base=base)
     if adapters:
         engine.refit(policy.model)
     vocab = len(policy.tokenizer)
@@ -98,7 +111,7 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
         return sum(len(c.token_ids) for c in completions)
 
     name = (f"qarl {fmt_name}" + (" qlora" if qlora and adapters else "") + (" packed base" if packed else "")
-            + (" (eager)" if eager else ""))
+            + (" exact forward" if exact else "") + (" (eager)" if eager else ""))
     runners = {name: generate}
     if request_options:
         from vllm import SamplingParams
@@ -136,7 +149,7 @@ def interleaved(engines: dict[str, Callable[[int], int]], batches: list[int], to
 
 
 def table(rows: dict[str, dict[int, float]], batches: list[int], header: str) -> str:
-    plain = rows.get(PLAIN)
+    plain = next((r for n, r in rows.items() if n.startswith(PLAIN)), None)
     unquantized = next((r for n, r in rows.items() if n.startswith("qarl none")), None)
     head = " | ".join(f"batch {b} tok/s | vs plain | vs qarl unquantized" for b in batches)
     lines = [header, "", f"| engine | {head} |", "|---|" + "---|---|---|" * len(batches)]
@@ -159,7 +172,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", nargs="*", default=FORMATS, help="qarl's engines (none: plain vLLM only)")
     parser.add_argument("--eager", action="store_true", help="qarl's engines with enforce_eager")
+    parser.add_argument("--exact", action="store_true", help="qarl's engines as the exact forward's (with --no-plain)")
     parser.add_argument("--no-plain", action="store_true", help="skip plain vLLM")
+    parser.add_argument("--plain-bare", action="store_true", help="plain vLLM asked for no log-probs and no seeds")
     parser.add_argument("--request-options", action="store_true",
                         help="also the unquantized engine through vLLM's generate, with / without log-probs and seeds")
     parser.add_argument("--qlora", action="store_true", help="qarl's engines serve rank-16 qlora adapters")
@@ -172,12 +187,17 @@ def main() -> None:
 
     from qarl.models.resolve import resolve_model_dir
 
+    if args.exact and not args.no_plain:
+        parser.error("--exact turns on vLLM's batch-invariant mode for the whole process: add --no-plain and time "
+                     "plain vLLM in a process of its own")
     model_dir = resolve_model_dir(args.model)
-    engines = {} if args.no_plain else {PLAIN: plain_vllm(model_dir, args.dtype, args.tokens, args.memory)}
+    plain = PLAIN + (", bare" if args.plain_bare else ", log-probs + seeds")
+    engines = {} if args.no_plain else {plain: plain_vllm(model_dir, args.dtype, args.tokens, args.memory,
+                                                           args.plain_bare)}
     for fmt in args.formats:
         engines.update(qarl_engine(fmt, model_dir, args.dtype, args.tokens, args.eager, args.memory,
                                    request_options=args.request_options and fmt == "none", qlora=args.qlora,
-                                   packed=args.packed_base, adapters=not args.no_adapters))
+                                   packed=args.packed_base, adapters=not args.no_adapters, exact=args.exact))
     rows = interleaved(engines, args.batches, args.tokens, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     result = table(rows, args.batches, f"{args.model}, {args.dtype}, {args.tokens} tokens per completion (EOS "

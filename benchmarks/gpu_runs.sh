@@ -15,6 +15,7 @@
 #             engines restart); K: a pytest -k expression picking some
 #   pytest ARGS  pytest with these arguments (some GPU tests: 'pytest tests/unit/test_memory.py')
 #   rollout   rollout tokens/s: plain vLLM against qarl's engine per format (benchmarks/gpu_rollout.py)
+#   rollout_user_shape  the same at the user shape (256 x 1,024 tokens): GRPO, W4A16, and W4A4 with the exact forward
 #   parity_graphs  `qarl parity` bf16 with CUDA graphs and with enforce_eager, in one call
 #   e2e       step time of GRPO (unquantized) and QA-GRPO NVFP4 W4A16 on the 0.5B model, graphs; W4A16 eager
 #   megatron  HF vs Megatron-core backend log-probs on the 0.5B model, fp32 and bf16, every format, TP = the
@@ -234,6 +235,15 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   rollout)
     python3 benchmarks/gpu_rollout.py --repeats 3 --out "$out/gpu_rollout_interleaved.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -10
+    ;;
+  rollout_user_shape)  # issue 59 item 4: qarl's engine against plain vLLM at the user shape (256 x 1,024 tokens, the
+    # sampled tokens' log-probs and a seed per sample on both), GRPO and W4A16 interleaved in one process; the exact
+    # forward's W4A4 engine in a process of its own (batch-invariant mode is process-wide)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    python3 benchmarks/gpu_rollout.py --model "$shape_dir" --batches 256 --tokens 1024 --repeats 2 --memory 0.25 \
+      --formats none nvfp4_a16 --out "$out/rollout_user_shape.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
+    python3 benchmarks/gpu_rollout.py --model "$shape_dir" --batches 256 --tokens 1024 --repeats 2 --memory 0.25 \
+      --no-plain --formats nvfp4_w4a4 --exact --out "$out/rollout_user_shape_exact.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
     ;;
   parity_graphs)
     for eager in false true; do
