@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def _cfg(made: dict, **matrix) -> RecipeConfig:
     cfg = load_recipe("recipes/matrix_tiny.yaml", ["task.num_eval=1000"], RecipeConfig)
     settings = dict(base=made["base"], models={"same": [made["same"]], "noisy": [made["noisy"]]},
                     formats=["quant_configs/nvfp4_w4a4.yaml"], ptq_methods=["max", "awq_lite"], num_prompts=48,
-                    out=str(made["root"] / "out"))
+                    out=tempfile.mkdtemp(dir=made["root"], prefix="out_"))  # each matrix its own: none overwrites
     settings.update(matrix)
     return dataclasses.replace(cfg, matrix=dataclasses.replace(cfg.matrix, **settings))
 
