@@ -11,6 +11,7 @@ Each key's meaning is the comment above it (or beside it): `qarl config --schema
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -41,6 +42,55 @@ def switch_mode(value: object, key: str) -> str:
     return mode
 
 
+class Switch(str):
+    """A SWITCH_MODES setting whose truth is whether it is on (`policy.compile_layers`, `policy.compile_scores`): an
+    `auto` the run has not decided yet (qarl/run.py `decide_fast_settings`) is not on, so code that reads a recipe no
+    run resolved (a backend's checks, `qarl eval`, `parity`, a benchmark building a policy) treats it as off."""
+
+    def __bool__(self) -> bool:
+        return self == "on"
+
+
+def fast_switch(value: object, key: str) -> Switch:
+    """`switch_mode` as a `Switch`."""
+    return Switch(switch_mode(value, key))
+
+
+class AutoTokens(str):
+    """`trainer.max_tokens_per_micro_batch: auto` before the run decides it (qarl/run.py `decide_fast_settings`): no
+    token budget yet, so against a number it counts as 0 (micro-batches by rows, as on the CPU) for code that reads a
+    recipe no run resolved (the memory plan's own tests, a benchmark calling the update itself)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return 0 > other if isinstance(other, (int, float)) else str.__gt__(self, other)
+
+    def __ge__(self, other: object) -> bool:
+        return 0 >= other if isinstance(other, (int, float)) else str.__ge__(self, other)
+
+    def __lt__(self, other: object) -> bool:
+        return 0 < other if isinstance(other, (int, float)) else str.__lt__(self, other)
+
+    def __le__(self, other: object) -> bool:
+        return 0 <= other if isinstance(other, (int, float)) else str.__le__(self, other)
+
+
+AUTO_TOKENS = AutoTokens("auto")
+
+
+def token_budget(value: object, key: str = "trainer.max_tokens_per_micro_batch") -> int | AutoTokens:
+    """A micro-batch token budget as a recipe spells it (the key is a str to OmegaConf, so that it takes both): "auto"
+    (decided as the run starts), or a number of tokens, an int from here on (0: micro-batches by rows)."""
+    if str(value).lower() == "auto":
+        return AUTO_TOKENS
+    text = str(value).strip()
+    if not text.isdigit():  # a bool, a float, a negative number, a word
+        raise ConfigError(f"{key}={value!r}: must be auto or a number of tokens >= 0 (0: by rows)")
+    return int(text)
+
+
 def knob(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
          choices: tuple[str, ...] | None = None, lt: float | None = None) -> Any:
     """A recipe key with the values it allows (bounds, or choices), checked by `check_values` as the recipe loads:
@@ -55,9 +105,10 @@ _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
 
 def allowed(metadata: Any) -> str:
     """A knob's allowed values in words ("" when any value of its type is allowed)."""
-    if "choices" in metadata:
-        return " | ".join(metadata["choices"])
-    return ", ".join(f"{_BOUNDS[k][0]} {metadata[k]}" for k in _BOUNDS if k in metadata)
+    bounds = ", ".join(f"{_BOUNDS[k][0]} {metadata[k]}" for k in _BOUNDS if k in metadata)
+    if "choices" in metadata:  # with bounds too: a word or a number (trainer.max_tokens_per_micro_batch)
+        return " | ".join([*metadata["choices"], *([bounds] if bounds else [])])
+    return bounds
 
 
 def _choice(value: Any, choices: tuple[str, ...]) -> str:
@@ -83,8 +134,11 @@ def check_values(schema: type, node: DictConfig, prefix: str = "") -> list[tuple
                 bad += check_values(item, entry, f"{key}[{i}].")
         elif value is not None and f.metadata:
             meta = f.metadata
-            out = ("choices" in meta and _choice(value, meta["choices"]) not in meta["choices"]) or any(
-                k in meta and not ok(value, meta[k]) for k, (_, ok) in _BOUNDS.items())
+            numeric = not isinstance(value, str) or value.lstrip("-").isdigit()  # a str knob that takes a number too
+            worded = "choices" in meta and not (numeric and any(k in meta for k in _BOUNDS))
+            out = (_choice(value, meta["choices"]) not in meta["choices"] if worded else
+                   any(k in meta and not ok(int(value) if isinstance(value, str) else value, meta[k])
+                       for k, (_, ok) in _BOUNDS.items()))
             if out:
                 bad.append((key, value, allowed(meta)))
     return bad
@@ -238,14 +292,16 @@ class PolicyConfig:
     # of a weight that holds its quantized value (mixed precision), any other runs eagerly between the graphs, the
     # same quantizer ops as eager. Within rounding of eager like compile_norms and compile_mlp, which it includes
     # (set those false); an activation format's codes can flip where a compiled norm's output differs in its last bit.
-    # Dense layers, no LoRA, the weight cache on; not with the exact forward. The HF backend.
-    compile_layers: bool = False
+    # Dense layers, no LoRA, the weight cache on; not with the exact forward. The HF backend. "auto": on for a
+    # training run on a GPU wherever "on" would not be refused, else off (the run's start-up line says which and why;
+    # qarl/run.py decide_fast_settings); "on": compiled or refused; "off": eager. `qarl eval`, `parity`: eager.
+    compile_layers: str = knob("auto", choices=SWITCH_MODES)
     # The linear head's scoring (each chunk's log-softmax, picked log-prob and entropy, and its backward) run as
     # compiled kernels that read the logits a few times instead of writing several fp32 [chunk, vocabulary] tensors
     # (qarl/scoring.py LinearHeadScores): within fp32 rounding of eager. QA-GRPO's scoring (the sampled tokens'
     # log-probs), not QAD's KL; a plain linear head and logprob_chunk_tokens > 0; not with the exact forward. The HF
-    # backend.
-    compile_scores: bool = False
+    # backend. "auto", "on", "off" as for compile_layers.
+    compile_scores: str = knob("auto", choices=SWITCH_MODES)
     # The training backend: "hf" (transformers, one process) or "megatron" (megatron-core, tensor parallel
     # over the processes torchrun starts; see docs/guides/megatron.md).
     backend: str = knob("hf", choices=("hf", "megatron"))
@@ -257,21 +313,11 @@ class PolicyConfig:
         """Settings that cannot run, and those the exact forward cannot serve, refused as the recipe loads (what
         the machine and the model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
         self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
-        if self.compile_layers and (self.compile_norms or self.compile_mlp):
-            raise ConfigError("policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
-                              "set policy.compile_norms=false and policy.compile_mlp=false")
-        if self.compile_layers and not self.quant_weight_cache:
-            raise ConfigError("policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs "
-                              "(but plain matmuls of held weights); with policy.quant_weight_cache=false they run "
-                              "ModelOpt's own forward, which the compiler would trace: set "
-                              "policy.quant_weight_cache=true or policy.compile_layers=false")
-        if self.compile_layers and self.lora.mode != "none":
-            raise ConfigError(f"policy.compile_layers with policy.lora.mode={self.lora.mode}: the adapters' layers are "
-                              "not kept out of the compiled graphs; set policy.compile_layers=false (compile_norms and "
-                              "compile_mlp work with LoRA)")
-        if self.compile_scores and self.logprob_chunk_tokens == 0:
-            raise ConfigError("policy.compile_scores compiles the scoring of each chunk of tokens, and "
-                              "policy.logprob_chunk_tokens=0 scores the whole vocabulary at once: set one of them")
+        self.compile_layers = fast_switch(self.compile_layers, "policy.compile_layers")
+        self.compile_scores = fast_switch(self.compile_scores, "policy.compile_scores")
+        for knob_name, found in compile_refusals(self).items():  # "auto" is decided where these are read too
+            if getattr(self, knob_name) and found:
+                raise ConfigError(found[0][1])
         if not self.exact_forward:
             return
         conflicts = [
@@ -301,6 +347,33 @@ class PolicyConfig:
         conflicts = [c for c in conflicts if c]
         if conflicts:
             raise ConfigError("policy.exact_forward=true cannot run with " + "; ".join(conflicts))
+
+
+def compile_refusals(p: PolicyConfig) -> dict[str, list[tuple[str, str]]]:
+    """What in these policy settings refuses `compile_layers` and `compile_scores` (the exact forward aside, which
+    refuses them with its other conflicts): by knob, (a short reason, the error `on` raises). `on` raises the first;
+    `auto` is off where any is found (qarl/run.py decide_fast_settings)."""
+    layers, scores = [], []
+    if p.compile_norms or p.compile_mlp:
+        layers.append(("policy.compile_norms or compile_mlp set",
+                       "policy.compile_layers compiles the norms and gated MLPs inside each decoder layer too: "
+                       "set policy.compile_norms=false and policy.compile_mlp=false"))
+    if not p.quant_weight_cache:
+        layers.append(("policy.quant_weight_cache=false",
+                       "policy.compile_layers keeps qarl's quantized linear layers out of the compiled graphs "
+                       "(but plain matmuls of held weights); with policy.quant_weight_cache=false they run "
+                       "ModelOpt's own forward, which the compiler would trace: set "
+                       "policy.quant_weight_cache=true or policy.compile_layers=false"))
+    if p.lora.mode != "none":
+        layers.append((f"policy.lora.mode={p.lora.mode}",
+                       f"policy.compile_layers with policy.lora.mode={p.lora.mode}: the adapters' layers are "
+                       "not kept out of the compiled graphs; set policy.compile_layers=false (compile_norms and "
+                       "compile_mlp work with LoRA)"))
+    if p.logprob_chunk_tokens == 0:
+        scores.append(("policy.logprob_chunk_tokens=0",
+                       "policy.compile_scores compiles the scoring of each chunk of tokens, and "
+                       "policy.logprob_chunk_tokens=0 scores the whole vocabulary at once: set one of them"))
+    return {"compile_layers": layers, "compile_scores": scores}
 
 
 @dataclass
@@ -361,8 +434,12 @@ class TrainerConfig:
     micro_batch_size: int = knob(64, ge=1)  # completions per forward/backward of the update
     # > 0: micro-batches by tokens instead of rows: as many completions as fit in this many prompt + completion
     # tokens, packed back to back without padding (micro_batch_size is then not used; qarl/scoring.py). The loss
-    # normalizations are unchanged (bnpo stays a token mean within each micro-batch).
-    max_tokens_per_micro_batch: int = knob(0, ge=0)
+    # normalizations are unchanged (bnpo stays a token mean within each micro-batch). 0: by rows. "auto": for a
+    # training run on a GPU whose packed rows attend through varlen FlashAttention (the HF backend, bf16/fp16, a
+    # separable head, logprob_chunk_tokens > 0, no exact forward, no sliding window), the tokens the memory plan
+    # gives a micro-batch of rows (micro_batch_size x the longest prompt + max_new_tokens): the same planned peak,
+    # without padding; else 0 (the run's start-up line says which and why; qarl/run.py decide_fast_settings).
+    max_tokens_per_micro_batch: str = knob("auto", choices=("auto",), ge=0)
     lr: float = knob(1e-4, gt=0)  # AdamW learning rate
     weight_decay: float = knob(0.0, ge=0)  # AdamW weight decay (decoupled)
     max_grad_norm: float = knob(1.0, gt=0)  # gradients are clipped to this global L2 norm
@@ -395,6 +472,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume).lower()  # YAML reads a bare true/false as a boolean
+        self.max_tokens_per_micro_batch = token_budget(self.max_tokens_per_micro_batch)
 
 
 @dataclass
@@ -621,5 +699,8 @@ def check_quant_files(cfg: RecipeConfig) -> None:
 
 
 def to_dict(cfg: Any) -> dict:
-    """A plain dict of a validated config, for logging next to a run's outputs."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """A plain dict of a validated config, for logging next to a run's outputs (a `Switch` or `AutoTokens` as its
+    word)."""
+    plain = dataclasses.asdict(cfg, dict_factory=lambda items: {k: str(v) if isinstance(v, str) else v
+                                                                 for k, v in items})
+    return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)

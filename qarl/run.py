@@ -14,6 +14,7 @@ teacher) and its `Steps` (evaluation, rewards, update); nothing here asks which 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -27,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from qarl.checkpoint import load_policy_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
-from qarl.config import RecipeConfig, to_dict
+from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
 from qarl.distributed import is_main_launch
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
@@ -37,7 +38,7 @@ from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
 from qarl.metrics import (DriverPeak, MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes,
                           progress_bar, report_run, weight_memory)
 from qarl.models.experts import fused_parameter
-from qarl.models.resolve import cache_dir, resolve_model_dir
+from qarl.models.resolve import cache_dir, default_device, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
 from qarl.quant import QuantFormat, check_generation_matches, resolve_format
@@ -159,12 +160,178 @@ FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the lo
 
 
 def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: FrozenShape
-            ) -> tuple[RecipeConfig, MemoryPlan]:
-    """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided."""
+            ) -> tuple[RecipeConfig, MemoryPlan, FrozenModel | None]:
+    """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided; the loop's
+    frozen model as the plan counts it. (`trainer.max_tokens_per_micro_batch: auto` is planned as micro-batches of
+    rows: `decide_fast_settings` gives it those rows' tokens.)"""
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
-    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen_model(cfg, shape))
+    frozen = frozen_model(cfg, shape)
+    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen)
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
-    return cfg, memory
+    return cfg, memory, frozen
+
+
+# -- the fast settings: `auto` decided once, as a run starts --------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """What the fast settings need of the machine a run trains on (`Machine.here()`; the tests give their own)."""
+
+    device: str  # "cuda" or "cpu"
+    compiler: bool = True  # torch.compile can make kernels for the device (Triton on a GPU)
+    varlen: bool = True  # this torch has varlen FlashAttention (qarl/models/varlen_attention.py)
+
+    @classmethod
+    def here(cls) -> "Machine":
+        from torch.utils._triton import has_triton
+
+        from qarl.models.varlen_attention import varlen_available
+
+        device = default_device().type
+        return cls(device, compiler=device != "cuda" or has_triton(), varlen=varlen_available())
+
+
+@dataclass(frozen=True)
+class FastSettings:
+    """`policy.compile_layers`, `policy.compile_scores` and `trainer.max_tokens_per_micro_batch` as a run uses them,
+    each with why: "set" (the recipe's own value), "auto", or "auto: <what turned it off>"."""
+
+    compile_layers: str  # on | off
+    compile_scores: str  # on | off
+    tokens_per_micro_batch: int  # 0: micro-batches by rows
+    why: tuple[str, str, str]
+
+    def line(self) -> str:
+        """The run's start-up line."""
+        tokens = self.tokens_per_micro_batch
+        budget = f"micro-batches of {tokens} tokens" if tokens else "micro-batches by rows"
+        parts = (f"compile_layers {self.compile_layers}", f"compile_scores {self.compile_scores}", budget)
+        return "fast settings: " + ", ".join(f"{part} ({why})" for part, why in zip(parts, self.why))
+
+    def applied(self, cfg: RecipeConfig) -> RecipeConfig:
+        """`cfg` with these values in place of `auto`."""
+        policy = dataclasses.replace(cfg.policy, compile_layers=self.compile_layers, compile_scores=self.compile_scores)
+        trainer = dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=self.tokens_per_micro_batch)
+        return dataclasses.replace(cfg, policy=policy, trainer=trainer)
+
+
+def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fmt: QuantFormat | None,
+                         rows_tokens: int, distilling: bool = False) -> FastSettings:
+    """Each `auto` of the fast settings decided for a training run: on where the device, the model and the other
+    settings allow it, off wherever `on` would be refused (or, for micro-batches by tokens, would not pack through
+    varlen FlashAttention). Never an error: a recipe's own `on` is refused where it is read, as before.
+
+    On a CPU all three are off (the run is what it was before they took `auto`). On a GPU:
+      * compile_layers: the HF backend, no exact forward, Triton, none of `compile_refusals` (compiled norms or MLPs,
+        the weight cache off, LoRA), a stack of dense decoder layers whose quantized layers the compiler leaves out
+        (checked on the model built on the meta device with `fmt`'s quantizers: the very checks `on` fails);
+      * compile_scores: the same device, backend and exact forward, logprob_chunk_tokens > 0, not QAD
+        (`distilling`), a plain linear head (no adapter on it, nothing after it);
+      * max_tokens_per_micro_batch: the HF backend, no exact forward, logprob_chunk_tokens > 0 (else nothing is
+        packed), bf16/fp16, varlen attention in this torch, a model whose attention it serves and whose head is
+        separable; then `rows_tokens`, what the memory plan gives a micro-batch of micro_batch_size rows of the
+        longest prompt + max_new_tokens: the same planned peak, without padding (at the Qwen3-1.7B recipe's shape
+        8 x 1,124 = 8,992 tokens; 9,216 was measured fastest).
+    QAD's teacher is built with the policy's settings and scores the same packed rows: a teacher other than the
+    policy's own model (the warm-start one or policy.model_name) is not inspected, so compile_layers and the token
+    budget stay off beside it."""
+    p, t = cfg.policy, cfg.trainer
+    wanted = {"compile_layers": p.compile_layers == "auto", "compile_scores": p.compile_scores == "auto",
+              "tokens": t.max_tokens_per_micro_batch == "auto"}
+    off: dict[str, str] = {}  # knob -> why auto is off
+
+    def refuse(knob: str, why: str) -> None:
+        if wanted[knob] and knob not in off and why:
+            off[knob] = why
+
+    common = ("the CPU" if machine.device != "cuda" else f"policy.backend={p.backend}" if p.backend != "hf"
+              else "policy.exact_forward" if p.exact_forward else "")
+    for knob in wanted:
+        refuse(knob, common)
+    for knob in ("compile_layers", "compile_scores"):
+        refuse(knob, "" if machine.compiler else "no Triton for torch.compile")
+        refuse(knob, next((short for short, _ in compile_refusals(p)[knob]), ""))
+    refuse("compile_scores", "QAD's KL is not compiled" if distilling else "")
+    refuse("tokens", "policy.logprob_chunk_tokens=0" if p.logprob_chunk_tokens == 0 else "")
+    refuse("tokens", f"policy.dtype={p.dtype}" if p.dtype not in ("bfloat16", "float16") else "")
+    refuse("tokens", "" if machine.varlen else "no varlen attention in this torch")
+    other_teacher = distilling and cfg.teacher.model_name not in ("warm-start", cfg.policy.model_name)
+    for knob in ("compile_layers", "tokens"):  # the teacher is built with the policy's settings: unseen here
+        refuse(knob, "QAD's teacher is another model" if other_teacher else "")
+    if any(wanted[knob] and knob not in off for knob in wanted):
+        for knob, why in _model_refusals(cfg, model_dir, fmt).items():
+            refuse(knob, why)
+
+    def decided(knob: str, value: str) -> tuple[str, str]:
+        if not wanted[knob]:
+            return value, "set"
+        return ("off", f"auto: {off[knob]}") if knob in off else ("on", "auto")
+
+    layers, layers_why = decided("compile_layers", p.compile_layers)
+    scores, scores_why = decided("compile_scores", p.compile_scores)
+    if not wanted["tokens"]:
+        tokens, tokens_why = t.max_tokens_per_micro_batch, "set"
+    elif "tokens" in off:
+        tokens, tokens_why = 0, f"auto: {off['tokens']}"
+    else:
+        tokens, tokens_why = rows_tokens, "auto: the memory plan's micro-batch of rows"
+    return FastSettings(layers, scores, tokens, (layers_why, scores_why, tokens_why))
+
+
+def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) -> dict[str, str]:
+    """What the model turns off, read from its architecture on the meta device with `fmt`'s quantizers inserted as
+    the policy inserts them (no weights): by knob, why."""
+    from qarl.backends.hf import refuse_traced_quantized_layers
+    from qarl.lora import _matches
+    from qarl.models.checks import load_pretrained, meta_model
+    from qarl.models.compiled import check_decoder_layers
+    from qarl.models.experts import has_experts
+    from qarl.models.varlen_attention import mask_needed
+    from qarl.quant.quantize import quantize_policy
+    from qarl.scoring import body_and_head, compile_scores
+    from transformers import AutoConfig
+
+    p = cfg.policy
+    model = meta_model(model_dir, p.trust_remote_code)
+    if fmt is not None:
+        quantize_policy(model, fmt, None, weight_cache=p.quant_weight_cache)
+    out = {}
+    try:
+        layers = check_decoder_layers(model)
+    except ConfigError:
+        layers = None
+        out["compile_layers"] = "a Mixture-of-Experts model" if has_experts(model) else "no stack of decoder layers"
+    try:
+        if layers is not None:
+            refuse_traced_quantized_layers(layers)
+    except ConfigError:
+        out["compile_layers"] = "quantized layers with a forward of their own (policy.quant_cfg)"
+    parts = body_and_head(model)
+    head_name = next((n for n, m in model.named_modules() if parts is not None and m is parts[1]), "")
+    if p.lora.mode != "none" and head_name and _matches(head_name, p.lora.target_modules):
+        out["compile_scores"] = "LoRA on the head"
+    else:
+        try:
+            compile_scores(model)
+        except ConfigError:
+            out["compile_scores"] = ("the logits are changed after the head" if parts is None
+                                     else "the head is not a plain linear map")
+    config = load_pretrained(AutoConfig, model_dir, p.trust_remote_code).get_text_config()
+    windowed = any(getattr(m, "sliding_window", None) is not None for m in model.modules())
+    if windowed or mask_needed(1, None, getattr(torch, p.dtype), "cuda", config):  # what varlen_attention.serves refuses
+        out["tokens"] = "the model's attention (a sliding window, soft-capping or dropout)"
+    elif parts is None:
+        out["tokens"] = "the model's logits are scored whole"
+    return out
+
+
+def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, frozen: FrozenModel | None,
+                       machine: Machine | None = None) -> RecipeConfig:
+    """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once."""
+    distilling = frozen is not None and frozen.name == "teacher"  # QAD's (the memory plan tells its frozen model so)
+    fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
+                                memory.tokens_per_micro_batch, distilling)
+    print(fast.line())
+    return fast.applied(cfg)
 
 
 def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda policy, task: None,
@@ -178,7 +345,8 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda 
     resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
-    cfg, memory = planned(cfg, task, resolved, frozen_model)
+    cfg, memory, frozen_shape = planned(cfg, task, resolved, frozen_model)
+    cfg = with_fast_settings(cfg, resolved, memory, frozen_shape)
     if is_main_launch():
         recipe = to_dict(cfg)
         claim_run_dir(plan, recipe, OmegaConf.to_yaml(recipe))

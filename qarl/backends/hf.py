@@ -101,7 +101,7 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
-    if cfg.compile_layers:
+    if cfg.compile_layers:  # "on" (a Switch: an `auto` a training run has not decided, as in `qarl eval`, is off)
         layers = check_decoder_layers(model)
         refuse_traced_quantized_layers(layers)
         print(f"compiled {compile_layers(layers)} decoder layers (policy.compile_layers)")

@@ -1,0 +1,197 @@
+"""The fast settings' `auto` (policy.compile_layers, policy.compile_scores, trainer.max_tokens_per_micro_batch),
+decided once as a run starts (qarl/run.py `decide_fast_settings`): on where a GPU, the model and the other settings
+allow, off on a CPU and wherever `on` is refused, which stays an error when a recipe asks for it. The machine is an
+argument, so the GPU's decisions are tested here on a CPU (the model is read on the meta device)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from qarl.config import ConfigError, LoraConfig, PolicyConfig, RecipeConfig, check_qad_recipe, load_recipe, to_dict
+from qarl.quant import resolve_format
+from qarl.run import FastSettings, Machine, decide_fast_settings
+
+GPU, CPU = Machine("cuda"), Machine("cpu")
+ROWS = 8 * 1124  # the memory plan's micro-batch of rows at the Qwen3-1.7B recipe's shape
+ALL_ON = ("auto", "auto", "auto: the memory plan's micro-batch of rows")
+
+
+def recipe(*overrides: str, name: str = "recipes/qa_grpo_tiny.yaml") -> RecipeConfig:
+    return load_recipe(name, ["policy.dtype=bfloat16", *overrides], RecipeConfig)
+
+
+def decide(cfg: RecipeConfig, machine: Machine = GPU, model_dir: str | None = None, fmt: object = "recipe",
+           distilling: bool = False) -> FastSettings:
+    from qarl.models.resolve import resolve_model_dir
+
+    fmt = resolve_format(cfg.policy.quant_cfg) if fmt == "recipe" else fmt
+    return decide_fast_settings(cfg, machine, model_dir or resolve_model_dir(cfg.policy.model_name), fmt, ROWS,
+                                distilling)
+
+
+def test_auto_is_the_default_and_recipes_keep_their_spellings():
+    cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig)
+    assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
+        "auto", "auto", "auto")
+    # an undecided auto is not on (a backend's checks, `qarl eval`) and no token budget (micro-batches by rows)
+    assert not cfg.policy.compile_layers and not cfg.policy.compile_scores
+    assert not cfg.trainer.max_tokens_per_micro_batch > 0
+    spelled = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.compile_layers=true", "policy.compile_scores=false",
+                                                         "trainer.max_tokens_per_micro_batch=9216"], RecipeConfig)
+    assert spelled.policy.compile_layers == "on" and spelled.policy.compile_layers
+    assert spelled.policy.compile_scores == "off" and not spelled.policy.compile_scores
+    assert spelled.trainer.max_tokens_per_micro_batch == 9216
+    assert load_recipe("recipes/qa_grpo_tiny.yaml", ["trainer.max_tokens_per_micro_batch=0"],
+                       RecipeConfig).trainer.max_tokens_per_micro_batch == 0
+    for bad in ("trainer.max_tokens_per_micro_batch=-1", "trainer.max_tokens_per_micro_batch=lots",
+                "policy.compile_layers=sometimes"):
+        with pytest.raises(ConfigError, match="must be auto"):
+            load_recipe("recipes/qa_grpo_tiny.yaml", [bad])
+    written = to_dict(spelled)  # config.yaml: the words, loadable again
+    assert written["policy"]["compile_layers"] == "on" and written["trainer"]["max_tokens_per_micro_batch"] == 9216
+    assert to_dict(cfg)["trainer"]["max_tokens_per_micro_batch"] == "auto"
+
+
+def test_a_yaml_file_with_booleans_keeps_working(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("defaults: [" + str(Path("recipes/qa_grpo_tiny.yaml").resolve()) + "]\n"
+                    "policy: {compile_layers: true, compile_scores: false}\ntrainer: {max_tokens_per_micro_batch: 512}\n")
+    cfg = load_recipe(path, [], RecipeConfig)
+    assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
+        "on", "off", 512)
+
+
+def test_a_cpu_keeps_everything_off_and_a_recipes_own_values():
+    fast = decide(recipe(), CPU)
+    assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch) == ("off", "off", 0)
+    assert fast.line() == ("fast settings: compile_layers off (auto: the CPU), compile_scores off (auto: the CPU), "
+                           "micro-batches by rows (auto: the CPU)")
+    own = decide(recipe("policy.compile_layers=on", "trainer.max_tokens_per_micro_batch=64"), CPU)
+    assert (own.compile_layers, own.compile_scores, own.tokens_per_micro_batch) == ("on", "off", 64)
+    assert own.why == ("set", "auto: the CPU", "set")
+
+
+def test_a_gpu_turns_all_three_on_for_dense_models_of_each_family(families):
+    for family, model_dir in families.items():
+        fast = decide(recipe(), GPU, model_dir)
+        assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch) == ("on", "on", ROWS), family
+        assert fast.why == ALL_ON
+    fast = decide(recipe())
+    assert fast.line() == ("fast settings: compile_layers on (auto), compile_scores on (auto), micro-batches of "
+                           f"{ROWS} tokens (auto: the memory plan's micro-batch of rows)")
+    cfg = fast.applied(recipe())
+    assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
+        "on", "on", ROWS)
+    assert cfg.policy.compile_layers and cfg.trainer.max_tokens_per_micro_batch > 0  # what the backends read
+
+
+def _config_dir(tmp_path: Path, tiny_dir: str, **changes) -> str:
+    """The tiny model's architecture (config.json only: the decisions read the meta device) with `changes`."""
+    config = json.loads((Path(tiny_dir) / "config.json").read_text())
+    config.update(changes)
+    out = tmp_path / "model"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+# (overrides, machine, model: None = the recipe's, fmt: "recipe" = the recipe's, distilling) -> why each is off
+# (None: on under auto)
+CASES = {
+    "megatron": (["policy.backend=megatron"], GPU, None, "recipe", False,
+                 ("policy.backend=megatron", "policy.backend=megatron", "policy.backend=megatron")),
+    "exact forward": (["policy.exact_forward=true"], GPU, None, "recipe", False,
+                      ("policy.exact_forward", "policy.exact_forward", "policy.exact_forward")),
+    "no Triton": ([], Machine("cuda", compiler=False), None, "recipe", False,
+                  ("no Triton for torch.compile", "no Triton for torch.compile", None)),
+    "no varlen": ([], Machine("cuda", varlen=False), None, "recipe", False,
+                  (None, None, "no varlen attention in this torch")),
+    "compiled norms": (["policy.compile_norms=true"], GPU, None, "recipe", False,
+                       ("policy.compile_norms or compile_mlp set", None, None)),
+    "compiled MLPs": (["policy.compile_mlp=true"], GPU, None, "recipe", False,
+                      ("policy.compile_norms or compile_mlp set", None, None)),
+    "weight cache off": (["policy.quant_weight_cache=false"], GPU, None, "recipe", False,
+                         ("policy.quant_weight_cache=false", None, None)),
+    "qlora": (["policy.lora.mode=qlora"], GPU, None, "recipe", False, ("policy.lora.mode=qlora", None, None)),
+    "qlora on the head": (["policy.lora.mode=qlora", "policy.lora.target_modules=[q_proj,lm_head]"], GPU, None,
+                          "recipe", False, ("policy.lora.mode=qlora", "LoRA on the head", None)),
+    "whole-vocabulary scoring": (["policy.logprob_chunk_tokens=0"], GPU, None, "recipe", False,
+                                 (None, "policy.logprob_chunk_tokens=0", "policy.logprob_chunk_tokens=0")),
+    "fp32": (["policy.dtype=float32"], GPU, None, "recipe", False, (None, None, "policy.dtype=float32")),
+    "QAD": ([], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None)),
+    "QAD, another teacher": (["teacher.model_name=/elsewhere"], GPU, None, "recipe", True,
+                             ("QAD's teacher is another model", "QAD's KL is not compiled",
+                              "QAD's teacher is another model")),
+    "MoE": (["policy.model_name=embedded:tiny-qwen3moe"], GPU, None, "recipe", False,
+            ("a Mixture-of-Experts model", None, None)),
+    "ModelOpt's own forward": ([], GPU, None, "W4A8_AWQ_BETA_CFG", False,
+                               ("quantized layers with a forward of their own (policy.quant_cfg)",
+                                "the head is not a plain linear map", None)),
+    "sliding window": ([], GPU, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0,
+                                 "layer_types": ["sliding_attention"] * 2}, "recipe", False,
+                       (None, None, "the model's attention (a sliding window, soft-capping or dropout)")),
+    "soft-capped logits": ([], GPU, {"final_logit_softcapping": 30.0}, "recipe", False,
+                           (None, "the logits are changed after the head", "the model's logits are scored whole")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_auto_is_off_wherever_on_is_refused_and_says_why(case, tmp_path, tiny_dir):
+    overrides, machine, model, fmt, distilling, why_off = CASES[case]
+    name = "recipes/qa_distillation_tiny.yaml" if distilling else "recipes/qa_grpo_tiny.yaml"
+    cfg = recipe(*overrides, name=name)
+    fmt = resolve_format(fmt) if fmt != "recipe" else fmt
+    fast = decide(cfg, machine, _config_dir(tmp_path, tiny_dir, **model) if model else None, fmt, distilling)
+    got = (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch)
+    assert got == tuple("off" if w else "on" for w in why_off[:2]) + (0 if why_off[2] else ROWS,)
+    assert fast.why == tuple(f"auto: {w}" if w else on for w, on in zip(why_off, ALL_ON))
+    fast.applied(cfg)  # what auto picks is a recipe that loads: nothing in it is refused
+
+
+@pytest.mark.parametrize("knob, changes, refusal", [
+    ("compile_layers", {"compile_norms": True}, "compile_norms=false"),
+    ("compile_layers", {"quant_weight_cache": False}, "quant_weight_cache=true"),
+    ("compile_layers", {"lora": LoraConfig(mode="qlora")}, "lora.mode=qlora"),
+    ("compile_scores", {"logprob_chunk_tokens": 0}, "logprob_chunk_tokens=0"),
+    ("compile_layers", {"exact_forward": True, "dtype": "bfloat16"}, "exact_forward=true cannot run"),
+    ("compile_scores", {"exact_forward": True, "dtype": "bfloat16"}, "exact_forward=true cannot run"),
+])
+def test_on_is_still_refused_where_auto_turns_off(knob, changes, refusal):
+    PolicyConfig(**changes)  # auto: no error
+    for on in ("on", True, "true"):
+        with pytest.raises(ConfigError, match=refusal):
+            PolicyConfig(**{knob: on}, **changes)
+    PolicyConfig(**{knob: "off"}, **changes)
+
+
+def test_on_is_still_refused_by_qad_and_by_the_megatron_backend():
+    from qarl.backends.megatron_policy import check
+
+    check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", []))  # auto: no error
+    with pytest.raises(ConfigError, match="QAD's KL"):
+        check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", ["policy.compile_scores=on"]))
+    for knob in ("compile_layers", "compile_scores"):
+        with pytest.raises(ConfigError, match=f"policy.{knob} compiles the HF backend's"):
+            check(PolicyConfig(backend="megatron", **{knob: "on"}))
+
+
+def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsys):
+    """start_run's path: the memory plan, then the fast settings on this machine (here, a GPU as the tests tell it),
+    said once, in the recipe the run directory records."""
+    from qarl import run as run_module
+    from qarl.memory import MemoryPlan
+
+    cfg = recipe(f"run.dir={tmp_path / 'run'}")
+    resolved = run_module.resolve_recipe(cfg)
+    memory = MemoryPlan({}, {}, 0, 1, False, ROWS, 0)
+    decided = run_module.with_fast_settings(cfg, resolved, memory, None, GPU)
+    assert (decided.policy.compile_layers, decided.policy.compile_scores,
+            decided.trainer.max_tokens_per_micro_batch) == ("on", "on", ROWS)
+    assert capsys.readouterr().out.count("fast settings: ") == 1
+    here = run_module.with_fast_settings(cfg, resolved, memory, None, CPU)
+    assert (here.policy.compile_layers, here.trainer.max_tokens_per_micro_batch) == ("off", 0)
+    assert dataclasses.replace(here.trainer).max_tokens_per_micro_batch == 0
