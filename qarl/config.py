@@ -42,49 +42,12 @@ def switch_mode(value: object, key: str) -> str:
     return mode
 
 
-class Switch(str):
-    """A SWITCH_MODES setting whose truth is whether it is on (`policy.compile_layers`, `policy.compile_scores`): an
-    `auto` the run has not decided yet (qarl/run.py `decide_fast_settings`) is not on, so code that reads a recipe no
-    run resolved (a backend's checks, `qarl eval`, `parity`, a benchmark building a policy) treats it as off."""
-
-    def __bool__(self) -> bool:
-        return self == "on"
-
-
-def fast_switch(value: object, key: str) -> Switch:
-    """`switch_mode` as a `Switch`."""
-    return Switch(switch_mode(value, key))
-
-
-class AutoTokens(str):
-    """`trainer.max_tokens_per_micro_batch: auto` before the run decides it (qarl/run.py `decide_fast_settings`): no
-    token budget yet, so against a number it counts as 0 (micro-batches by rows, as on the CPU) for code that reads a
-    recipe no run resolved (the memory plan's own tests, a benchmark calling the update itself)."""
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __gt__(self, other: object) -> bool:
-        return 0 > other if isinstance(other, (int, float)) else str.__gt__(self, other)
-
-    def __ge__(self, other: object) -> bool:
-        return 0 >= other if isinstance(other, (int, float)) else str.__ge__(self, other)
-
-    def __lt__(self, other: object) -> bool:
-        return 0 < other if isinstance(other, (int, float)) else str.__lt__(self, other)
-
-    def __le__(self, other: object) -> bool:
-        return 0 <= other if isinstance(other, (int, float)) else str.__le__(self, other)
-
-
-AUTO_TOKENS = AutoTokens("auto")
-
-
-def token_budget(value: object, key: str = "trainer.max_tokens_per_micro_batch") -> int | AutoTokens:
-    """A micro-batch token budget as a recipe spells it (the key is a str to OmegaConf, so that it takes both): "auto"
-    (decided as the run starts), or a number of tokens, an int from here on (0: micro-batches by rows)."""
+def parse_token_budget(value: object, key: str = "trainer.max_tokens_per_micro_batch") -> int | str:
+    """A micro-batch token budget as a recipe spells it: "auto" (kept as that word: a training run decides it as it
+    starts, qarl/run.py `decide_fast_settings`), or a number of tokens, an int from here on (0: micro-batches by
+    rows). The key is typed str for OmegaConf, so that it takes both the word and a number."""
     if str(value).lower() == "auto":
-        return AUTO_TOKENS
+        return "auto"
     text = str(value).strip()
     if not text.isdigit():  # a bool, a float, a negative number, a word
         raise ConfigError(f"{key}={value!r}: must be auto or a number of tokens >= 0 (0: by rows)")
@@ -313,10 +276,12 @@ class PolicyConfig:
         """Settings that cannot run, and those the exact forward cannot serve, refused as the recipe loads (what
         the machine and the model must offer is checked in qarl/backends/exact_forward.py before the model loads)."""
         self.gradient_checkpointing = switch_mode(self.gradient_checkpointing, "policy.gradient_checkpointing")
-        self.compile_layers = fast_switch(self.compile_layers, "policy.compile_layers")
-        self.compile_scores = fast_switch(self.compile_scores, "policy.compile_scores")
-        for knob_name, found in compile_refusals(self).items():  # "auto" is decided where these are read too
-            if getattr(self, knob_name) and found:
+        self.compile_layers = switch_mode(self.compile_layers, "policy.compile_layers")
+        self.compile_scores = switch_mode(self.compile_scores, "policy.compile_scores")
+        refusals = compile_refusals(self)  # "auto" is never refused: decide_fast_settings turns it off there
+        for on, found in ((self.compiles_layers, refusals["compile_layers"]),
+                          (self.compiles_scores, refusals["compile_scores"])):
+            if on and found:
                 raise ConfigError(found[0][1])
         if not self.exact_forward:
             return
@@ -340,13 +305,27 @@ class PolicyConfig:
             "policy.compile_mlp (the fused activation rounds once where the engine's kernel rounds twice)"
             if self.compile_mlp else "",
             "policy.compile_layers (compiled norms, activations and rotary embeddings round otherwise than the "
-            "engine's kernels)" if self.compile_layers else "",
+            "engine's kernels)" if self.compiles_layers else "",
             "policy.compile_scores (the exact forward scores with the engine's own log-softmax kernel)"
-            if self.compile_scores else "",
+            if self.compiles_scores else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:
             raise ConfigError("policy.exact_forward=true cannot run with " + "; ".join(conflicts))
+
+    # What the code that builds and checks a policy reads of `compile_layers` and `compile_scores` (never the words
+    # themselves): whether each is on. A training run turns "auto" into "on" or "off" as it starts (qarl/run.py
+    # decide_fast_settings); an "auto" still here was decided by no run (`qarl eval`, `parity`, `export`, a benchmark
+    # building a policy, a test) and reads as off, so those build an eager policy and never refuse it.
+    @property
+    def compiles_layers(self) -> bool:
+        """Whether the decoder layers are compiled: `compile_layers` is "on" (an undecided "auto" is off)."""
+        return self.compile_layers == "on"
+
+    @property
+    def compiles_scores(self) -> bool:
+        """Whether the head's scoring is compiled: `compile_scores` is "on" (an undecided "auto" is off)."""
+        return self.compile_scores == "on"
 
 
 def compile_refusals(p: PolicyConfig) -> dict[str, list[tuple[str, str]]]:
@@ -472,7 +451,17 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume).lower()  # YAML reads a bare true/false as a boolean
-        self.max_tokens_per_micro_batch = token_budget(self.max_tokens_per_micro_batch)
+        self.max_tokens_per_micro_batch = parse_token_budget(self.max_tokens_per_micro_batch)  # "auto" or an int
+
+    @property
+    def token_budget(self) -> int:
+        """What the code that batches and plans the update reads of `max_tokens_per_micro_batch` (never the setting
+        itself): the tokens a micro-batch may hold, 0 for micro-batches by rows. A training run turns "auto" into a
+        number as it starts (qarl/run.py decide_fast_settings, after the memory plan, which plans "auto" by rows); an
+        "auto" still here reads as 0: micro-batches by rows, as on the CPU (the memory plan itself, its tests, a
+        benchmark calling the update)."""
+        budget = self.max_tokens_per_micro_batch
+        return 0 if budget == "auto" else budget
 
 
 @dataclass
@@ -670,7 +659,7 @@ def check_grpo_recipe(cfg: RecipeConfig) -> None:
 def check_qad_recipe(cfg: RecipeConfig) -> None:
     """What on-policy QAD (`qarl distill`) needs of its settings together; checked as it loads."""
     _check_groups(cfg.trainer)
-    if cfg.policy.compile_scores:
+    if cfg.policy.compiles_scores:
         raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
                           "(qarl/distill.py) do not use it: set policy.compile_scores=false")
 
@@ -699,8 +688,7 @@ def check_quant_files(cfg: RecipeConfig) -> None:
 
 
 def to_dict(cfg: Any) -> dict:
-    """A plain dict of a validated config, for logging next to a run's outputs (a `Switch` or `AutoTokens` as its
-    word)."""
-    plain = dataclasses.asdict(cfg, dict_factory=lambda items: {k: str(v) if isinstance(v, str) else v
-                                                                 for k, v in items})
-    return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
+    """A plain dict of a validated config, for logging next to a run's outputs. Read with dataclasses.asdict, not
+    OmegaConf.structured, which would write a number of tokens in the str-typed trainer.max_tokens_per_micro_batch as
+    a string."""
+    return OmegaConf.to_container(OmegaConf.create(dataclasses.asdict(cfg)), resolve=True)

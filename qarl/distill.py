@@ -176,11 +176,11 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     for group in optimizer.param_groups:
         group["lr"] = lr
     # this process's micro-batches (data parallel), each weighted for the whole step
-    every = micro_batches(comps, list(range(len(comps))), t.micro_batch_size, t.max_tokens_per_micro_batch)
+    every = micro_batches(comps, list(range(len(comps))), t.micro_batch_size, t.token_budget)
     for mb in student.local_share(every):
         scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
                             cfg.policy.generation.temperature, cfg.distill.top_k, cfg.policy.logprob_chunk_tokens,
-                            pack=t.max_tokens_per_micro_batch > 0)
+                            pack=t.token_budget > 0)
         optimizer.backward(scores.kl.sum() / total_tokens)
         engine_lp = mb.engine_logprobs(scores.mask.device)
         stats.append([*mismatch_sums(scores.logprobs, engine_lp, scores.mask), scores.kl.sum(),

@@ -189,8 +189,8 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     tp = p.tensor_parallel_size if p.backend == "megatron" else 1
     params = -(-shape.params // tp)  # this rank's share
     row = min(longest_prompt + gen.max_new_tokens, gen.max_model_len)
-    if t.max_tokens_per_micro_batch > 0 and micro_batch_size is None:  # by tokens (a longer row goes alone)
-        tokens = max(t.max_tokens_per_micro_batch, row)
+    if t.token_budget > 0 and micro_batch_size is None:  # by tokens (a longer row goes alone)
+        tokens = max(t.token_budget, row)
     else:
         tokens = (micro_batch_size or t.micro_batch_size) * row
     if p.lora.mode != "none":  # a frozen base (packed in qlora); the adapters are small
@@ -251,7 +251,7 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
     if failed.rollout > failed.available:
         return head + (f"The policy's state and the engine's share do not fit together: lower {failed.engine_knob}, "
                        "train adapters (policy.lora.mode=qlora), or use a smaller model.")
-    budget = cfg.trainer.max_tokens_per_micro_batch
+    budget = cfg.trainer.token_budget
     if budget > 0:  # micro-batches by tokens: the largest budget that fits, in steps of 1,024 tokens
         fitting = [tokens for tokens in range(budget - budget % 1024, 0, -1024)
                    if plan(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=tokens)),

@@ -163,7 +163,7 @@ def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: Fro
             ) -> tuple[RecipeConfig, MemoryPlan, FrozenModel | None]:
     """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided; the loop's
     frozen model as the plan counts it. (`trainer.max_tokens_per_micro_batch: auto` is planned as micro-batches of
-    rows: `decide_fast_settings` gives it those rows' tokens.)"""
+    rows, `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows' tokens.)"""
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
     frozen = frozen_model(cfg, shape)
     cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen)

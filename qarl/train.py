@@ -88,13 +88,13 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         return {}
     longest = max(len(c.token_ids) for c in comps)
     total_tokens = sum(len(comps[i].token_ids) for i in trained)
-    every = micro_batches(comps, trained, t.micro_batch_size, t.max_tokens_per_micro_batch)
+    every = micro_batches(comps, trained, t.micro_batch_size, t.token_budget)
     mine = policy.local_share(every)  # this process's micro-batches (data parallel); each weighted for the whole step
 
     def score(model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
         return score_completions(model, mb.prompts, mb.tokens, policy.tokenizer.pad_token_id,
                                  cfg.policy.generation.temperature, cfg.policy.logprob_chunk_tokens,
-                                 pack=t.max_tokens_per_micro_batch > 0)
+                                 pack=t.token_budget > 0)
 
     # the rollout-time log-probs: the engine's, the reference's, and (later passes compare with it) the policy's own
     engine_lp = [mb.engine_logprobs(policy.device) for mb in mine]

@@ -76,7 +76,7 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
     check_experts(architecture.config.model_type, architecture)  # a MoE layout the refit can name, before loading
     if cfg.compile_mlp:
         check_gated_mlps(architecture)
-    if cfg.compile_layers:
+    if cfg.compiles_layers:
         check_decoder_layers(architecture)
     device = default_device()
     master = None
@@ -101,12 +101,12 @@ def build(cfg: PolicyConfig, model_dir: str, tokenizer: PreTrainedTokenizerBase,
         print(f"compiled {compile_norms(model)} RMSNorm layers (policy.compile_norms)")
     if cfg.compile_mlp:
         print(f"compiled {compile_mlp(model)} gated MLP activations (policy.compile_mlp)")
-    if cfg.compile_layers:  # "on" (a Switch: an `auto` a training run has not decided, as in `qarl eval`, is off)
+    if cfg.compiles_layers:  # "on"; an "auto" no training run decided (`qarl eval`) is off (PolicyConfig)
         layers = check_decoder_layers(model)
         refuse_traced_quantized_layers(layers)
         print(f"compiled {compile_layers(layers)} decoder layers (policy.compile_layers)")
         mark_plain_linears(model.get_decoder())
-    if cfg.compile_scores:
+    if cfg.compiles_scores:
         compile_scores(model)
         print("the linear head's scoring compiled (policy.compile_scores)")
     if cfg.exact_forward:

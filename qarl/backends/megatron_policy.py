@@ -71,12 +71,13 @@ def check(cfg: PolicyConfig) -> None:
     torchrun on GPUs, each process then takes its own GPU (LOCAL_RANK), before the warm start or anything else
     touches one."""
     refuse_adapters(cfg)
-    for knob, layers in (("compile_norms", "RMSNorm layers"), ("compile_mlp", "gated MLPs"),
-                         ("compile_layers", "decoder layers")):
-        if getattr(cfg, knob):
+    for knob, layers, on in (("compile_norms", "RMSNorm layers", cfg.compile_norms),
+                             ("compile_mlp", "gated MLPs", cfg.compile_mlp),
+                             ("compile_layers", "decoder layers", cfg.compiles_layers)):
+        if on:
             raise ConfigError(f"policy.{knob} compiles the HF backend's {layers}; the Megatron backend has its own: "
                               "set it false or use policy.backend=hf")
-    if cfg.compile_scores:
+    if cfg.compiles_scores:
         raise ConfigError("policy.compile_scores compiles the HF backend's scoring of its linear head in chunks; the "
                           "Megatron backend scores from its full logits: set it false or use policy.backend=hf")
     fmt = resolve_format(cfg.quant_cfg)

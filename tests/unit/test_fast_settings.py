@@ -37,14 +37,15 @@ def test_auto_is_the_default_and_recipes_keep_their_spellings():
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig)
     assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
         "auto", "auto", "auto")
-    # an undecided auto is not on (a backend's checks, `qarl eval`) and no token budget (micro-batches by rows)
-    assert not cfg.policy.compile_layers and not cfg.policy.compile_scores
-    assert not cfg.trainer.max_tokens_per_micro_batch > 0
+    # what the code reads: an undecided auto is not on (a backend's checks, `qarl eval`) and no token budget
+    # (micro-batches by rows)
+    assert not cfg.policy.compiles_layers and not cfg.policy.compiles_scores
+    assert cfg.trainer.token_budget == 0
     spelled = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.compile_layers=true", "policy.compile_scores=false",
                                                          "trainer.max_tokens_per_micro_batch=9216"], RecipeConfig)
-    assert spelled.policy.compile_layers == "on" and spelled.policy.compile_layers
-    assert spelled.policy.compile_scores == "off" and not spelled.policy.compile_scores
-    assert spelled.trainer.max_tokens_per_micro_batch == 9216
+    assert spelled.policy.compile_layers == "on" and spelled.policy.compiles_layers
+    assert spelled.policy.compile_scores == "off" and not spelled.policy.compiles_scores
+    assert spelled.trainer.max_tokens_per_micro_batch == spelled.trainer.token_budget == 9216
     assert load_recipe("recipes/qa_grpo_tiny.yaml", ["trainer.max_tokens_per_micro_batch=0"],
                        RecipeConfig).trainer.max_tokens_per_micro_batch == 0
     for bad in ("trainer.max_tokens_per_micro_batch=-1", "trainer.max_tokens_per_micro_batch=lots",
@@ -86,7 +87,8 @@ def test_a_gpu_turns_all_three_on_for_dense_models_of_each_family(families):
     cfg = fast.applied(recipe())
     assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
         "on", "on", ROWS)
-    assert cfg.policy.compile_layers and cfg.trainer.max_tokens_per_micro_batch > 0  # what the backends read
+    # what the backends and the loops read
+    assert cfg.policy.compiles_layers and cfg.policy.compiles_scores and cfg.trainer.token_budget == ROWS
 
 
 def _config_dir(tmp_path: Path, tiny_dir: str, **changes) -> str:
