@@ -35,6 +35,7 @@
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
+#   fast_settings  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
@@ -360,6 +361,27 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_cache.py tests/unit/test_engine_quant.py 2>&1 | tail -3
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_shared_inputs.md" 2>&1 | grep -v -i warn | tail -8
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_held_nocache.md" 2>&1 | grep -v -i warn | tail -8
+    ;;
+  fast_settings)  # issue 59 item 1 on a GPU: what `auto` decides per kind of run (each run's start-up line), two steps
+    # each, and the fast settings' tests; the user-shape runs' step times against issue 59's table (16.3 / 16.9 s)
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_fast_settings.py 2>&1 | tail -2
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
+    for fmt in none nvfp4_a16; do
+      quant="quant_configs/$fmt.yaml"; [ "$fmt" = none ] && quant=none
+      user_run train benchmarks/recipes/user_shape_grpo.yaml "fast_$fmt" "policy.quant_cfg=$quant" trainer.steps=2
+      grep -h "fast settings" "$out/fast_$fmt.log"
+    done
+    for run in "train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true" \
+               "train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=quant_configs/fp8_w8a8.yaml" \
+               "train recipes/qa_grpo_0p5b_gpu.yaml policy.dtype=float16" \
+               "train recipes/qa_grpo_0p5b_gpu.yaml policy.lora.mode=qlora" \
+               "distill recipes/qa_distillation_0p5b_gpu.yaml"; do
+      # shellcheck disable=SC2086  # a command, its recipe and overrides, as words
+      qarl $run run.dir=runs/fast_check run.overwrite=true trainer.steps=2 warm_start.steps=20 eval.every=0 \
+        checkpoint.every=1000 > "$out/fast_check.log" 2>&1
+      echo "exit $? ($run): $(grep -h "fast settings" "$out/fast_check.log")"
+      grep -E "Error|error:" "$out/fast_check.log" | tail -2
+    done
     ;;
   user_shape)  # argument: the format (none | nvfp4_a16 | ...); further arguments: recipe overrides
     fmt="${3:-nvfp4_a16}"; shift 3 2>/dev/null || shift $#
