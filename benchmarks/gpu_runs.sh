@@ -36,6 +36,10 @@
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   fast_settings  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
+#   fast_table [ROW ...]  issue 59's table at the user shape (3 steps a row; default every row, ~2 min each: split
+#             them over calls): grpo_eager, w4a16_eager (compilation and token budgets off, the settings before auto),
+#             grpo_auto, w4a16_auto (the defaults), w4a4_exact, fp8_exact (the exact forward); then the table of
+#             every row run on this machine so far
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
@@ -382,6 +386,27 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       echo "exit $? ($run): $(grep -h "fast settings" "$out/fast_check.log")"
       grep -E "Error|error:" "$out/fast_check.log" | tail -2
     done
+    ;;
+  fast_table)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    eager=(policy.compile_layers=off policy.compile_scores=off trainer.max_tokens_per_micro_batch=0)
+    all=(grpo_eager w4a16_eager grpo_auto w4a16_auto w4a4_exact fp8_exact)  # the table's order: each vs the first
+    rows=("${@:3}"); [ "${#rows[@]}" = 0 ] && rows=("${all[@]}")
+    for row in "${rows[@]}"; do
+      case "$row" in
+        grpo_eager) settings=(policy.quant_cfg=none "${eager[@]}") ;;
+        w4a16_eager) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml "${eager[@]}") ;;
+        grpo_auto) settings=(policy.quant_cfg=none) ;;
+        w4a16_auto) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml) ;;
+        w4a4_exact) settings=(policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true) ;;
+        fp8_exact) settings=(policy.quant_cfg=quant_configs/fp8_w8a8.yaml policy.exact_forward=true) ;;
+        *) echo "fast_table: unknown row $row" >&2; exit 2 ;;
+      esac
+      user_run train benchmarks/recipes/user_shape_grpo.yaml "fast_table_$row" "${settings[@]}" run.overwrite=true
+      grep -h "fast settings" "$out/fast_table_$row.log"
+    done
+    ran=(); for row in "${all[@]}"; do [ -d "runs/fast_table_$row" ] && ran+=("runs/fast_table_$row"); done
+    python3 benchmarks/user_shape.py table "${ran[@]}" | tee "$out/fast_table.md"
     ;;
   user_shape)  # argument: the format (none | nvfp4_a16 | ...); further arguments: recipe overrides
     fmt="${3:-nvfp4_a16}"; shift 3 2>/dev/null || shift $#

@@ -10,6 +10,7 @@ model samples ids the tokenizer decodes to ''; fine for memory and speed).
     python benchmarks/user_shape.py make DIR --shape qwen3-30b-a3b-32l  # 32 of its 48 layers, all 128 experts
     python benchmarks/user_shape.py make DIR --shape mistral-7b-8l   # (also gemma3-1b, phi3-mini-8l: SHAPES)
     python benchmarks/user_shape.py report RUN_DIR [RUN_DIR ...]    # train-phase tokens/s, MFU, memory vs the plan
+    python benchmarks/user_shape.py table RUN_DIR [RUN_DIR ...]     # the same as one markdown table, steps vs the first
 
 `benchmarks/gpu_runs.sh user_shape` (and `user_shape_long`, `user_shape_qad`) run the shipped recipe on the
 Qwen3-1.7B shape with `benchmarks/recipes/user_shape_*.yaml`. `spread` is their reward: random models never answer
@@ -143,17 +144,36 @@ def report(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def table(runs: list[Path]) -> str:
+    """The runs side by side (issue 59's table): step, rollout and train throughput, MFU and mismatch, each step time
+    also as a ratio to the first run's."""
+    found = {run.name: report(run) for run in runs}
+    first = next((r["step_s"] for r in found.values() if r), None)
+    lines = ["| run | steps | step s | vs first | rollout tok/s | train tok/s | train MFU | mismatch/kl |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in found.items():
+        if not r:
+            lines.append(f"| {name} | no step finished (its log says why) | | | | | | |")
+            continue
+        lines.append(f"| {name} | {r['steps']} | {r['step_s']:.1f} | {r['step_s'] / first:.2f}x | "
+                     f"{r['rollout_tokens_per_s']:,.0f} | {r['train_tokens_per_s']:,.0f} | {100 * r['train_mfu']:.0f} % | "
+                     f"{r.get('mismatch/kl', float('nan')):.3g} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     made = sub.add_parser("make")
     made.add_argument("out", type=Path)
     made.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    shown = sub.add_parser("report")
-    shown.add_argument("runs", type=Path, nargs="+")
+    for command in ("report", "table"):
+        sub.add_parser(command).add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     if args.command == "make":
         make(args.out, args.shape)
+    elif args.command == "table":
+        print(table(args.runs))
     else:
         for run in args.runs:
             found = report(run)
