@@ -189,7 +189,7 @@ def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsy
 
     cfg = recipe(f"run.dir={tmp_path / 'run'}")
     resolved = run_module.resolve_recipe(cfg)
-    memory = MemoryPlan({}, {}, 0, 1, False, ROWS, 0)
+    memory = MemoryPlan({}, {}, 0, "rollout.gpu_memory_utilization", 1, False, ROWS, 0)
     decided = run_module.with_fast_settings(cfg, resolved, memory, None, GPU)
     assert (decided.policy.compile_layers, decided.policy.compile_scores,
             decided.trainer.max_tokens_per_micro_batch) == ("on", "on", ROWS)
