@@ -2,9 +2,11 @@
 completions (the work of a policy update), `policy.exact_forward` on against off, on a Hopper GPU.
 
     python benchmarks/exact_step_time.py [--format quant_configs/nvfp4_w4a4.yaml] [--repeats 5] [--profile DIR]
-        [--completions 64 --prompt-tokens 64 --completion-tokens 192]
+        [--completions 64 --prompt-tokens 64 --completion-tokens 192] [--model embedded:0.5b]
 
-The embedded 0.5B model (bf16, fp32 masters), by default 64 completions of 64 prompt + 192 sampled tokens
+The embedded 0.5B model (bf16, fp32 masters) or `--model` (e.g. the user shape's directory from
+`benchmarks/user_shape.py make`, with `--completions 8 --prompt-tokens 100 --completion-tokens 1024`: a
+micro-batch of the shipped Qwen3-1.7B recipe), by default 64 completions of 64 prompt + 192 sampled tokens
 (random token ids: the cost does not depend on them); `--completions 128 --prompt-tokens 20
 --completion-tokens 6` is a micro-batch of the GPU QA-GRPO recipe (recipes/qa_grpo_0p5b_gpu.yaml). Medians
 after two warm-up passes. Each mode runs in a process
@@ -27,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_time import _timed  # noqa: E402
 
 
-def measure(exact: bool, quant_cfg: str, repeats: int, profile: Path | None, shape: tuple[int, int, int]) -> dict[str, float]:
+def measure(exact: bool, model: str, quant_cfg: str, repeats: int, profile: Path | None,
+            shape: tuple[int, int, int]) -> dict[str, float]:
     """Median seconds of one forward, one backward and both, in this process."""
     import torch
 
@@ -38,7 +41,7 @@ def measure(exact: bool, quant_cfg: str, repeats: int, profile: Path | None, sha
     from qarl.tasks import ArithmeticTask
 
     task = ArithmeticTask(num_train=400, num_eval=32, seed=0)
-    cfg = PolicyConfig(model_name="embedded:0.5b", quant_cfg=quant_cfg, dtype="bfloat16", exact_forward=exact)
+    cfg = PolicyConfig(model_name=model, quant_cfg=quant_cfg, dtype="bfloat16", exact_forward=exact)
     policy = build_policy(cfg, task.calibration_texts(32), model_dir=resolve_model_dir(cfg.model_name), trainable=True)
     g = torch.Generator().manual_seed(0)
     count, prompt_tokens, completion_tokens = shape
@@ -73,6 +76,7 @@ def write_profile(step, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="embedded:0.5b")
     parser.add_argument("--format", default="quant_configs/nvfp4_w4a4.yaml")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", type=Path, help="write each mode's torch-profiler table here")
@@ -83,13 +87,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode:
         shape = (args.completions, args.prompt_tokens, args.completion_tokens)
-        print(json.dumps(measure(args.mode == "exact", args.format, args.repeats, args.profile, shape)))
+        print(json.dumps(measure(args.mode == "exact", args.model, args.format, args.repeats, args.profile, shape)))
         return
     seconds = {}
     for mode in ("default", "exact"):
         extra = ["--profile", str(args.profile)] if args.profile else []
-        run = subprocess.run([sys.executable, __file__, "--mode", mode, "--format", args.format, "--repeats",
-                              str(args.repeats), "--completions", str(args.completions), "--prompt-tokens",
+        run = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model, "--format", args.format,
+                              "--repeats", str(args.repeats), "--completions", str(args.completions), "--prompt-tokens",
                               str(args.prompt_tokens), "--completion-tokens", str(args.completion_tokens), *extra],
                              capture_output=True, text=True)
         if run.returncode:

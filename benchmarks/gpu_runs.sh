@@ -31,7 +31,8 @@
 #             policy.exact_forward=true on the 0.5B model, bf16 and fp16, eager and with CUDA graphs (arguments: some of
 #             them, e.g. bfloat16:false for bf16 with graphs)
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
-#   exact_cost  the policy's forward + backward with the exact forward on against off (benchmarks/exact_step_time.py)
+#   exact_cost [user_shape]  the policy's forward + backward with the exact forward on against off
+#             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
@@ -271,6 +272,12 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     ;;
   exact_cost)
+    if [ "${3:-}" = user_shape ]; then  # one micro-batch of the shipped Qwen3-1.7B recipe: 8 x (100 + 1,024) tokens
+      python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+      python3 benchmarks/exact_step_time.py --model "$shape_dir" --completions 8 --prompt-tokens 100 \
+        --completion-tokens 1024 --repeats 3 --profile "$out/user_shape" 2>&1 | grep -v -i warn | tail -3
+      exit 0
+    fi
     python3 benchmarks/exact_step_time.py --profile "$out" 2>&1 | grep -v -i warn | tail -3
     # a micro-batch of the QA-GRPO recipe's shape: 128 completions of ~20 + 6 tokens (host-bound)
     python3 benchmarks/exact_step_time.py --completions 128 --prompt-tokens 20 --completion-tokens 6 \
