@@ -3,8 +3,7 @@
     python benchmarks/exact_matmul.py [--shape qwen3-1.7b] [--out FILE]
 
 The exact forward (`policy.exact_forward`) multiplies every linear layer, on the engine's side and the policy's, with
-vLLM's batch-invariant persistent Triton matmul (`qarl.generation.exact.linear`), which vLLM's own linear layers run
-in its batch-invariant mode. On Hopper, vLLM's mode also runs cuBLAS without split-K (a 1 KiB cuBLASLt workspace),
+vLLM's batch-invariant persistent Triton matmul, which vLLM's own linear layers run in its batch-invariant mode. On Hopper, vLLM's mode also runs cuBLAS without split-K (a 1 KiB cuBLASLt workspace),
 which vLLM takes to be batch-invariant there. If a row of cuBLAS's product had the same bits at every batch size the
 engine and the policy run (decode steps of 1-512 rows, prefills and packed micro-batches of thousands), both sides
 could use it. This script checks that, per kernel and per linear-layer shape of a model, on random bf16 data: each
@@ -39,9 +38,10 @@ def layer_shapes(shape: dict) -> dict[str, tuple[int, int]]:
 
 
 def kernels() -> dict:
-    from qarl.generation import exact
+    """The candidates, by name (vLLM's kernel read from vLLM itself: the subject of this benchmark, vLLM 0.26)."""
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
-    return {"vLLM persistent Triton": lambda x, w: exact.linear(x, w, None), "cuBLAS, no split-K": F.linear}
+    return {"vLLM persistent Triton": linear_batch_invariant, "cuBLAS, no split-K": F.linear}
 
 
 def invariant(kernel, weight: torch.Tensor, x: torch.Tensor) -> list[int]:
