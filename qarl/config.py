@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
@@ -97,7 +98,8 @@ def check_values(schema: type, node: DictConfig, prefix: str = "") -> list[tuple
                 bad += check_values(item, entry, f"{key}[{i}].")
         elif value is not None and f.metadata:
             meta = f.metadata
-            numeric = not isinstance(value, str) or value.lstrip("-").isdigit()  # a str knob that takes a number too
+            # a str knob that takes a number too
+            numeric = not isinstance(value, str) or re.fullmatch(r"-?\d+", value) is not None
             worded = "choices" in meta and not (numeric and any(k in meta for k in _BOUNDS))
             out = (_choice(value, meta["choices"]) not in meta["choices"] if worded else
                    any(k in meta and not ok(int(value) if isinstance(value, str) else value, meta[k])
@@ -413,9 +415,10 @@ class TrainerConfig:
     micro_batch_size: int = knob(64, ge=1)  # completions per forward/backward of the update
     # > 0: micro-batches by tokens instead of rows: as many completions as fit in this many prompt + completion
     # tokens, packed back to back without padding (micro_batch_size is then not used; qarl/scoring.py). The loss
-    # normalizations are unchanged (bnpo stays a token mean within each micro-batch). 0: by rows. "auto": for a
-    # training run on a GPU whose packed rows attend through varlen FlashAttention (the HF backend, bf16/fp16, a
-    # separable head, logprob_chunk_tokens > 0, no exact forward, no sliding window), the tokens the memory plan
+    # normalizations are unchanged, but bnpo is a token mean within each micro-batch, so its objective moves with
+    # the micro-batches. 0: by rows. "auto": for a training run on a GPU whose packed rows attend through varlen
+    # FlashAttention (the HF backend, bf16/fp16 policy and QAD teacher, a separable head, logprob_chunk_tokens > 0,
+    # no exact forward, no sliding window), not bnpo, the tokens the memory plan
     # gives a micro-batch of rows (micro_batch_size x the longest prompt + max_new_tokens): the same planned peak,
     # without padding; else 0 (the run's start-up line says which and why; qarl/run.py decide_fast_settings).
     max_tokens_per_micro_batch: str = knob("auto", choices=("auto",), ge=0)

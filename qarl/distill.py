@@ -220,8 +220,8 @@ def teacher_kl(engine: VLLMEngine, prompts: PromptFormat, student: Policy, teach
 # -- the loop --------------------------------------------------------------------------------------
 def distill(cfg: RecipeConfig) -> Path:
     check_qad_recipe(cfg)
-    run = start_run(cfg, frozen=lambda student, task: load_teacher(cfg, task), checks=check_teacher,
-                    frozen_model=teacher_memory)
+    run = start_run(cfg, frozen=lambda cfg, student, task: load_teacher(cfg, task), checks=check_teacher,
+                    frozen_model=teacher_memory, distilling=True)
     # The engine: the teacher's own accuracy first (unquantized), then the student's format.
     rollout_format = resolve_format(cfg.policy.generation.quant_cfg)
     teacher_first = run.start_step == 0 and cfg.distill.eval_teacher_accuracy and cfg.eval.every > 0

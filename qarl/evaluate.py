@@ -82,7 +82,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
 
     is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
     # evaluation runs in one process on the HF backend, whichever backend trained it (its checkpoints are HF ones)
-    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="hf", tensor_parallel_size=1))
+    # eager: a run's config.yaml holds the decided fast settings ("on"), which evaluation has no use for
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="hf", tensor_parallel_size=1,
+                                                              compile_layers="off", compile_scores="off"))
     task = build_task(cfg.task, cfg.run.seed)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     problems = task.eval[: cfg.eval.num_prompts]

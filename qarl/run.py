@@ -160,15 +160,16 @@ FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the lo
 
 
 def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: FrozenShape
-            ) -> tuple[RecipeConfig, MemoryPlan, FrozenModel | None]:
-    """The memory plan of the run, before anything loads; the recipe with `gradient_checkpointing` decided; the loop's
-    frozen model as the plan counts it. (`trainer.max_tokens_per_micro_batch: auto` is planned as micro-batches of
-    rows, `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows' tokens.)"""
+            ) -> tuple[RecipeConfig, MemoryPlan]:
+    """The memory plan of the run, before anything loads (with the loop's frozen model as `frozen_model` counts it),
+    and the recipe with `gradient_checkpointing` decided. (`trainer.max_tokens_per_micro_batch: auto` is planned as
+    micro-batches of rows, `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows'
+    tokens.)"""
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
     frozen = frozen_model(cfg, shape)
     cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen)
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
-    return cfg, memory, frozen
+    return cfg, memory
 
 
 # -- the fast settings: `auto` decided once, as a run starts --------------------------------------------------------
@@ -227,13 +228,14 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
       * compile_scores: the same device, backend and exact forward, logprob_chunk_tokens > 0, not QAD
         (`distilling`), a plain linear head (no adapter on it, nothing after it);
       * max_tokens_per_micro_batch: the HF backend, no exact forward, logprob_chunk_tokens > 0 (else nothing is
-        packed), bf16/fp16, varlen attention in this torch, a model whose attention it serves and whose head is
-        separable; then `rows_tokens`, what the memory plan gives a micro-batch of micro_batch_size rows of the
-        longest prompt + max_new_tokens: the same planned peak, without padding (at the Qwen3-1.7B recipe's shape
-        8 x 1,124 = 8,992 tokens; 9,216 was measured fastest).
-    QAD's teacher is built with the policy's settings and scores the same packed rows: a teacher other than the
-    policy's own model (the warm-start one or policy.model_name) is not inspected, so compile_layers and the token
-    budget stay off beside it."""
+        packed), bf16/fp16 (QAD's teacher too), not bnpo (whose token mean is per micro-batch), varlen attention in
+        this torch, a model whose attention it serves and whose head is separable; then `rows_tokens`, what the
+        memory plan gives a micro-batch of micro_batch_size rows of the longest prompt + max_new_tokens: the same
+        planned peak, without padding (at the Qwen3-1.7B recipe's shape 8 x 1,124 = 8,992 tokens; 9,216 was
+        measured fastest).
+    QAD's teacher and the KL reference are built with the decided settings and score the same packed rows: a
+    teacher other than the policy's own model (the warm-start one or policy.model_name) is not inspected, so
+    compile_layers and the token budget stay off beside it."""
     p, t = cfg.policy, cfg.trainer
     wanted = {"compile_layers": p.compile_layers == "auto", "compile_scores": p.compile_scores == "auto",
               "tokens": t.max_tokens_per_micro_batch == "auto"}
@@ -253,6 +255,9 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
     refuse("compile_scores", "QAD's KL is not compiled" if distilling else "")
     refuse("tokens", "policy.logprob_chunk_tokens=0" if p.logprob_chunk_tokens == 0 else "")
     refuse("tokens", f"policy.dtype={p.dtype}" if p.dtype not in ("bfloat16", "float16") else "")
+    half = ("bfloat16", "float16")
+    refuse("tokens", f"teacher.dtype={cfg.teacher.dtype}" if distilling and cfg.teacher.dtype not in half else "")
+    refuse("tokens", "trainer.loss_type=bnpo (its token mean is per micro-batch)" if t.loss_type == "bnpo" else "")
     refuse("tokens", "" if machine.varlen else "no varlen attention in this torch")
     other_teacher = distilling and cfg.teacher.model_name not in ("warm-start", cfg.policy.model_name)
     for knob in ("compile_layers", "tokens"):  # the teacher is built with the policy's settings: unseen here
@@ -324,36 +329,36 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
     return out
 
 
-def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, frozen: FrozenModel | None,
+def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, distilling: bool = False,
                        machine: Machine | None = None) -> RecipeConfig:
     """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once."""
-    distilling = frozen is not None and frozen.name == "teacher"  # QAD's (the memory plan tells its frozen model so)
     fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
                                 memory.tokens_per_micro_batch, distilling)
     print(fast.line())
     return fast.applied(cfg)
 
 
-def start_run(cfg: RecipeConfig, frozen: Callable[[Policy, Task], Any] = lambda policy, task: None,
+def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], Any] = lambda cfg, policy, task: None,
               checks: Callable[[RecipeConfig], None] = lambda cfg: None,
-              frozen_model: FrozenShape = lambda cfg, shape: None) -> Run:
+              frozen_model: FrozenShape = lambda cfg, shape: None, distilling: bool = False) -> Run:
     """Everything cheap is checked (what the run directory holds, `check_run_settings`, then the loop's `checks`, then
-    the memory plan with the loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the run directory
-    is claimed, and the policy (resumed from the run's newest complete checkpoint, or built fresh), the loop's
-    `frozen(policy, task)` model and the optimizer (with its state, when resumed) are made."""
+    the memory plan with the loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the fast
+    settings are decided (`distilling`: QAD's) and the run directory is claimed, and the policy (resumed from the
+    run's newest complete checkpoint, or built fresh), the loop's `frozen(cfg, policy, task)` model (`cfg` the
+    decided recipe, as the policy's) and the optimizer (with its state, when resumed) are made."""
     plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
     resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
-    cfg, memory, frozen_shape = planned(cfg, task, resolved, frozen_model)
-    cfg = with_fast_settings(cfg, resolved, memory, frozen_shape)
+    cfg, memory = planned(cfg, task, resolved, frozen_model)
+    cfg = with_fast_settings(cfg, resolved, memory, distilling)
     if is_main_launch():
         recipe = to_dict(cfg)
         claim_run_dir(plan, recipe, OmegaConf.to_yaml(recipe))
     run_dir, t, checkpoint = plan.path, cfg.trainer, plan.checkpoint
     torch.manual_seed(cfg.run.seed)
     policy = resumed_policy(checkpoint, cfg, task, resolved) if checkpoint else initial_policy(cfg, task, True, resolved)
-    companion = frozen(policy, task)
+    companion = frozen(cfg, policy, task)
     policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts),
                         resolved.rollout_format)

@@ -30,7 +30,7 @@ from qarl.tasks import Task
 
 def train(cfg: RecipeConfig) -> Path:
     check_grpo_recipe(cfg)
-    run = start_run(cfg, frozen=lambda policy, task: kl_reference(cfg, policy, task), frozen_model=reference_memory)
+    run = start_run(cfg, frozen=kl_reference, frozen_model=reference_memory)
     engine = start_engine(run)
     return run_steps(run, engine, GRPOSteps(run, engine))
 

@@ -124,8 +124,12 @@ CASES = {
     "whole-vocabulary scoring": (["policy.logprob_chunk_tokens=0"], GPU, None, "recipe", False,
                                  (None, "policy.logprob_chunk_tokens=0", "policy.logprob_chunk_tokens=0")),
     "fp32": (["policy.dtype=float32"], GPU, None, "recipe", False, (None, None, "policy.dtype=float32")),
-    "QAD": ([], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None)),
-    "QAD, another teacher": (["teacher.model_name=/elsewhere"], GPU, None, "recipe", True,
+    "bnpo": (["trainer.loss_type=bnpo"], GPU, None, "recipe", False,
+             (None, None, "trainer.loss_type=bnpo (its token mean is per micro-batch)")),
+    "QAD, an fp32 teacher": (["teacher.dtype=float32"], GPU, None, "recipe", True,
+                             (None, "QAD's KL is not compiled", "teacher.dtype=float32")),
+    "QAD": (["teacher.dtype=bfloat16"], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None)),
+    "QAD, another teacher": (["teacher.dtype=bfloat16", "teacher.model_name=/elsewhere"], GPU, None, "recipe", True,
                              ("QAD's teacher is another model", "QAD's KL is not compiled",
                               "QAD's teacher is another model")),
     "MoE": (["policy.model_name=embedded:tiny-qwen3moe"], GPU, None, "recipe", False,
@@ -190,10 +194,24 @@ def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsy
     cfg = recipe(f"run.dir={tmp_path / 'run'}")
     resolved = run_module.resolve_recipe(cfg)
     memory = MemoryPlan({}, {}, 0, "rollout.gpu_memory_utilization", 1, False, ROWS, 0)
-    decided = run_module.with_fast_settings(cfg, resolved, memory, None, GPU)
+    decided = run_module.with_fast_settings(cfg, resolved, memory, False, GPU)
     assert (decided.policy.compile_layers, decided.policy.compile_scores,
             decided.trainer.max_tokens_per_micro_batch) == ("on", "on", ROWS)
     assert capsys.readouterr().out.count("fast settings: ") == 1
-    here = run_module.with_fast_settings(cfg, resolved, memory, None, CPU)
+    here = run_module.with_fast_settings(cfg, resolved, memory, False, CPU)
     assert (here.policy.compile_layers, here.trainer.max_tokens_per_micro_batch) == ("off", 0)
     assert dataclasses.replace(here.trainer).max_tokens_per_micro_batch == 0
+
+
+def test_the_frozen_model_is_built_with_the_decided_recipe(tmp_path, monkeypatch):
+    """The KL reference (and QAD's teacher) is the policy built again: with the settings the run decided, so a
+    compiled policy's step-0 KL stays 0. On this CPU, the loop's `frozen` gets the recipe start_run decided and
+    recorded, not the one it was given."""
+    from qarl import run as run_module
+
+    cfg = recipe(f"run.dir={tmp_path / 'run'}", "warm_start.enabled=false", "policy.compile_layers=auto")
+    seen = []
+    monkeypatch.setattr(run_module, "with_fast_settings", lambda cfg, *a, **k: dataclasses.replace(
+        cfg, policy=dataclasses.replace(cfg.policy, compile_scores="off", compile_layers="off")))
+    run_module.start_run(cfg, frozen=lambda decided, policy, task: seen.append(decided))
+    assert [c.policy.compile_layers for c in seen] == ["off"] and cfg.policy.compile_layers == "auto"
