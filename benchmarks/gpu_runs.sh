@@ -32,15 +32,16 @@
 #             them, e.g. bfloat16:false for bf16 with graphs)
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
 #   exact_matmul  which matmul the exact forward could run: vLLM's persistent Triton kernel against cuBLAS without
-#             split-K, each row's bits in batches of 1-2,048 rows against 8,264, and their speed (benchmarks/exact_matmul.py)
+#             split-K, each row's bits in batches of 1-2,048 rows against 8,264, and their speed
+#             (benchmarks/exact_matmul.py)
 #   exact_cost [user_shape]  the policy's forward + backward with the exact forward on against off
 #             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   fast_settings  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
-#   fast_table [ROW ...]  issue 59's table at the user shape (3 steps a row; default every row, ~2 min each: split
-#             them over calls): grpo_eager, w4a16_eager (compilation and token budgets off, the settings before auto),
+#   fast_table [ROW ...]  the fast settings' table at the user shape (3 steps a row; default every row, ~3.5 min
+#             each: split them over calls): grpo_eager, w4a16_eager (compilation and token budgets off, the settings before auto),
 #             grpo_auto, w4a16_auto (the defaults), w4a4_exact, fp8_exact (the exact forward); then the table of
 #             every row run on this machine so far
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
@@ -378,26 +379,12 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/gpu_step_time.py --out "$out/gpu_step_time_shared_inputs.md" 2>&1 | grep -v -i warn | tail -8
     python3 benchmarks/gpu_step_time.py --no-cache --out "$out/gpu_step_time_held_nocache.md" 2>&1 | grep -v -i warn | tail -8
     ;;
-  fast_settings)  # issue 59 item 1 on a GPU: what `auto` decides per kind of run (each run's start-up line), two steps
-    # each, and the fast settings' tests; the user-shape runs' step times against issue 59's table (16.3 / 16.9 s)
+  fast_settings)  # what `auto` decides per kind of run on a GPU (each run's start-up line), two steps each, and the
+    # fast settings' tests
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_fast_settings.py 2>&1 | tail -2
-    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape"
-    for fmt in none nvfp4_a16; do
-      quant="quant_configs/$fmt.yaml"; [ "$fmt" = none ] && quant=none
-      user_run train benchmarks/recipes/user_shape_grpo.yaml "fast_$fmt" "policy.quant_cfg=$quant" trainer.steps=2
-      grep -h "fast settings" "$out/fast_$fmt.log"
-    done
-    for run in "train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true" \
-               "train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=quant_configs/fp8_w8a8.yaml" \
-               "train recipes/qa_grpo_0p5b_gpu.yaml policy.dtype=float16" \
-               "train recipes/qa_grpo_0p5b_gpu.yaml policy.lora.mode=qlora" \
-               "distill recipes/qa_distillation_0p5b_gpu.yaml"; do
-      # shellcheck disable=SC2086  # a command, its recipe and overrides, as words
-      qarl $run run.dir=runs/fast_check run.overwrite=true trainer.steps=2 warm_start.steps=20 eval.every=0 \
-        checkpoint.every=1000 > "$out/fast_check.log" 2>&1
-      echo "exit $? ($run): $(grep -h "fast settings" "$out/fast_check.log")"
-      grep -E "Error|error:" "$out/fast_check.log" | tail -2
-    done
+    # each kind of run on the embedded models, 2 steps with what auto picks (tests/integration/test_gpu_fast_settings.py)
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_fast_settings.py 2>&1 | \
+      grep -E "^E |passed|failed|error" | tail -12
     ;;
   fast_table)
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
