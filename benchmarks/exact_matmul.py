@@ -3,8 +3,9 @@
     python benchmarks/exact_matmul.py [--shape qwen3-1.7b] [--out FILE]
 
 The exact forward (`policy.exact_forward`) multiplies every linear layer, on the engine's side and the policy's, with
-vLLM's batch-invariant persistent Triton matmul, which vLLM's own linear layers run in its batch-invariant mode. On Hopper, vLLM's mode also runs cuBLAS without split-K (a 1 KiB cuBLASLt workspace),
-which vLLM takes to be batch-invariant there. If a row of cuBLAS's product had the same bits at every batch size the
+vLLM's batch-invariant persistent Triton matmul, which vLLM's own linear layers run in its batch-invariant mode. On
+Hopper, vLLM's mode also runs cuBLAS without split-K (a 1 KiB cuBLASLt workspace), which vLLM takes to be
+batch-invariant there. If a row of cuBLAS's product had the same bits at every batch size the
 engine and the policy run (decode steps of 1-512 rows, prefills and packed micro-batches of thousands), both sides
 could use it. This script checks that, per kernel and per linear-layer shape of a model, on random bf16 data: each
 batch's rows against the same rows in the largest batch, bit for bit; then times each kernel at a decode step's
@@ -44,23 +45,26 @@ def kernels() -> dict:
     return {"vLLM persistent Triton": linear_batch_invariant, "cuBLAS, no split-K": F.linear}
 
 
-def invariant(kernel, weight: torch.Tensor, x: torch.Tensor) -> list[int]:
+def invariant(kernel, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> list[int]:
     """The batch sizes whose rows differ from the same rows of the largest batch."""
-    full = kernel(x, weight)
-    return [rows for rows in BATCHES if not torch.equal(kernel(x[:rows].clone(), weight), full[:rows])]
+    full = kernel(x, weight, bias)
+    return [rows for rows in BATCHES if not torch.equal(kernel(x[:rows].clone(), weight, bias), full[:rows])]
 
 
-def median_ms(kernel, weight: torch.Tensor, x: torch.Tensor, repeats: int = 20) -> float:
+def median_ms(kernel, weight: torch.Tensor, x: torch.Tensor, calls: int = 20, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean GPU time of `calls` back-to-back calls (launches queue ahead of the GPU, as
+    in a model's forward)."""
     for _ in range(3):
-        kernel(x, weight)
+        kernel(x, weight, None)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        kernel(x, weight)
+        for _ in range(calls):
+            kernel(x, weight, None)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
@@ -74,15 +78,17 @@ def main() -> None:
     exact.enable_batch_invariance()
     g = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"{args.shape}, bf16, {torch.cuda.get_device_name()}: rows of batches {', '.join(map(str, BATCHES))} "
-             f"against the same rows of {LARGEST}; median ms of 20 at 256 rows (a decode step) and {LARGEST}", "",
-             "| layer [out, in] | kernel | batches whose rows differ | ms at 256 | ms at %d |" % LARGEST,
+             f"against the same rows of {LARGEST}; ms a call (20 back to back, median of 5) at 256 rows (a decode "
+             f"step) and {LARGEST}", "",
+             f"| layer [out, in] | kernel | batches whose rows differ (no bias / bias) | ms at 256 | ms at {LARGEST} |",
              "|---|---|---|---|---|"]
     for name, (out, inp) in layer_shapes(SHAPES[args.shape]).items():
         weight = (torch.randn(out, inp, device="cuda", generator=g) * inp ** -0.5).bfloat16()
+        bias = torch.randn(out, device="cuda", generator=g).bfloat16()
         x = torch.randn(LARGEST, inp, device="cuda", generator=g).bfloat16()
         for label, kernel in kernels().items():
-            differ = invariant(kernel, weight, x)
-            lines.append(f"| {name} [{out}, {inp}] | {label} | {', '.join(map(str, differ)) or 'none'} | "
+            differ = [", ".join(map(str, invariant(kernel, weight, b, x))) or "none" for b in (None, bias)]
+            lines.append(f"| {name} [{out}, {inp}] | {label} | {' / '.join(differ)} | "
                          f"{median_ms(kernel, weight, x[:256].clone()):.3f} | {median_ms(kernel, weight, x):.3f} |")
         print(lines[-2], lines[-1], sep="\n", flush=True)
     text = "\n".join(lines) + "\n"

@@ -39,7 +39,8 @@
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
-#   fast_settings  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
+#   fast_settings [K]  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
+#             (K: a pytest -k expression picking some runs)
 #   fast_table [ROW ...]  the fast settings' table at the user shape (3 steps a row; default every row, ~3.5 min
 #             each: split them over calls): grpo_eager, w4a16_eager (compilation and token budgets off, the settings before auto),
 #             grpo_auto, w4a16_auto (the defaults), w4a4_exact, fp8_exact (the exact forward); then the table of
@@ -382,8 +383,9 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
   fast_settings)  # what `auto` decides per kind of run on a GPU (each run's start-up line), two steps each, and the
     # fast settings' tests
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_fast_settings.py 2>&1 | tail -2
-    # each kind of run on the embedded models, 2 steps with what auto picks (tests/integration/test_gpu_fast_settings.py)
-    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_fast_settings.py 2>&1 | \
+    # each kind of run on the embedded models, 2 steps with what auto picks (tests/integration/test_gpu_fast_settings.py;
+    # six runs, ~1 min each: in a background queue, or some per call with a -k expression as argument)
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_fast_settings.py ${3:+-k "$3"} 2>&1 | \
       grep -E "^E |passed|failed|error" | tail -12
     ;;
   fast_table)

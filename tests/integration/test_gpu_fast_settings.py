@@ -30,8 +30,8 @@ CASES = {  # command, recipe, overrides, what the start-up line says
     "exact forward": ("train", "recipes/qa_grpo_tiny.yaml",
                       ["policy.model_name=embedded:20m", "policy.exact_forward=true",
                        "policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml"],
-                      "compile_layers off (auto: policy.exact_forward), compile_scores off (auto: policy.exact_forward), "
-                      "micro-batches by rows (auto: policy.exact_forward)"),
+                      "compile_layers off (auto: policy.exact_forward), compile_scores off (auto: "
+                      "policy.exact_forward), micro-batches by rows (auto: policy.exact_forward)"),
 }
 
 
@@ -49,5 +49,5 @@ def test_auto_picks_and_the_run_trains(case, tmp_path):
     key = "loss" if command == "train" else "distill/kl"
     losses = [r[key] for r in rows if key in r]
     assert len(losses) == 2 and all(abs(v) < 1e6 for v in losses), losses
-    if case == "KL reference":  # the reference is the policy built again, compiled as the policy: no KL at step 0
-        assert rows[0]["kl/ref"] == 0.0
+    if case == "KL reference":  # the reference is the policy built again, compiled as the policy: ~no KL at step 0
+        assert abs(rows[0]["kl/ref"]) < 1e-4, rows[0]["kl/ref"]  # (scored in eval mode, the policy in train mode)
