@@ -109,7 +109,7 @@ def _lora_class(cls: type) -> type:
     return with_mixin(LoraLayer, cls, "Lora", globals())
 
 
-def _matches(name: str, targets: list[str]) -> bool:
+def matches_targets(name: str, targets: list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
@@ -152,7 +152,7 @@ def check_lora(cfg: PolicyConfig, model_dir: str) -> None:
     from qarl.models.checks import meta_model
 
     linears = dict(_linears(meta_model(model_dir, cfg.trust_remote_code)))
-    targeted = {n: m for n, m in linears.items() if _matches(n, lora.target_modules)}
+    targeted = {n: m for n, m in linears.items() if matches_targets(n, lora.target_modules)}
     if not targeted:
         names = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ConfigError(f"policy.lora.target_modules={lora.target_modules} match no linear layer of {model_dir}; "
@@ -171,7 +171,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype) -> list[st
     model.requires_grad_(False)
     names = []
     for name, module in list(_linears(model)):
-        if not _matches(name, cfg.target_modules):
+        if not matches_targets(name, cfg.target_modules):
             continue
         device = module.weight.device
         module.__class__ = _lora_class(type(module))

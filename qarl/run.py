@@ -166,8 +166,7 @@ def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: Fro
     micro-batches of rows, `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows'
     tokens.)"""
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
-    frozen = frozen_model(cfg, shape)
-    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen)
+    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
     return cfg, memory
 
@@ -254,8 +253,8 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
         refuse(knob, next((short for short, _ in compile_refusals(p)[knob]), ""))
     refuse("compile_scores", "QAD's KL is not compiled" if distilling else "")
     refuse("tokens", "policy.logprob_chunk_tokens=0" if p.logprob_chunk_tokens == 0 else "")
-    refuse("tokens", f"policy.dtype={p.dtype}" if p.dtype not in ("bfloat16", "float16") else "")
     half = ("bfloat16", "float16")
+    refuse("tokens", f"policy.dtype={p.dtype}" if p.dtype not in half else "")
     refuse("tokens", f"teacher.dtype={cfg.teacher.dtype}" if distilling and cfg.teacher.dtype not in half else "")
     refuse("tokens", "trainer.loss_type=bnpo (its token mean is per micro-batch)" if t.loss_type == "bnpo" else "")
     refuse("tokens", "" if machine.varlen else "no varlen attention in this torch")
@@ -286,7 +285,7 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
     """What the model turns off, read from its architecture on the meta device with `fmt`'s quantizers inserted as
     the policy inserts them (no weights): by knob, why."""
     from qarl.backends.hf import refuse_traced_quantized_layers
-    from qarl.lora import _matches
+    from qarl.lora import matches_targets
     from qarl.models.checks import load_pretrained, meta_model
     from qarl.models.compiled import check_decoder_layers
     from qarl.models.experts import has_experts
@@ -312,7 +311,7 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
         out["compile_layers"] = "quantized layers with a forward of their own (policy.quant_cfg)"
     parts = body_and_head(model)
     head_name = next((n for n, m in model.named_modules() if parts is not None and m is parts[1]), "")
-    if p.lora.mode != "none" and head_name and _matches(head_name, p.lora.target_modules):
+    if p.lora.mode != "none" and head_name and matches_targets(head_name, p.lora.target_modules):
         out["compile_scores"] = "LoRA on the head"
     else:
         try:
