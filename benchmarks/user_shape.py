@@ -145,8 +145,8 @@ def report(run_dir: Path) -> dict[str, float]:
 
 
 def table(runs: list[Path]) -> str:
-    """The runs side by side (the fast settings' table, gpu_runs.sh fast_table): step, rollout and train throughput, MFU and mismatch, each step time
-    also as a ratio to the first run's."""
+    """The runs side by side (the fast settings' table, gpu_runs.sh fast_table): step, rollout and train throughput,
+    MFU and mismatch, each step time also as a ratio to the first run's."""
     found = {run.name: report(run) for run in runs}
     first = next((r["step_s"] for r in found.values() if r), None)
     lines = ["| run | steps | step s | vs first | rollout tok/s | train tok/s | train MFU | mismatch/kl |",
