@@ -84,7 +84,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    """x W^T + b, x made contiguous: cuBLAS picks its kernel by the operands' layout too, and the engine's inputs
+    are contiguous."""
+    return F.linear(x.contiguous(), weight, bias)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
