@@ -54,6 +54,23 @@ def enable_batch_invariance() -> None:
     has frozen vLLM's view of the environment, which is thawed first (`vllm_compat.enable_batch_invariance`)."""
     if not vllm_compat.enable_batch_invariance():
         raise RuntimeError("policy.exact_forward: vLLM did not take VLLM_BATCH_INVARIANT=1 / VLLM_USE_V2_MODEL_RUNNER=1")
+    if torch.cuda.is_available():
+        check_linear_invariance(torch.device("cuda"))
+
+
+def check_linear_invariance(device: torch.device) -> None:
+    """`linear` gives a row the same bits alone and in a batch, at a shape where cuBLAS would split K if it could (few
+    outputs, a long sum). It cannot once vLLM's mode has set a 1 KiB cuBLASLt workspace, but cuBLAS reads that size
+    once, at its first matmul in the process: one that ran earlier keeps split-K for good."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(64, 8192, device=device, generator=g).bfloat16()
+    w = torch.randn(256, 8192, device=device, generator=g).bfloat16()
+    b = torch.randn(256, device=device, generator=g).bfloat16()
+    whole = linear(x, w, b)
+    if not all(torch.equal(linear(x[:rows].clone(), w, b), whole[:rows]) for rows in (1, 2, 7)):
+        raise RuntimeError("policy.exact_forward: a matmul row's bits depend on its batch in this process: cuBLAS ran a "
+                           "matmul before vLLM's batch-invariant mode set its workspace (cuBLAS reads it once). Start "
+                           "the exact forward before any GPU matmul of the process (qarl does, before a warm start)")
 
 
 def missing_kernels() -> list[str]:
