@@ -177,6 +177,25 @@ def test_the_written_gradients_are_autograds_gradients_of_the_references(dtype):
             torch.testing.assert_close(a.float(), b.float(), **tolerance)
 
 
+def test_the_gradients_a_gpu_compiles_compile_and_agree_with_their_written_form():
+    """On a GPU the norm and SiLU x mul gradients run compiled (`fused_on_gpu`): here the same functions go through
+    torch.compile on the CPU, at two row counts (one graph, dynamic shapes), and give what they give as written,
+    within fp32 rounding."""
+    from qarl.scoring import compiled_once
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    weight = rand(64)
+    for rows in (9, 13):
+        x, residual, up = rand(rows, 64), rand(rows, 64), rand(rows, 96)
+        cases = [(_norm_gradient, (x, weight), (rand(rows, 64),), {"eps": 1e-6}),
+                 (_add_norm_gradient, (x, residual, weight), (rand(rows, 64), rand(rows, 64)), {"eps": 1e-6}),
+                 (_silu_and_mul_gradient, (up,), (rand(rows, 48),), {})]
+        for gradient, inputs, grads, options in cases:
+            for a, b in zip(compiled_once(gradient)(grads, *inputs, **options), gradient(grads, *inputs, **options)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_weights_are_kept_until_a_part_changes():
     """EngineLinear.fused: the concatenation of parameters is computed once and reused while each is the same
     tensor at the same version; an in-place write (checkpoint load), another tensor, an optimizer step (which
