@@ -74,6 +74,10 @@ def initial_model_dir(cfg: RecipeConfig, task: Task, base_dir: str | None = None
     (cached, so a resumed run, a baseline and a distillation teacher all find the very model the policy started
     from)."""
     model_dir = base_dir or resolve_model_dir(cfg.policy.model_name)
+    if cfg.policy.exact_forward and torch.cuda.is_available():  # before the warm start's matmuls: cuBLAS reads its
+        from qarl.generation.exact import enable_batch_invariance  # workspace size once (exact.check_linear_invariance)
+
+        enable_batch_invariance()
     if cfg.warm_start.enabled:
         model_dir = warm_start(model_dir, task.train, cfg.warm_start, _warm_start_seed(cfg), cache_dir(), cfg.task)
     return model_dir

@@ -47,6 +47,7 @@ from qarl.quant.fastpath.lean_forward import quantized_input, quantized_weight
 from qarl.quant.fastpath.weight_cache import derived
 from qarl.quant.mixins import mix_in
 from qarl.quant.modelopt_compat import pre_quant_scale
+from qarl.scoring import compiled_once
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -217,20 +218,21 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         x, residual = add_norm(hidden, residual, parts["post_attention_layernorm"])
         mlp = layer._modules["mlp"]._modules
         gate_up = fused_linear([mlp["gate_proj"], mlp["up_proj"]], x)
-        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _silu_and_mul_gradient, gate_up))
+        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _fused_silu_and_mul_gradient, gate_up))
     x, _ = add_norm(hidden, residual, inner._modules["norm"])
     return x, index
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     eps = module.variance_epsilon
-    return EngineOp.apply(partial(kernels.rms_norm, eps=eps), partial(_norm_gradient, eps=eps), x, module.weight)
+    return EngineOp.apply(partial(kernels.rms_norm, eps=eps), partial(_fused_norm_gradient, eps=eps), x,
+                          module.weight)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     eps = module.variance_epsilon
-    return EngineOp.apply(partial(kernels.add_rms_norm, eps=eps), partial(_add_norm_gradient, eps=eps), x, residual,
-                          module.weight)
+    return EngineOp.apply(partial(kernels.add_rms_norm, eps=eps), partial(_fused_add_norm_gradient, eps=eps), x,
+                          residual, module.weight)
 
 
 def fused_linear(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -347,6 +349,22 @@ def _add_norm_gradient(grads: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor
     return grad_total, grad_total, grad_weight
 
 
+def fused_on_gpu(gradient: Callable) -> Callable:
+    """`gradient` run as torch.compile'd kernels where its inputs are on a GPU, and as written on a CPU (where the tests
+    compare it with autograd). Only gradients are compiled: the backward's bits need not be the engine's, the
+    forward's are untouched. Eager, a norm's gradient is ~10 elementwise and reduction kernels over [tokens, hidden]
+    in fp32."""
+
+    def run(grads: tuple[torch.Tensor, ...], *inputs: torch.Tensor, **options) -> tuple[torch.Tensor, ...]:
+        return (compiled_once(gradient) if inputs[0].is_cuda else gradient)(grads, *inputs, **options)
+
+    return run
+
+
+_fused_norm_gradient = fused_on_gpu(_norm_gradient)
+_fused_add_norm_gradient = fused_on_gpu(_add_norm_gradient)
+
+
 def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -356,6 +374,9 @@ def _silu_and_mul_gradient(grads: tuple[torch.Tensor], x: torch.Tensor) -> tuple
     """The gradient of `_reference_silu_and_mul`, by the ops autograd would run."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.cat((torch.ops.aten.silu_backward(grads[0] * up, gate), grads[0] * F.silu(gate)), dim=-1),)
+
+
+_fused_silu_and_mul_gradient = fused_on_gpu(_silu_and_mul_gradient)
 
 
 def _reference_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor, q: torch.Tensor,

@@ -4,10 +4,13 @@ the batch it runs in, and the kernels it then runs, exposed so that the policy r
 the policy's teacher-forced log-prob of it bit for bit, quantized or not (`policy.exact_forward`).
 
 What the engine runs in this mode (vLLM 0.26, Hopper):
-  * `VLLM_BATCH_INVARIANT=1`: every linear layer and the LM head multiply with vLLM's persistent Triton
-    matmul (`vllm_compat.invariant_linear`: a fixed tiling, the bias added after); aten's log_softmax, softmax,
-    mean and bmm become vLLM's row-wise Triton kernels, process-wide (so the policy gets them too);
-    cuBLAS runs without split-K and TF32 is off; FlashAttention runs with one KV split.
+  * `VLLM_BATCH_INVARIANT=1`: aten's log_softmax, softmax, mean and bmm become vLLM's row-wise Triton kernels,
+    process-wide (so the policy gets them too); cuBLAS runs without split-K (a 1 KiB cuBLASLt workspace) and TF32
+    is off; FlashAttention runs with one KV split.
+  * every linear layer and the LM head: `F.linear` (`linear`), pinned in place of vLLM's persistent Triton matmul,
+    which its linear layers call in this mode. On Hopper and later that is cuBLAS without split-K, which gives a
+    row the same bits at every batch size (checked per shape by `benchmarks/exact_matmul.py` and by the GPU tests);
+    on Ampere vLLM's mode routes aten's linear to that Triton matmul itself.
   * RMSNorm: vLLM's batch-invariant Triton kernel (one program per row). With a residual, vLLM calls a
     CUDA kernel whose thread count depends on how many tokens the batch has, which changes the order
     of its sum of squares; here the residual add is a separate elementwise add and the norm is the
@@ -51,6 +54,23 @@ def enable_batch_invariance() -> None:
     has frozen vLLM's view of the environment, which is thawed first (`vllm_compat.enable_batch_invariance`)."""
     if not vllm_compat.enable_batch_invariance():
         raise RuntimeError("policy.exact_forward: vLLM did not take VLLM_BATCH_INVARIANT=1 / VLLM_USE_V2_MODEL_RUNNER=1")
+    if torch.cuda.is_available():
+        check_linear_invariance(torch.device("cuda"))
+
+
+def check_linear_invariance(device: torch.device) -> None:
+    """`linear` gives a row the same bits alone and in a batch, at a shape where cuBLAS would split K if it could (few
+    outputs, a long sum). It cannot once vLLM's mode has set a 1 KiB cuBLASLt workspace, but cuBLAS reads that size
+    once, at its first matmul in the process: one that ran earlier keeps split-K for good."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(64, 8192, device=device, generator=g).bfloat16()
+    w = torch.randn(256, 8192, device=device, generator=g).bfloat16()
+    b = torch.randn(256, device=device, generator=g).bfloat16()
+    whole = linear(x, w, b)
+    if not all(torch.equal(linear(x[:rows].clone(), w, b), whole[:rows]) for rows in (1, 2, 7)):
+        raise RuntimeError("policy.exact_forward: a matmul row's bits depend on its batch in this process: cuBLAS ran a "
+                           "matmul before vLLM's batch-invariant mode set its workspace (cuBLAS reads it once). Start "
+                           "the exact forward before any GPU matmul of the process (qarl does, before a warm start)")
 
 
 def missing_kernels() -> list[str]:
@@ -81,7 +101,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return vllm_compat.invariant_linear(x, weight, bias)
+    """x W^T + b, x made contiguous: cuBLAS picks its kernel by the operands' layout too, and the engine's inputs
+    are contiguous."""
+    return F.linear(x.contiguous(), weight, bias)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
@@ -231,8 +253,9 @@ def rope_cache(config, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 # -- the engine side ------------------------------------------------------------------------------------
 def install(model: nn.Module) -> None:
     """Make a vLLM model run the kernels above: RMSNorm as `rms_norm` / `add_rms_norm`, rotary embedding
-    and SiLU x mul as their CUDA kernels, whatever vLLM's custom-op settings would pick."""
-    vllm_compat.pin_exact_kernels(model, _engine_norm)
+    and SiLU x mul as their CUDA kernels, whatever vLLM's custom-op settings would pick, linear layers and the
+    head as `linear`."""
+    vllm_compat.pin_exact_kernels(model, _engine_norm, linear)
 
 
 def _engine_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

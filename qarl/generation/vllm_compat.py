@@ -59,7 +59,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # model loading and layers
     "register_model_loader", "DefaultModelLoader", "LinearBase",
     # the exact forward's kernels and settings
-    "vllm.envs", "disable_envs_cache", "init_batch_invariance", "linear_batch_invariant", "rms_norm_batch_invariant",
+    "vllm.envs", "disable_envs_cache", "init_batch_invariance", "rms_norm_batch_invariant", "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod", "quant_method",
     "vllm_flash_attn", "flash_attn_varlen_func", "compute_token_logprobs", "apply_temperature", "_custom_ops",
     "torch.ops._C", "set_current_vllm_config", "VllmConfig", "SiluAndMul", "_forward_method", "forward_cuda",
     # the samplers
@@ -456,8 +457,9 @@ def lora_unwrapped(model: nn.Module, layers: dict[str, nn.Module]) -> Iterator[N
 # -- the exact forward's kernels (qarl/generation/exact.py) -------------------------------------------------
 KERNELS = {  # what the exact forward calls in vLLM
     "vllm.envs": ("disable_envs_cache",),
-    "vllm.model_executor.layers.batch_invariant": ("init_batch_invariance", "linear_batch_invariant",
-                                                   "rms_norm_batch_invariant"),
+    "vllm.model_executor.layers.batch_invariant": ("init_batch_invariance", "rms_norm_batch_invariant"),
+    "vllm.model_executor.layers.linear": ("UnquantizedLinearMethod",),
+    "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod",),
     "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
     "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
     "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
@@ -512,16 +514,6 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant as kernel
 
     return kernel(x, weight, eps)
-
-
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's batch-invariant matmul (a persistent Triton kernel with a fixed tiling, the bias added after;
-    vllm.model_executor.layers.batch_invariant). Checked: 0.26.0 (GPU)."""
-    if _checked_version is None:
-        check_version()
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant as kernel
-
-    return kernel(x, weight, bias)
 
 
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
@@ -615,23 +607,39 @@ def engine_rotary_cos_sin_cache(model: nn.Module) -> torch.Tensor:
     return next(m for m in model.modules() if _plain_rotary(m)).cos_sin_cache
 
 
-def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any]) -> None:
+def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any], linear_forward: Callable[..., Any]) -> None:
     """Patch: pin the forwards of a vLLM model's custom ops, whatever vLLM's custom-op settings would pick (each
     CustomOp calls its `_forward_method`): every RMSNorm calls `norm_forward(x, residual, weight, eps)` (residual
     None when vLLM passes none; weight and eps read at each call from `norm.weight.data` and
     `norm.variance_epsilon`; it returns what vLLM's RMSNorm returns; the q/k norms of Qwen3 too), SiluAndMul and
-    the rotary embeddings of ROTARY_TYPES their CUDA kernels (`forward_cuda`). Checked: 0.26.0 (GPU)."""
+    the rotary embeddings of ROTARY_TYPES their CUDA kernels (`forward_cuda`). Every linear layer and the LM head
+    multiply with `linear_forward(x, weight, bias)`: their quant methods' `apply` (vLLM's own would call its
+    persistent Triton matmul in batch-invariant mode); a layer with another quant method (a real quantized
+    checkpoint) is an error, as the policy could not multiply as it does. Checked: 0.26.0 (GPU)."""
     check_version()
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, RMSNorm):
             module._forward_method = partial(_norm_forward, module, norm_forward)
         elif isinstance(module, SiluAndMul):
             module._forward_method = module.forward_cuda
         elif _plain_rotary(module):
             module._forward_method = module.forward_cuda
+        elif isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            method = module.quant_method
+            if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                raise RuntimeError(f"policy.exact_forward: the engine's layer {name} runs {type(method).__name__}; "
+                                   "the exact forward serves unquantized (and fake-quantized) weights only")
+            method.apply = partial(_linear_apply, linear_forward)
+
+
+def _linear_apply(forward: Callable[..., Any], layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
+    """A vLLM quant method's `apply(layer, x, bias)` through `forward(x, weight, bias)`."""
+    return forward(x, layer.weight, bias)
 
 
 def _norm_forward(norm: nn.Module, forward: Callable[..., Any], x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -177,6 +177,33 @@ def test_the_written_gradients_are_autograds_gradients_of_the_references(dtype):
             torch.testing.assert_close(a.float(), b.float(), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradients_a_gpu_compiles_compile_and_agree_with_their_written_form(dtype):
+    """On a GPU the norm and SiLU x mul gradients run compiled (`fused_on_gpu`), called from EngineOp's backward
+    (no autograd graph). Here the same functions go through torch.compile on the CPU as that backward calls them, at
+    two row counts (one graph, dynamic shapes), the q/k norms' 3-D head views among them, and give what they give as
+    written, within rounding."""
+    from qarl.scoring import compiled_once
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    weight, head_weight = rand(64), rand(16)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for rows in (9, 13):
+        x, residual, up = rand(rows, 64), rand(rows, 64), rand(rows, 96)
+        heads = rand(rows, 128)[:, :64].view(rows, 4, 16)  # a strided view, as q's heads before their norm
+        cases = [(_norm_gradient, (x, weight), (rand(rows, 64),), {"eps": 1e-6}),
+                 (_norm_gradient, (heads, head_weight), (rand(rows, 4, 16),), {"eps": 1e-6}),
+                 (_add_norm_gradient, (x, residual, weight), (rand(rows, 64), rand(rows, 64)), {"eps": 1e-6}),
+                 (_silu_and_mul_gradient, (up,), (rand(rows, 48),), {})]
+        with torch.no_grad():
+            for gradient, inputs, grads, options in cases:
+                compiled = compiled_once(gradient)(grads, *inputs, **options)
+                for a, b in zip(compiled, gradient(grads, *inputs, **options)):
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    torch.testing.assert_close(a, b, **tolerance)
+
+
 def test_fused_weights_are_kept_until_a_part_changes():
     """EngineLinear.fused: the concatenation of parameters is computed once and reused while each is the same
     tensor at the same version; an in-place write (checkpoint load), another tensor, an optimizer step (which
