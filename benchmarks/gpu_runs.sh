@@ -70,6 +70,8 @@
 #             kernel (tests/integration/test_gpu_packed_base.py), and `qarl parity` bf16 with qlora on the 0.5B model
 #   packed_rollout  rollout tokens/s of the user-shape model's NVFP4 W4A16 engine: its base folded in bf16 and packed
 #             (4-bit), each without and with qlora adapters (vLLM's LoRA), batches 8, 64, 256, one engine per process
+#   profile_exact_rollout  the kernels of the exact forward's W4A4 engine decoding 256 rows of the user_shape model
+#             (benchmarks/gpu_profile_rollout.py --exact)
 #   profile_user_shape [--compile norms mlp layers scores] [--pack]  the torch profiler over one update micro-batch of
 #             the user_shape model (8 x (100 + 1,024) tokens, padded or packed), GRPO: where the train phase's time goes
 #   head_scoring  LinearHeadScores against the head's chunks through autograd (benchmarks/head_scoring.py), one
@@ -363,6 +365,14 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     grep "scoring pass" "$out/profile_score.txt"
     python3 benchmarks/gpu_profile_rollout.py --batch 512 > "$out/profile_rollout.txt" 2>&1
     grep "^== " "$out/profile_rollout.txt"
+    ;;
+  profile_exact_rollout)  # the exact forward's W4A4 engine at the user shape, 256 rows decoding: its kernels per step
+    # (which matmul runs in a decode step, and for how long; exact_matmul times cuBLAS slower at 256 rows than the
+    # rollout's speed allows)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    python3 benchmarks/gpu_profile_rollout.py --model "$shape_dir" --format nvfp4_w4a4 --exact --batch 256 \
+      --tokens 128 --kernels 25 > "$out/profile_exact_rollout.txt" 2>&1
+    grep "^== " "$out/profile_exact_rollout.txt"
     ;;
   profile_user_shape)  # arguments: --compile norms mlp layers scores (some, or nothing), --pack: one micro-batch profiled
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
