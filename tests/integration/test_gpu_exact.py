@@ -59,10 +59,10 @@ def test_the_kernels_give_a_row_the_same_bits_in_any_batch(task):
     x = torch.randn(4096, 896, device="cuda", generator=g).bfloat16()
     w = torch.randn(1152, 896, device="cuda", generator=g).bfloat16()
     b = torch.randn(1152, device="cuda", generator=g).bfloat16()
-    whole = exact.linear(x, w, b)
+    whole, whole_without_bias = exact.linear(x, w, b), exact.linear(x, w, None)
     for rows in (1, 2, 9, 64, 255, 512, 2048):  # decode steps of every size a graph captures, prefills, micro-batches
         assert torch.equal(exact.linear(x[:rows].clone(), w, b), whole[:rows]), rows
-        assert torch.equal(exact.linear(x[:rows].clone(), w, None), exact.linear(x, w, None)[:rows]), rows
+        assert torch.equal(exact.linear(x[:rows].clone(), w, None), whole_without_bias[:rows]), rows
     x = x[:300]
     weight = torch.randn(896, device="cuda", generator=g).bfloat16()
     assert torch.equal(exact.rms_norm(x, weight, 1e-6)[:3], exact.rms_norm(x[:3], weight, 1e-6))
