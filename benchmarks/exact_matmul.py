@@ -1,15 +1,17 @@
-"""Which matmul could the exact forward run: is a row's result the same in a batch of any size, and how fast is it?
+"""Which matmul could the exact forward run: is a row's result the same in a batch of any size, and what does a call cost?
 
     python benchmarks/exact_matmul.py [--shape qwen3-1.7b] [--out FILE]
 
 The exact forward (`policy.exact_forward`) multiplies every linear layer, on the engine's side and the policy's, with
-vLLM's batch-invariant persistent Triton matmul, which vLLM's own linear layers run in its batch-invariant mode. On
-Hopper, vLLM's mode also runs cuBLAS without split-K (a 1 KiB cuBLASLt workspace), which vLLM takes to be
-batch-invariant there. If a row of cuBLAS's product had the same bits at every batch size the
-engine and the policy run (decode steps of 1-512 rows, prefills and packed micro-batches of thousands), both sides
-could use it. This script checks that, per kernel and per linear-layer shape of a model, on random bf16 data: each
-batch's rows against the same rows in the largest batch, bit for bit; then times each kernel at a decode step's
-batch and at a micro-batch's. Run it on the GPU machine (it puts its process in vLLM's batch-invariant mode).
+`F.linear` in vLLM's batch-invariant mode, which on Hopper runs cuBLASLt without split-K (a 1 KiB workspace). A kernel
+can serve it only if a row of its product has the same bits at every batch size the engine and the policy run (decode
+steps of 1-512 rows, prefills and packed micro-batches of thousands). This script checks that, per kernel and per
+linear-layer shape of a model, on random bf16 data: each batch's rows against the same rows in the largest batch, bit
+for bit. The candidates: cuBLASLt as vLLM's mode sets it, cuBLAS (not Lt) under the same workspace settings, and vLLM's
+persistent Triton matmul (its mode's kernel on Ampere). Then each kernel's cost at a decode step's batch and at a
+micro-batch's, two ways: GPU time, from a CUDA graph of back-to-back calls (what the engine's decode steps replay), and
+host time, the wall time of one eager launch (what the policy's eager forward and backward pay per matmul; a kernel
+shorter than that leaves the GPU waiting). Run it on the GPU machine (it puts its process in vLLM's batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,10 +42,18 @@ def layer_shapes(shape: dict) -> dict[str, tuple[int, int]]:
 
 
 def kernels() -> dict:
-    """The candidates, by name (vLLM's kernel read from vLLM itself: the subject of this benchmark, vLLM 0.26)."""
+    """The candidates, by name (vLLM's kernel read from vLLM itself: the subject of this benchmark, vLLM 0.26). The
+    cuBLAS library is a process-wide preference, set before each call."""
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
-    return {"vLLM persistent Triton": linear_batch_invariant, "cuBLAS, no split-K": F.linear}
+    def on(library: str):
+        def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            torch.backends.cuda.preferred_blas_library(library)
+            return F.linear(x, weight, bias)
+        return kernel
+
+    return {"cuBLASLt, no split-K (vLLM's mode)": on("cublaslt"), "cuBLAS, no split-K": on("cublas"),
+            "vLLM persistent Triton": linear_batch_invariant}
 
 
 def invariant(kernel, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> list[int]:
@@ -51,20 +62,42 @@ def invariant(kernel, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.
     return [rows for rows in BATCHES if not torch.equal(kernel(x[:rows].clone(), weight, bias), full[:rows])]
 
 
-def median_ms(kernel, weight: torch.Tensor, x: torch.Tensor, calls: int = 20, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean GPU time of `calls` back-to-back calls (launches queue ahead of the GPU, as
-    in a model's forward)."""
-    for _ in range(3):
+def gpu_ms(kernel, weight: torch.Tensor, x: torch.Tensor, calls: int = 20, repeats: int = 5) -> float:
+    """GPU time a call: `calls` back-to-back calls captured in one CUDA graph, replayed `repeats` times (median),
+    so no host launch is timed."""
+    for _ in range(3):  # heuristics and autotuning before the capture
         kernel(x, weight, None)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                kernel(x, weight, None)
+    except RuntimeError as error:  # a kernel the engine could not put in its decode graphs: said in the table
+        print(f"  not capturable in a CUDA graph: {error}", flush=True)
+        return float("nan")
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            kernel(x, weight, None)
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def host_us(kernel, weight: torch.Tensor, x: torch.Tensor, calls: int = 20, repeats: int = 5) -> float:
+    """Host time a call launched eagerly: the wall time of `calls` launches, not waiting for the GPU (its queue
+    holds them), median of `repeats`."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            kernel(x, weight, None)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -78,19 +111,22 @@ def main() -> None:
     exact.enable_batch_invariance()
     g = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"{args.shape}, bf16, {torch.cuda.get_device_name()}: rows of batches {', '.join(map(str, BATCHES))} "
-             f"against the same rows of {LARGEST}; ms a call (20 back to back, median of 5) at 256 rows (a decode "
-             f"step) and {LARGEST}", "",
-             f"| layer [out, in] | kernel | batches whose rows differ (no bias / bias) | ms at 256 | ms at {LARGEST} |",
-             "|---|---|---|---|---|"]
+             f"against the same rows of {LARGEST}; GPU ms a call (a CUDA graph of 20, median of 5 replays) and host µs "
+             f"a call (20 eager launches, median of 5) at 256 rows (a decode step) and {LARGEST}", "",
+             f"| layer [out, in] | kernel | batches whose rows differ (no bias / bias) | GPU ms at 256 | GPU ms at "
+             f"{LARGEST} | host µs at 256 | host µs at {LARGEST} |",
+             "|---|---|---|---|---|---|---|"]
     for name, (out, inp) in layer_shapes(SHAPES[args.shape]).items():
         weight = (torch.randn(out, inp, device="cuda", generator=g) * inp ** -0.5).bfloat16()
         bias = torch.randn(out, device="cuda", generator=g).bfloat16()
         x = torch.randn(LARGEST, inp, device="cuda", generator=g).bfloat16()
         for label, kernel in kernels().items():
             differ = [", ".join(map(str, invariant(kernel, weight, b, x))) or "none" for b in (None, bias)]
+            decode = x[:256].clone()
             lines.append(f"| {name} [{out}, {inp}] | {label} | {' / '.join(differ)} | "
-                         f"{median_ms(kernel, weight, x[:256].clone()):.3f} | {median_ms(kernel, weight, x):.3f} |")
-        print(lines[-2], lines[-1], sep="\n", flush=True)
+                         f"{gpu_ms(kernel, weight, decode):.3f} | {gpu_ms(kernel, weight, x):.3f} | "
+                         f"{host_us(kernel, weight, decode):.0f} | {host_us(kernel, weight, x):.0f} |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

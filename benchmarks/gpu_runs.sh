@@ -31,9 +31,9 @@
 #             policy.exact_forward=true on the 0.5B model, bf16 and fp16, eager and with CUDA graphs (arguments: some of
 #             them, e.g. bfloat16:false for bf16 with graphs)
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
-#   exact_matmul  which matmul the exact forward could run: vLLM's persistent Triton kernel against cuBLAS without
-#             split-K, each row's bits in batches of 1-2,048 rows against 8,264, and their speed
-#             (benchmarks/exact_matmul.py)
+#   exact_matmul  which matmul the exact forward could run: cuBLASLt (vLLM's mode) and cuBLAS without split-K and vLLM's
+#             persistent Triton kernel, each row's bits in batches of 1-2,048 rows against 8,264, their GPU time (CUDA
+#             graphs) and host time a call (eager launches) (benchmarks/exact_matmul.py)
 #   exact_cost [user_shape]  the policy's forward + backward with the exact forward on against off
 #             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
@@ -278,7 +278,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     ;;
   exact_matmul)
-    python3 benchmarks/exact_matmul.py --out "$out/exact_matmul.md" 2>&1 | grep -v -i warn | tail -14
+    python3 benchmarks/exact_matmul.py --out "$out/exact_matmul.md" 2>&1 | grep -v -i warn | tail -20
     ;;
   exact_cost)
     if [ "${3:-}" = user_shape ]; then  # one micro-batch of the shipped Qwen3-1.7B recipe: 8 x (100 + 1,024) tokens
