@@ -7,8 +7,8 @@ The exact forward (`policy.exact_forward`) multiplies every linear layer, on the
 can serve it only if a row of its product has the same bits at every batch size the engine and the policy run (decode
 steps of 1-512 rows, prefills and packed micro-batches of thousands). This script checks that, per kernel and per
 linear-layer shape of a model, on random bf16 data: each batch's rows against the same rows in the largest batch, bit
-for bit. The candidates: cuBLASLt as vLLM's mode sets it, cuBLAS (not Lt) under the same workspace settings, and vLLM's
-persistent Triton matmul (its mode's kernel on Ampere). Then each kernel's cost at a decode step's batch and at a
+for bit. The candidates: cuBLASLt as vLLM's mode sets it, cuBLAS (not Lt) with any bias added after the product,
+under the workspace settings a run ends up with, and vLLM's persistent Triton matmul (its mode's kernel on Ampere). Then each kernel's cost at a decode step's batch and at a
 micro-batch's, two ways: GPU time, from a CUDA graph of back-to-back calls (what the engine's decode steps replay), and
 host time, the wall time of one eager launch (what the policy's eager forward and backward pay per matmul; a kernel
 shorter than that leaves the GPU waiting). Run it on the GPU machine (it puts its process in vLLM's batch-invariant mode).
@@ -46,14 +46,18 @@ def kernels() -> dict:
     cuBLAS library is a process-wide preference, set before each call."""
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
-    def on(library: str):
+    def on(library: str, bias_after: bool = False):
         def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             torch.backends.cuda.preferred_blas_library(library)
+            if bias_after and bias is not None:
+                return F.linear(x, weight) + bias
             return F.linear(x, weight, bias)
         return kernel
 
-    return {"cuBLASLt, no split-K (vLLM's mode)": on("cublaslt"), "cuBLAS, no split-K": on("cublas"),
-            "vLLM persistent Triton": linear_batch_invariant}
+    # torch sends a matmul with a bias of more than one row to cuBLASLt whatever the preference (its fused bias),
+    # and a one-row one to the preferred library: cuBLAS is tried with its bias added after the product
+    return {"cuBLASLt, no split-K (vLLM's mode)": on("cublaslt"), "cuBLAS, no split-K, bias added after": on(
+        "cublas", bias_after=True), "vLLM persistent Triton": linear_batch_invariant}
 
 
 def invariant(kernel, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> list[int]:
@@ -108,6 +112,9 @@ def main() -> None:
     args = parser.parse_args()
     from qarl.generation import exact
 
+    # twice, as a run enters it (qarl, then the engine's worker): the second time vLLM sets CUBLAS_WORKSPACE_CONFIG
+    # to ":4096:8" and leaves it, cuBLAS's (not Lt's) workspace from then on
+    exact.enable_batch_invariance()
     exact.enable_batch_invariance()
     g = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"{args.shape}, bf16, {torch.cuda.get_device_name()}: rows of batches {', '.join(map(str, BATCHES))} "
