@@ -61,9 +61,15 @@ def kernels() -> dict:
 
 
 def invariant(kernel, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> list[int]:
-    """The batch sizes whose rows differ from the same rows of the largest batch."""
-    full = kernel(x, weight, bias)
-    return [rows for rows in BATCHES if not torch.equal(kernel(x[:rows].clone(), weight, bias), full[:rows])]
+    """The batch sizes whose rows differ from the same rows of the largest batch. On a stream of its own, as the
+    engine captures its graphs: torch gives each stream its own cuBLAS workspace, sized when first used."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        full = kernel(x, weight, bias)
+        differ = [rows for rows in BATCHES if not torch.equal(kernel(x[:rows].clone(), weight, bias), full[:rows])]
+    torch.cuda.current_stream().wait_stream(stream)
+    return differ
 
 
 def gpu_ms(kernel, weight: torch.Tensor, x: torch.Tensor, calls: int = 20, repeats: int = 5) -> float:
