@@ -34,8 +34,9 @@
 #   exact_matmul  which matmul the exact forward could run: cuBLASLt (vLLM's mode) and cuBLAS without split-K and vLLM's
 #             persistent Triton kernel, each row's bits in batches of 1-2,048 rows against 8,264, their GPU time (CUDA
 #             graphs) and host time a call (eager launches) (benchmarks/exact_matmul.py)
-#   exact_cost [user_shape]  the policy's forward + backward with the exact forward on against off
-#             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled)
+#   exact_cost [user_shape [FORMAT]]  the policy's forward + backward with the exact forward on against off
+#             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled; FORMAT:
+#             a quant config other than NVFP4 W4A4, e.g. quant_configs/fp8_w8a8.yaml, profiled into user_shape_NAME)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
@@ -283,8 +284,10 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
   exact_cost)
     if [ "${3:-}" = user_shape ]; then  # one micro-batch of the shipped Qwen3-1.7B recipe: 8 x (100 + 1,024) tokens
       python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
-      python3 benchmarks/exact_step_time.py --model "$shape_dir" --completions 8 --prompt-tokens 100 \
-        --completion-tokens 1024 --repeats 3 --profile "$out/user_shape" 2>&1 | grep -v -i warn | tail -3
+      fmt="${4:-quant_configs/nvfp4_w4a4.yaml}"
+      python3 benchmarks/exact_step_time.py --model "$shape_dir" --format "$fmt" --completions 8 --prompt-tokens 100 \
+        --completion-tokens 1024 --repeats 3 --profile "$out/user_shape${4:+_$(basename "$fmt" .yaml)}" 2>&1 \
+        | grep -v -i warn | tail -3
       exit 0
     fi
     python3 benchmarks/exact_step_time.py --profile "$out" 2>&1 | grep -v -i warn | tail -3
