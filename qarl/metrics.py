@@ -114,6 +114,26 @@ class ProgressFigures:
         return ", ".join(parts)
 
 
+class MismatchWatch:
+    """Says on the terminal, once, the first step whose train/rollout log-probs differ where the run promises they
+    cannot (`policy.exact_forward`: equal bit for bit), rather than leaving it to the metrics: something broke that
+    promise, most likely a sequence the engine preempted and recomputed for lack of KV cache."""
+
+    def __init__(self, expect_zero: bool) -> None:
+        self.expect_zero, self.said = expect_zero, False
+
+    def __call__(self, step: int, row: dict[str, Any], write: Callable[[str], Any]) -> None:
+        diff = row.get("mismatch/max_abs_logprob_diff")
+        if not self.expect_zero or self.said or not diff or not is_main_process():
+            return
+        self.said = True
+        write(f"policy.exact_forward: at step {step} the policy's log-probs of the sampled tokens differ from the "
+              f"engine's (largest |difference| {diff:.3g}, mismatch/kl {row.get('mismatch/kl') or 0:.3g}), which the "
+              "exact forward makes equal. The likeliest cause is a sequence the engine preempted and recomputed for "
+              "lack of KV cache: give the engine more (policy.generation.gpu_memory_utilization or gpu_kv_cache_gib). "
+              "The run goes on (importance weights correct for it); mismatch/* in metrics.jsonl has every step.")
+
+
 HOST_PEAK_KEY = "memory/host_peak_rss_gib"
 
 

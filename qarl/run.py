@@ -35,8 +35,8 @@ from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, en
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
-from qarl.metrics import (DriverPeak, MetricsLog, ProgressFigures, check_loggers, device_memory_gib, free_device_bytes,
-                          progress_bar, report_run, weight_memory)
+from qarl.metrics import (DriverPeak, MetricsLog, MismatchWatch, ProgressFigures, check_loggers, device_memory_gib,
+                          free_device_bytes, progress_bar, report_run, weight_memory)
 from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, default_device, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
@@ -563,6 +563,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     bar = progress_bar(range(run.start_step, t.steps), steps.label)
     progress = ProgressFigures()
+    mismatch = MismatchWatch(expect_zero=cfg.policy.exact_forward)
     with DriverPeak() as driver_peak:
         for step in bar:
             step_start = time.perf_counter()
@@ -595,6 +596,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
                 / max(refit_start - train_start, 1e-9)})
             metrics.write(row)
             bar.set_postfix_str(progress.update(row))
+            mismatch(step, row, bar.write)
             guard(update.get("train/nonfinite", 0) > 0, step)
             if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
                 save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
