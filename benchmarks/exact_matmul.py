@@ -1,4 +1,4 @@
-"""Which matmul could the exact forward run: is a row's result the same in a batch of any size, and what does a call cost?
+"""Which matmul could the exact forward run: is a row's result the same in a batch of any size, what does a call cost?
 
     python benchmarks/exact_matmul.py [--shape qwen3-1.7b] [--out FILE]
 
@@ -8,10 +8,11 @@ can serve it only if a row of its product has the same bits at every batch size 
 steps of 1-512 rows, prefills and packed micro-batches of thousands). This script checks that, per kernel and per
 linear-layer shape of a model, on random bf16 data: each batch's rows against the same rows in the largest batch, bit
 for bit. The candidates: cuBLASLt as vLLM's mode sets it, cuBLAS (not Lt) with any bias added after the product,
-under the workspace settings a run ends up with, and vLLM's persistent Triton matmul (its mode's kernel on Ampere). Then each kernel's cost at a decode step's batch and at a
-micro-batch's, two ways: GPU time, from a CUDA graph of back-to-back calls (what the engine's decode steps replay), and
-host time, the wall time of one eager launch (what the policy's eager forward and backward pay per matmul; a kernel
-shorter than that leaves the GPU waiting). Run it on the GPU machine (it puts its process in vLLM's batch-invariant mode).
+under the workspace settings a run ends up with, and vLLM's persistent Triton matmul (its mode's kernel on Ampere).
+Then each kernel's cost at a decode step's batch and at a micro-batch's, two ways: GPU time, from a CUDA graph of
+back-to-back calls (what the engine's decode steps replay), and host time, the wall time of one eager launch (what
+the policy's eager forward and backward pay per matmul; a kernel shorter than that leaves the GPU waiting). Run it on
+the GPU machine (it puts its process in vLLM's batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -129,11 +130,12 @@ def main() -> None:
              f"| layer [out, in] | kernel | batches whose rows differ (no bias / bias) | GPU ms at 256 | GPU ms at "
              f"{LARGEST} | host µs at 256 | host µs at {LARGEST} |",
              "|---|---|---|---|---|---|---|"]
+    candidates = kernels()
     for name, (out, inp) in layer_shapes(SHAPES[args.shape]).items():
         weight = (torch.randn(out, inp, device="cuda", generator=g) * inp ** -0.5).bfloat16()
         bias = torch.randn(out, device="cuda", generator=g).bfloat16()
         x = torch.randn(LARGEST, inp, device="cuda", generator=g).bfloat16()
-        for label, kernel in kernels().items():
+        for label, kernel in candidates.items():
             differ = [", ".join(map(str, invariant(kernel, weight, b, x))) or "none" for b in (None, bias)]
             decode = x[:256].clone()
             lines.append(f"| {name} [{out}, {inp}] | {label} | {' / '.join(differ)} | "

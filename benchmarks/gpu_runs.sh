@@ -370,8 +370,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     grep "^== " "$out/profile_rollout.txt"
     ;;
   profile_exact_rollout)  # the exact forward's W4A4 engine at the user shape, 256 rows decoding: its kernels per step
-    # (which matmul runs in a decode step, and for how long; exact_matmul times cuBLAS slower at 256 rows than the
-    # rollout's speed allows)
+    # (which matmul runs in a decode step, and for how long, inside the engine's CUDA graphs)
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     python3 benchmarks/gpu_profile_rollout.py --model "$shape_dir" --format nvfp4_w4a4 --exact --batch 256 \
       --tokens 128 --kernels 25 > "$out/profile_exact_rollout.txt" 2>&1

@@ -218,7 +218,8 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         x, residual = add_norm(hidden, residual, parts["post_attention_layernorm"])
         mlp = layer._modules["mlp"]._modules
         gate_up = fused_linear([mlp["gate_proj"], mlp["up_proj"]], x)
-        hidden = fused_linear([mlp["down_proj"]], EngineOp.apply(kernels.silu_and_mul, _fused_silu_and_mul_gradient, gate_up))
+        activated = EngineOp.apply(kernels.silu_and_mul, _fused_silu_and_mul_gradient, gate_up)
+        hidden = fused_linear([mlp["down_proj"]], activated)
     x, _ = add_norm(hidden, residual, inner._modules["norm"])
     return x, index
 
