@@ -243,16 +243,25 @@ class LinearHeadScores(torch.autograd.Function):
     `fused` (`policy.compile_scores`): each chunk's fp32 work (the log-softmax, the picked log-prob, the entropy; in
     the backward the softmax and the gradient) runs as torch.compile'd kernels of the same functions, reading the
     logits a few times instead of materializing several fp32 [chunk, vocabulary] tensors; the sums run in another
-    order, so values and gradients move within fp32 rounding (bf16 rounding where the gradient is cast)."""
+    order, so values and gradients move within fp32 rounding (bf16 rounding where the gradient is cast).
+
+    `pick` (the exact forward's `qarl_token_logprobs`): the picked log-probs come from that kernel, bit for bit
+    the engine's, and only the entropy (a metric) and the gradient from these functions, compiled if `fused`."""
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_tokens: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_tokens: int, fused: bool = False, pick: Callable | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         scores = compiled_once(token_scores) if fused else token_scores
+        entropy_of = compiled_once(token_entropy) if fused else token_entropy
         picked, entropy = [], []
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            chunk_picked, chunk_entropy = scores(F.linear(states[chunk], weight), targets[chunk], temperature)
+            logits = F.linear(states[chunk], weight)
+            if pick is None:
+                chunk_picked, chunk_entropy = scores(logits, targets[chunk], temperature)
+            else:
+                chunk_picked, chunk_entropy = pick(logits, targets[chunk], temperature), entropy_of(logits, temperature)
             picked.append(chunk_picked)
             entropy.append(chunk_entropy)
         ctx.save_for_backward(states, weight, targets)
@@ -278,7 +287,7 @@ class LinearHeadScores(torch.autograd.Function):
             if want_weight:
                 part = grad.T @ states[chunk]
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
-        return grad_states, grad_weight, None, None, None, None
+        return grad_states, grad_weight, None, None, None, None, None
 
 
 def picked_logits_grad(logits: torch.Tensor, targets: torch.Tensor, grad_picked: torch.Tensor, temperature: float
@@ -311,6 +320,13 @@ def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float
     return picked, entropy
 
 
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The entropy of `token_scores`, alone (for a picked log-prob that comes from a kernel of its own)."""
+    with torch.no_grad():
+        log_probs = log_softmax_fp32(logits, temperature)
+        return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def score_completions(
     model: PreTrainedModel,
     prompts: list[list[int]],
@@ -334,10 +350,13 @@ def score_completions(
         picked, entropy = token_scores(logits, targets, temperature, getattr(model, "qarl_token_logprobs", None))
         return TokenScores(logprobs=picked * mask, entropy=entropy * mask, mask=mask)
     pick = getattr(model, "qarl_token_logprobs", None)
-    weight = linear_weight(found.head) if pick is None else None
+    if pick is None:
+        weight, fused = linear_weight(found.head), getattr(found.head, FUSED_SCORES, False)
+    else:  # the exact forward: its head's plain weight, if it has one; its gradients compiled on a GPU
+        weight, fused = model.qarl_head_weight(), found.states.is_cuda
     if weight is not None:
-        fused = getattr(found.head, FUSED_SCORES, False)
-        picked, entropy = LinearHeadScores.apply(found.states, weight, found.targets, temperature, chunk_tokens, fused)
+        picked, entropy = LinearHeadScores.apply(found.states, weight, found.targets, temperature, chunk_tokens, fused,
+                                                 pick)
     else:
         picked, entropy = in_chunks(lambda states, targets: token_scores(found.head(states), targets, temperature, pick),
                                     chunk_tokens, found.states, found.targets)

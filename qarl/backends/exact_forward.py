@@ -17,8 +17,10 @@ residual stream added elementwise before each RMSNorm; positions restarting at 0
 gradient, the gradient of a torch reference of the same math (`_reference_*`;
 tests/integration/test_gpu_exact.py checks that each kernel computes its reference): written out for the linear
 layers (two matmuls and a sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's
-own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py); for attention and the
-sampler's log-softmax, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
+own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py), and the sampler's
+log-softmax where the head is a plain matmul (`qarl_head_weight`: scored by qarl.scoring.LinearHeadScores, its
+gradient and the entropy metric compiled on a GPU); for attention, and the sampler's log-softmax after any other
+head, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
 backward synchronizes with the host nowhere, so the host queues it ahead of the GPU. Whole-model gradients
 are within 5 % (relative norm) of the default path's for unquantized and W4A16 models
 (tests/integration/test_gpu_exact.py).
@@ -43,7 +45,7 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.generation import exact as kernels
-from qarl.quant.fastpath.lean_forward import quantized_input, quantized_weight
+from qarl.quant.fastpath.lean_forward import linear_weight, quantized_input, quantized_weight
 from qarl.quant.fastpath.weight_cache import derived
 from qarl.quant.mixins import mix_in
 from qarl.quant.modelopt_compat import pre_quant_scale
@@ -132,6 +134,13 @@ class ExactCausalLM:
             return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask, prompt_lengths))
 
         return body, partial(exact_head, self)
+
+    def qarl_head_weight(self) -> torch.Tensor | None:
+        """The weight W with which `exact_head(states)` is exactly `F.linear(states, W)`, the engine's matmul of the
+        head: the head's `linear_weight` (no bias, its input passed as it is, as every shipped format leaves the
+        head), or None. Scoring then computes the head's chunks itself (`qarl.scoring.LinearHeadScores`) instead of
+        through autograd's checkpointed chunks: the entropy once, not again in the backward, the gradient written out."""
+        return linear_weight(self._modules["lm_head"])
 
     def qarl_token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """[rows, width] log-probs of `targets` under logits / temperature as the engine's sampler computes

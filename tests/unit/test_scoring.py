@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from qarl.backends.exact_forward import EngineOp, ExactCausalLM, autograd_of
 from qarl.config import LoraConfig, TrainerConfig
 from qarl.distill import score_pair
 from qarl.generation import Completion
 from qarl.grpo import grpo_loss, sequence_weights
 from qarl.lora import AdapterDisabled
 from qarl.quant import linear_weight
-from qarl.scoring import completion_logits, micro_batches, score_completions, token_scores
+from qarl.scoring import LinearHeadScores, completion_logits, in_chunks, micro_batches, score_completions, token_scores
 from tests.conftest import tiny_policy
 
 FORMATS = ["none", "quant_configs/nvfp4_w4a4.yaml"]
@@ -93,6 +95,68 @@ def test_the_linear_head_path_gives_the_generic_chunks_values_bit_for_bit(task, 
         assert linear_weight(uncached.model.get_output_embeddings()) is uncached.model.get_output_embeddings().weight
         head.weight_quantizer.enable()
         assert linear_weight(head) is None
+
+
+PICKS: list[int] = []  # the rows of each call of `_picked_in_logits_dtype`
+
+
+def _picked_in_logits_dtype(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A stand-in for the exact forward's sampler kernel (`qarl_token_logprobs`): its own bits (the log-softmax in
+    the logits' dtype, as the engine's sampler computes it), the gradient of the fp32 reference (`EngineOp`)."""
+    PICKS.append(logits.shape[0])
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1).float()
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+    return EngineOp.apply(kernel, autograd_of(reference), logits)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_picking_kernel_scored_by_the_linear_head_path_keeps_its_bits(fused, dtype):
+    """The exact forward's scoring (`LinearHeadScores` with its sampler kernel as `pick`) against the path it had,
+    autograd's checkpointed chunks of `token_scores`: the kernel's log-probs bit for bit, the entropy bit for bit
+    (within fp32 rounding compiled, `fused`), the gradients of states and head within rounding; in the backward the
+    entropy is not computed again."""
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(37, 16, generator=g).to(dtype)
+    weight = (torch.randn(50, 16, generator=g) / 4).to(dtype)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    grad_out = torch.randn(37, generator=g)
+    found = {}
+    for path in ("chunks", "linear"):
+        PICKS.clear()
+        s, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
+        if path == "chunks":
+            picked, entropy = in_chunks(lambda x, t: token_scores(F.linear(x, w), t, 0.7, _picked_in_logits_dtype),
+                                        8, s, targets)
+        else:
+            picked, entropy = LinearHeadScores.apply(s, w, targets, 0.7, 8, fused, _picked_in_logits_dtype)
+        (picked * grad_out).sum().backward()
+        found[path] = picked.detach(), entropy, s.grad, w.grad
+        assert sorted(PICKS) == sorted([8, 8, 8, 8, 5] * (1 if path == "linear" else 2))  # checkpoints run again
+    (picked, entropy, grad_s, grad_w), (want_picked, want_entropy, want_s, want_w) = found["linear"], found["chunks"]
+    assert torch.equal(picked, want_picked) and not entropy.requires_grad
+    if fused:
+        torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(entropy, want_entropy)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient cast to the logits' dtype before the matmuls
+    for got, want in ((grad_s, want_s), (grad_w, want_w)):
+        assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
+
+
+def test_the_exact_forward_scores_a_plain_head_itself_and_any_other_through_its_chunks(task, tiny_dir):
+    """`qarl_head_weight`: the head's weight where the exact head is exactly F.linear with it (every shipped format
+    leaves the head unquantized), None where it quantizes (scored through autograd's chunks, as before)."""
+    policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_w4a4.yaml", calib_size=16)
+    head = policy.model.get_output_embeddings()
+    assert ExactCausalLM.qarl_head_weight(policy.model) is head.weight
+    head.input_quantizer.enable()
+    assert ExactCausalLM.qarl_head_weight(policy.model) is None
 
 
 @pytest.mark.parametrize("mode", ["qlora", "merged"])
