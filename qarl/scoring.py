@@ -6,8 +6,9 @@ each completion token, and the head (logits), the log-softmax, the picked log-pr
 of `chunk_tokens` of those states at a time; with grad, each chunk keeps only its input and is recomputed in the
 backward. A [tokens, vocab] fp32 tensor then exists for one chunk at a time, not for the micro-batch. A plain
 linear head is scored by `LinearHeadScores`, whose backward needs fewer [chunk, vocab] passes than autograd's (and
-whose fp32 work `policy.compile_scores` compiles). Models that give logits only (the Megatron backend) are scored
-from their full logits.
+whose fp32 work `policy.compile_scores` compiles); so is the exact forward's plain head, its log-probs picked by the
+engine's sampler kernel, its entropy and gradient compiled on a GPU. Models that give logits only (the Megatron
+backend) are scored from their full logits.
 """
 
 from __future__ import annotations
@@ -246,12 +247,15 @@ class LinearHeadScores(torch.autograd.Function):
     order, so values and gradients move within fp32 rounding (bf16 rounding where the gradient is cast).
 
     `pick` (the exact forward's `qarl_token_logprobs`): the picked log-probs come from that kernel, bit for bit
-    the engine's, and only the entropy (a metric) and the gradient from these functions, compiled if `fused`."""
+    the engine's, and only the entropy (a metric) and the gradient from these functions, compiled if `fused` (the
+    exact forward on a GPU, whatever `policy.compile_scores`, which stays refused with it: the values it would
+    compile are the kernel's)."""
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk_tokens: int, fused: bool = False, pick: Callable | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        states = states.contiguous()  # the layout the engine's matmul multiplies (`exact.linear`)
         scores = compiled_once(token_scores) if fused else token_scores
         entropy_of = compiled_once(token_entropy) if fused else token_entropy
         picked, entropy = [], []

@@ -17,10 +17,10 @@ residual stream added elementwise before each RMSNorm; positions restarting at 0
 gradient, the gradient of a torch reference of the same math (`_reference_*`;
 tests/integration/test_gpu_exact.py checks that each kernel computes its reference): written out for the linear
 layers (two matmuls and a sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's
-own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py), and the sampler's
-log-softmax where the head is a plain matmul (`qarl_head_weight`: scored by qarl.scoring.LinearHeadScores, its
-gradient and the entropy metric compiled on a GPU); for attention, and the sampler's log-softmax after any other
-head, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
+own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py); for the sampler's
+log-softmax after a plain head (`qarl_head_weight`), qarl.scoring's `picked_logits_grad` (LinearHeadScores, compiled
+on a GPU; checked against autograd's chunks in tests/unit/test_scoring.py); for attention, and the sampler's
+log-softmax after any other head, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
 backward synchronizes with the host nowhere, so the host queues it ahead of the GPU. Whole-model gradients
 are within 5 % (relative norm) of the default path's for unquantized and W4A16 models
 (tests/integration/test_gpu_exact.py).

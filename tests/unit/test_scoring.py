@@ -149,7 +149,33 @@ def test_a_picking_kernel_scored_by_the_linear_head_path_keeps_its_bits(fused, d
         assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
 
 
-def test_the_exact_forward_scores_a_plain_head_itself_and_any_other_through_its_chunks(task, tiny_dir):
+def test_a_model_with_a_picking_kernel_is_scored_by_the_linear_head_path_where_its_head_is_plain(task, tiny_dir):
+    """`score_completions` of a model with its own body, head and sampler kernel, as the exact forward's: through
+    `LinearHeadScores` (the kernel called once a chunk) where `qarl_head_weight` names a weight, else through
+    autograd's checkpointed chunks (twice); the same log-probs either way."""
+    policy = tiny_policy(task, tiny_dir, "none", trainable=True)
+    model, head = policy.model, policy.model.get_output_embeddings()
+    decoder = model.get_decoder()
+    model.qarl_body_and_head = lambda: (
+        lambda input_ids, attention_mask=None, prompt_lengths=None, **unused: decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False), head)
+    model.qarl_token_logprobs = _picked_in_logits_dtype
+    prompts, completions = _batch(policy, task)
+    found = {}
+    for plain in (True, False):
+        model.qarl_head_weight = lambda: head.weight if plain else None
+        PICKS.clear()
+        scores = score_completions(model, prompts, completions, policy.tokenizer.pad_token_id, 0.7, chunk_tokens=5)
+        scores.logprobs.sum().backward()
+        chunks = -(-int(scores.mask.sum()) // 5)
+        assert len(PICKS) == chunks * (1 if plain else 2)
+        found[plain] = scores.logprobs.detach(), head.weight.grad.clone()
+        model.zero_grad()
+    assert torch.equal(found[True][0], found[False][0])
+    assert (found[True][1] - found[False][1]).abs().max() <= 1e-5 * found[False][1].abs().max()  # fp32 rounding
+
+
+def test_the_exact_forward_names_its_head_weight_where_the_head_is_a_plain_matmul(task, tiny_dir):
     """`qarl_head_weight`: the head's weight where the exact head is exactly F.linear with it (every shipped format
     leaves the head unquantized), None where it quantizes (scored through autograd's chunks, as before)."""
     policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_w4a4.yaml", calib_size=16)
