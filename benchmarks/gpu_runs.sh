@@ -75,6 +75,8 @@
 #             (benchmarks/gpu_profile_rollout.py --exact)
 #   profile_user_shape [--compile norms mlp layers scores] [--pack]  the torch profiler over one update micro-batch of
 #             the user_shape model (8 x (100 + 1,024) tokens, padded or packed), GRPO: where the train phase's time goes
+#   score_kernels  each fp32 function of the linear head's scoring on one chunk of logits (512 x 151,936), eager and
+#             compiled, in the default mode and in vLLM's batch-invariant mode (benchmarks/score_kernels.py)
 #   head_scoring  LinearHeadScores against the head's chunks through autograd (benchmarks/head_scoring.py), one
 #             micro-batch of 8 x (100 + 1,024) tokens of the user_shape model: time and peak memory
 #   step_time  the weight cache, held weights and fast inputs against ModelOpt on the GPU (tests), then
@@ -381,6 +383,11 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/gpu_profile_update.py --model "$shape_dir" --formats none --rows 8 --prompt-tokens 100 \
       --completion-tokens 1024 "${@:3}" > "$out/profile_update_${shape}${TAG:-}.txt" 2>&1
     grep -E "one update|allocated after" "$out/profile_update_${shape}${TAG:-}.txt"
+    ;;
+  score_kernels)  # a process per mode: vLLM's batch-invariant mode is process-wide
+    python3 benchmarks/score_kernels.py --out "$out/score_kernels.md" 2>&1 | grep -v -i warn | tail -6
+    python3 benchmarks/score_kernels.py --batch-invariant --out "$out/score_kernels_invariant.md" 2>&1 \
+      | grep -v -i warn | tail -6
     ;;
   head_scoring)  # the linear head's scoring against autograd's chunks, one micro-batch of the user_shape model
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1

@@ -247,9 +247,10 @@ class LinearHeadScores(torch.autograd.Function):
     order, so values and gradients move within fp32 rounding (bf16 rounding where the gradient is cast).
 
     `pick` (the exact forward's `qarl_token_logprobs`): the picked log-probs come from that kernel, bit for bit
-    the engine's, and only the entropy (a metric) and the gradient from these functions, compiled if `fused` (the
-    exact forward on a GPU, whatever `policy.compile_scores`, which stays refused with it: the values it would
-    compile are the kernel's)."""
+    the engine's. The forward computes each row's entropy (a metric) and log-normalizer (`entropy_and_logsumexp`),
+    and the backward the gradient from that normalizer (`picked_grad_from_logsumexp`): one pass over each chunk's
+    logits, no second log-softmax. Both are compiled if `fused` (the exact forward on a GPU, whatever
+    `policy.compile_scores`, which stays refused with it: the values it would compile are the kernel's)."""
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -257,18 +258,20 @@ class LinearHeadScores(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         states = states.contiguous()  # the layout the engine's matmul multiplies (`exact.linear`)
         scores = compiled_once(token_scores) if fused else token_scores
-        entropy_of = compiled_once(token_entropy) if fused else token_entropy
-        picked, entropy = [], []
+        row_stats = compiled_once(entropy_and_logsumexp) if fused else entropy_and_logsumexp
+        picked, entropy, logsumexp = [], [], []
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
             logits = F.linear(states[chunk], weight)
             if pick is None:
                 chunk_picked, chunk_entropy = scores(logits, targets[chunk], temperature)
             else:
-                chunk_picked, chunk_entropy = pick(logits, targets[chunk], temperature), entropy_of(logits, temperature)
+                chunk_picked = pick(logits, targets[chunk], temperature)
+                chunk_entropy, chunk_logsumexp = row_stats(logits, temperature)
+                logsumexp.append(chunk_logsumexp)
             picked.append(chunk_picked)
             entropy.append(chunk_entropy)
-        ctx.save_for_backward(states, weight, targets)
+        ctx.save_for_backward(states, weight, targets, torch.cat(logsumexp) if logsumexp else None)
         ctx.temperature, ctx.chunk_tokens, ctx.fused = temperature, chunk_tokens, fused
         entropy_all = torch.cat(entropy) if entropy else states.new_zeros(0, dtype=torch.float32)
         ctx.mark_non_differentiable(entropy_all)
@@ -278,14 +281,19 @@ class LinearHeadScores(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_picked: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        states, weight, targets = ctx.saved_tensors
+        states, weight, targets, logsumexp = ctx.saved_tensors
         want_states, want_weight = ctx.needs_input_grad[:2]
         grad_states = torch.empty_like(states) if want_states else None
         grad_weight = None
-        logits_grad = compiled_once(picked_logits_grad) if ctx.fused else picked_logits_grad
+        grad_of = picked_logits_grad if logsumexp is None else picked_grad_from_logsumexp
+        grad_of = compiled_once(grad_of) if ctx.fused else grad_of
         for start in reversed(range(0, states.shape[0], ctx.chunk_tokens)):  # autograd's order: the last chunk first
             chunk = slice(start, start + ctx.chunk_tokens)
-            grad = logits_grad(F.linear(states[chunk], weight), targets[chunk], grad_picked[chunk], ctx.temperature)
+            logits = F.linear(states[chunk], weight)
+            if logsumexp is None:
+                grad = grad_of(logits, targets[chunk], grad_picked[chunk], ctx.temperature)
+            else:
+                grad = grad_of(logits, targets[chunk], grad_picked[chunk], logsumexp[chunk], ctx.temperature)
             if want_states:
                 grad_states[chunk] = grad @ weight
             if want_weight:
@@ -324,11 +332,24 @@ def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float
     return picked, entropy
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The entropy of `token_scores`, alone (for a picked log-prob that comes from a kernel of its own)."""
+def entropy_and_logsumexp(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy, log-normalizer) of each row of softmax(logits / temperature), in fp32, for a picked log-prob that
+    comes from a kernel of its own: H = lse - sum(p z), with z = logits / temperature and p = exp(z - lse). No fp32
+    [rows, vocabulary] log-softmax is kept; the backward takes lse (`picked_grad_from_logsumexp`)."""
     with torch.no_grad():
-        log_probs = log_softmax_fp32(logits, temperature)
-        return -(log_probs.exp() * log_probs).sum(-1)
+        z = logits.float() / temperature
+        logsumexp = torch.logsumexp(z, dim=-1)
+        return logsumexp - (torch.exp(z - logsumexp[:, None]) * z).sum(-1), logsumexp
+
+
+def picked_grad_from_logsumexp(logits: torch.Tensor, targets: torch.Tensor, grad_picked: torch.Tensor,
+                               logsumexp: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`picked_logits_grad` given each row's log-normalizer from the forward: g (onehot(target) - p) / temperature,
+    p = exp(logits / temperature - lse), in the logits' dtype. Elementwise, no reduction: compiled, one read of
+    the logits and one write of the gradient."""
+    z = logits.float() / temperature
+    hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    return ((hit.float() - torch.exp(z - logsumexp[:, None])) * (grad_picked / temperature)[:, None]).to(logits.dtype)
 
 
 def score_completions(
