@@ -334,12 +334,14 @@ def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 
 def entropy_and_logsumexp(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(entropy, log-normalizer) of each row of softmax(logits / temperature), in fp32, for a picked log-prob that
-    comes from a kernel of its own: H = lse - sum(p z), with z = logits / temperature and p = exp(z - lse). No fp32
-    [rows, vocabulary] log-softmax is kept; the backward takes lse (`picked_grad_from_logsumexp`)."""
+    comes from a kernel of its own: H = sum(p (lse - z)), with z = logits / temperature and p = exp(z - lse) (not
+    lse - sum(p z), which subtracts two large numbers). No fp32 [rows, vocabulary] log-softmax is kept; the backward
+    takes lse (`picked_grad_from_logsumexp`)."""
     with torch.no_grad():
         z = logits.float() / temperature
         logsumexp = torch.logsumexp(z, dim=-1)
-        return logsumexp - (torch.exp(z - logsumexp[:, None]) * z).sum(-1), logsumexp
+        minus_log_p = logsumexp[:, None] - z
+        return (torch.exp(-minus_log_p) * minus_log_p).sum(-1), logsumexp
 
 
 def picked_grad_from_logsumexp(logits: torch.Tensor, targets: torch.Tensor, grad_picked: torch.Tensor,
