@@ -82,10 +82,9 @@ def main() -> None:
         eager, compiled = timed_ms(fn, call_args), timed_ms(compiled_once(fn), call_args)
         lines.append(f"| {name} | {eager:.3f} | {compiled:.3f} | {compiled / pass_ms:.1f} |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
+    print("", *lines, sep="\n")
     if args.out:
-        args.out.write_text(text)
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
