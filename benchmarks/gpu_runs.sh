@@ -385,9 +385,9 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     grep -E "one update|allocated after" "$out/profile_update_${shape}${TAG:-}.txt"
     ;;
   score_kernels)  # a process per mode: vLLM's batch-invariant mode is process-wide
-    python3 benchmarks/score_kernels.py --out "$out/score_kernels.md" 2>&1 | grep -v -i warn | tail -9
+    python3 benchmarks/score_kernels.py --out "$out/score_kernels.md" 2>&1 | grep -v -i warn | tail -10
     python3 benchmarks/score_kernels.py --batch-invariant --out "$out/score_kernels_invariant.md" 2>&1 \
-      | grep -v -i warn | tail -9
+      | grep -v -i warn | tail -10
     ;;
   head_scoring)  # the linear head's scoring against autograd's chunks, one micro-batch of the user_shape model
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1

@@ -4,7 +4,8 @@ eager and compiled as it compiles them (`qarl.scoring.compiled_once`), one at a 
     python benchmarks/score_kernels.py [--rows 512] [--vocab 151936] [--batch-invariant] [--out FILE]
 
 The functions: `token_scores` (the default path's forward: picked log-prob and entropy), `picked_logits_grad` (its
-backward: the log-softmax again, then the gradient), `entropy_and_logsumexp` (the exact forward's forward: entropy and
+backward: the log-softmax again, then the gradient; also the exact forward's first form, with the entropy alone from a
+log-softmax, `log_softmax_entropy` here), `entropy_and_logsumexp` (the exact forward's forward: entropy and
 log-normalizer, the picked log-prob being the engine's kernel's) and `picked_grad_from_logsumexp` (its backward, from
 that normalizer). Each on one chunk of bf16 logits ([rows, vocabulary], the default chunk of 512 rows at the
 Qwen3-1.7B shape's vocabulary), the GPU time a call (CUDA events over back-to-back calls, median of rounds), and that
@@ -45,6 +46,16 @@ def timed_ms(fn, args: tuple, calls: int = 10, rounds: int = 5) -> float:
     return statistics.median(times)
 
 
+def log_softmax_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The entropy as the exact forward's scoring first computed it (-sum p log p from a log-softmax; one of its two
+    compiled kernels took 3.7 ms a chunk on an H200, benchmarks/results/gpu/exact_scoring/), for comparison."""
+    from qarl.scoring import log_softmax_fp32
+
+    with torch.no_grad():
+        log_probs = log_softmax_fp32(logits, temperature)
+        return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=512, help="rows of a chunk (policy.logprob_chunk_tokens)")
@@ -67,6 +78,7 @@ def main() -> None:
     logsumexp = torch.logsumexp(logits.float(), dim=-1)
     cases = {"token_scores": (token_scores, (logits, targets, 1.0)),
              "picked_logits_grad": (picked_logits_grad, (logits, targets, grad_picked, 1.0)),
+             "log_softmax_entropy (the first form)": (log_softmax_entropy, (logits, 1.0)),
              "entropy_and_logsumexp": (entropy_and_logsumexp, (logits, 1.0)),
              "picked_grad_from_logsumexp": (picked_grad_from_logsumexp, (logits, targets, grad_picked, logsumexp, 1.0))}
     pass_ms = float("nan")
