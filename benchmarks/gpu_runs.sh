@@ -31,7 +31,7 @@
 #             policy.exact_forward=true on the 0.5B model, bf16 and fp16, eager and with CUDA graphs (arguments: some of
 #             them, e.g. bfloat16:false for bf16 with graphs)
 #   exact_grpo  QA-GRPO of the 0.5B model with the exact forward on or off (arguments: format, true|false)
-#   exact_matmul  which matmul the exact forward could run: cuBLASLt (vLLM's mode) and cuBLAS without split-K and vLLM's
+#   exact_matmul  which matmul the exact forward could run: cuBLASLt (vLLM's mode), cuBLAS (refused in that mode) and vLLM's
 #             persistent Triton kernel, each row's bits in batches of 1-2,048 rows against 8,264, their GPU time (CUDA
 #             graphs) and host time a call (eager launches) (benchmarks/exact_matmul.py)
 #   exact_cost [user_shape [FORMAT]]  the policy's forward + backward with the exact forward on against off
