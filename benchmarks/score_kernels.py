@@ -10,8 +10,9 @@ log-normalizer, the picked log-prob being the engine's kernel's) and `picked_gra
 that normalizer). Each on one chunk of bf16 logits ([rows, vocabulary], the default chunk of 512 rows at the
 Qwen3-1.7B shape's vocabulary), the GPU time a call (CUDA events over back-to-back calls, median of rounds), and that
 time in units of one copy of the chunk into fp32 (a bf16 read and an fp32 write at the device's bandwidth), so a
-kernel far from that floor stands out. `--batch-invariant` first puts the process in vLLM's batch-invariant mode, as the exact forward does (its aten
-overrides reach the eager functions). On CPU it runs too, as a smoke check (wall time).
+kernel far from that floor stands out. `--batch-invariant` first puts the process in vLLM's batch-invariant mode,
+as the exact forward does (its aten overrides reach the eager functions). On CPU it runs too, as a smoke check (wall
+time).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ gradient, the gradient of a torch reference of the same math (`_reference_*`;
 tests/integration/test_gpu_exact.py checks that each kernel computes its reference): written out for the linear
 layers (two matmuls and a sum), RMSNorm, SiLU x mul and the rotary embedding (the inverse rotation, by the engine's
 own kernel), each checked against autograd of its reference (tests/unit/test_exact_forward.py); for the sampler's
-log-softmax after a plain head (`qarl_head_weight`), qarl.scoring's `picked_logits_grad` (LinearHeadScores, compiled
-on a GPU; checked against autograd's chunks in tests/unit/test_scoring.py); for attention, and the sampler's
+log-softmax after a plain head (`qarl_head_weight`), qarl.scoring's `picked_grad_from_logsumexp` (LinearHeadScores,
+compiled on a GPU; checked against autograd's chunks in tests/unit/test_scoring.py); for attention, and the sampler's
 log-softmax after any other head, autograd of the reference, recomputed in the backward pass (`EngineOp`). The
 backward synchronizes with the host nowhere, so the host queues it ahead of the GPU. Whole-model gradients
 are within 5 % (relative norm) of the default path's for unquantized and W4A16 models
@@ -139,7 +139,8 @@ class ExactCausalLM:
         """The weight W with which `exact_head(states)` is exactly `F.linear(states, W)`, the engine's matmul of the
         head: the head's `linear_weight` (no bias, its input passed as it is, as every shipped format leaves the
         head), or None. Scoring then computes the head's chunks itself (`qarl.scoring.LinearHeadScores`) instead of
-        through autograd's checkpointed chunks: the entropy once, not again in the backward, the gradient written out."""
+        through autograd's checkpointed chunks: the entropy once, not again in the backward, the gradient written
+        out."""
         return linear_weight(self._modules["lm_head"])
 
     def qarl_token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _picked_in_logits_dtype(logits: torch.Tensor, targets: torch.Tensor, tempera
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_picking_kernel_scored_by_the_linear_head_path_keeps_its_bits(fused, dtype):
     """The exact forward's scoring (`LinearHeadScores` with its sampler kernel as `pick`) against the path it had,
-    autograd's checkpointed chunks of `token_scores`: the kernel's log-probs bit for bit; the entropy (lse - sum p z
+    autograd's checkpointed chunks of `token_scores`: the kernel's log-probs bit for bit; the entropy (sum p (lse - z)
     rather than -sum p log p) and the gradients of states and head (from the forward's lse) within rounding, eager
     and compiled (`fused`); the kernel runs once a chunk, not again in the backward."""
     g = torch.Generator().manual_seed(0)
