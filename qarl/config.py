@@ -374,6 +374,9 @@ class TaskConfig:
     # prompt and an answer column; eval_data is the held-out split.
     train_data: str = ""
     eval_data: str = ""  # name=dataset: the held-out split (same columns)
+    # name=dataset: an optional transfer split (same columns): held-out problems in templates, phrasings and number
+    # ranges training never saw; evaluated beside eval_data (eval_transfer/* metrics, the matrix's transfer tables)
+    transfer_data: str = ""
     prompt_column: str = "prompt"  # name=dataset: the column holding each prompt
     answer_column: str = "answer"  # name=dataset: the column holding each reference answer
     # prompts through the tokenizer's chat template (qarl/tasks/chat.py): auto = when the tokenizer has one
@@ -436,6 +439,11 @@ class TrainerConfig:
     importance_sampling_level: str = knob("token", choices=("token", "sequence"))
     beta: float = knob(0.0, ge=0)  # KL to a frozen reference (k3); 0 loads no reference
     mask_truncated_completions: bool = False  # completions cut off by max_new_tokens get no loss
+    # DAPO's soft overlong punishment, added to the reward: 0 for a completion of up to max_new_tokens minus this many
+    # tokens, falling linearly to -soft_overlong_penalty at max_new_tokens (and for any truncated completion); 0: off.
+    # With mask_truncated_completions a truncated completion's punishment lowers its group's baseline but gets no loss
+    soft_overlong_tokens: int = knob(0, ge=0)
+    soft_overlong_penalty: float = knob(1.0, ge=0)  # the punishment at the limit (DAPO: 1)
     num_iterations: int = knob(1, ge=1)  # updates on each rollout (PPO epochs)
     # Weight each token by the policy/engine probability ratio (truncated at the cap), correcting what is left of
     # the rollout/train mismatch.
@@ -473,6 +481,8 @@ class EvalConfig:
 
     every: int = knob(10, ge=0)  # also at step 0 and at the end; 0: no held-out evaluation (a long-completion run's costs a step)
     num_prompts: int = knob(100, ge=1)  # held-out prompts per evaluation (greedy)
+    # transfer prompts per evaluation (greedy), when the task has a transfer split (task.transfer_data); 0: none
+    num_transfer_prompts: int = knob(100, ge=0)
 
 
 @dataclass
@@ -538,6 +548,8 @@ class MatrixConfig:
         "quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
     ptq_methods: list[str] = field(default_factory=lambda: ["max", "awq_lite"])  # PTQ calibration methods compared
     num_prompts: int = knob(1000, ge=1)  # held-out prompts (task.num_eval must provide them); SE <= 0.5/sqrt(n)
+    # transfer prompts, when the task has a transfer split (task.transfer_data must provide them); 0: test split only
+    num_transfer_prompts: int = knob(1000, ge=0)
     # Export targets (names or paths of export/*.yaml): each trained run whose format a target writes is also exported
     # to it and evaluated as that real low-precision checkpoint, served by vLLM with its own kernels (a GPU with
     # NVFP4 / FP8 kernels): the column "exported TARGET".
@@ -657,11 +669,19 @@ def check_grpo_recipe(cfg: RecipeConfig) -> None:
         raise ConfigError(f"trainer.num_generations={cfg.trainer.num_generations}: GRPO compares completions within "
                           "a group, so it needs at least 2 per prompt")
     _check_groups(cfg.trainer)
+    limit = cfg.policy.generation.max_new_tokens
+    if cfg.trainer.soft_overlong_tokens >= limit:
+        raise ConfigError(f"trainer.soft_overlong_tokens={cfg.trainer.soft_overlong_tokens} must be below "
+                          f"policy.generation.max_new_tokens={limit}: the punishment falls over the last tokens before "
+                          "the limit (DAPO: 4,096 of 20,480)")
 
 
 def check_qad_recipe(cfg: RecipeConfig) -> None:
     """What on-policy QAD (`qarl distill`) needs of its settings together; checked as it loads."""
     _check_groups(cfg.trainer)
+    if cfg.trainer.soft_overlong_tokens:
+        raise ConfigError("trainer.soft_overlong_tokens shapes GRPO's reward; QAD learns from its teacher's KL, not "
+                          "from rewards: set trainer.soft_overlong_tokens=0")
     if cfg.policy.compiles_scores:
         raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
                           "(qarl/distill.py) do not use it: set policy.compile_scores=false")

@@ -12,8 +12,9 @@
     -> final evaluation, plot, summary.
 
 Evaluation (step 0 = plain post-training quantization of the teacher, every `eval.every` steps, and
-at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy, and
-`eval/teacher_kl`, the same reverse KL as the loss on the student's samples for held-out prompts.
+at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy (and `eval_transfer/accuracy` on a
+task's transfer split), and `eval/teacher_kl`, the same reverse KL as the loss on the student's samples for held-out
+prompts.
 
 What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, the step skeleton,
 checkpoints, metrics) lives in qarl/run.py; this file holds what distillation adds.
@@ -34,7 +35,7 @@ from transformers import PreTrainedModel
 from qarl.checkpoint import resolve_checkpoint
 from qarl.config import ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
 from qarl.distill_loss import reverse_kl
-from qarl.evaluate import evaluate
+from qarl.evaluate import SPLIT_PREFIX, evaluate_splits, split_metrics
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
 from qarl.memory import FrozenModel, ModelShape
@@ -47,7 +48,7 @@ from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatc
                       start_engine, start_run)
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
-from qarl.tasks import Problem, PromptFormat, Task
+from qarl.tasks import Problem, PromptFormat, Task, eval_splits
 
 WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
@@ -231,8 +232,9 @@ def distill(cfg: RecipeConfig) -> Path:
         teacher = run.frozen
         if same_architecture(teacher.model, run.policy.model):
             engine.refit(teacher.model)
-            eval_problems = run.task.eval[: cfg.eval.num_prompts]
-            first_row["eval/teacher_accuracy"] = evaluate(engine, run.prompts, eval_problems, run.rewards).accuracy
+            splits = eval_splits(run.task, cfg.eval.num_prompts, cfg.eval.num_transfer_prompts)
+            first_row.update({f"{SPLIT_PREFIX[name]}/teacher_accuracy": result.accuracy
+                              for name, result in evaluate_splits(engine, run.prompts, splits, run.rewards).items()})
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine = engine_in_format(run, engine, rollout_format)  # a graph engine restarts for it (once, after the teacher)
@@ -259,14 +261,14 @@ class QADSteps:
 
     def __init__(self, run: Run, engine: VLLMEngine):
         self.run, self.engine = run, engine
-        self.eval_problems = run.task.eval[: run.cfg.eval.num_prompts]
+        self.eval_splits = eval_splits(run.task, run.cfg.eval.num_prompts, run.cfg.eval.num_transfer_prompts)
         self.summary = distill_summary
 
     def evaluate(self) -> dict[str, float]:
         student, teacher = self.run.policy, self.run.frozen
-        return {"eval/accuracy": evaluate(self.engine, self.run.prompts, self.eval_problems, self.run.rewards).accuracy,
-                "eval/teacher_kl": teacher_kl(self.engine, self.run.prompts, student, teacher, self.eval_problems,
-                                              self.run.cfg)}
+        return {**split_metrics(evaluate_splits(self.engine, self.run.prompts, self.eval_splits, self.run.rewards)),
+                "eval/teacher_kl": teacher_kl(self.engine, self.run.prompts, student, teacher,
+                                              self.eval_splits["test"], self.run.cfg)}
 
     def judge(self, batch: Rollout) -> dict[str, float]:
         values, parts = self.run.rewards(batch.texts, batch.answers)  # rewards[0] is the verifier

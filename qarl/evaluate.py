@@ -43,6 +43,11 @@ class EvalResult:
                 "stop_rate": sum(r == "stop" for r in self.finish_reasons) / n,
                 "mean_length": sum(self.lengths) / n}
 
+    def part(self, start: int, stop: int) -> EvalResult:
+        """The results of problems start..stop-1."""
+        return EvalResult(self.correct[start:stop], None if self.parsed is None else self.parsed[start:stop],
+                          self.finish_reasons[start:stop], self.lengths[start:stop])
+
 
 def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
     """Greedy completions of `problems` from the engine (refitted by the caller), formatted by `prompts`, scored by
@@ -55,6 +60,31 @@ def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem],
                       parsed=[parser(t) for t in texts] if parser is not None else None,
                       finish_reasons=[c.finish_reason for c in completions],
                       lengths=[len(c.token_ids) for c in completions])
+
+
+SPLIT_PREFIX = {"test": "eval", "transfer": "eval_transfer"}  # a split's metrics: eval/accuracy, eval_transfer/...
+
+
+def evaluate_splits(engine: VLLMEngine, prompts: PromptFormat, splits: dict[str, list[Problem]],
+                    rewards: WeightedRewards) -> dict[str, EvalResult]:
+    """`evaluate` of every split (qarl.tasks.eval_splits) in one batch of completions, the results per split."""
+    results = evaluate(engine, prompts, [p for problems in splits.values() for p in problems], rewards)
+    out, start = {}, 0
+    for name, problems in splits.items():
+        out[name] = results.part(start, start + len(problems))
+        start += len(problems)
+    return out
+
+
+def split_metrics(results: dict[str, EvalResult]) -> dict[str, float]:
+    """A metrics row's held-out part: each split's accuracy and hygiene under its prefix (eval/accuracy,
+    eval/truncation_rate, ..., eval_transfer/accuracy, ...); no parse rate where the verifier has no parser."""
+    row = {}
+    for name, result in results.items():
+        prefix = SPLIT_PREFIX[name]
+        row[f"{prefix}/accuracy"] = result.accuracy
+        row.update({f"{prefix}/{key}": value for key, value in result.hygiene().items() if value is not None})
+    return row
 
 
 def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:

@@ -1,4 +1,5 @@
-"""GRPO's math, free of models and engines: advantages, the clipped surrogate, KL, loss aggregation.
+"""GRPO's math, free of models and engines: the overlong punishment, advantages, the clipped surrogate, KL, loss
+aggregation.
 
 Conventions follow TRL's GRPOTrainer so that its users find the knobs they know. Tensors are padded
 [batch, tokens] with a 0/1 `mask` over completion tokens.
@@ -28,6 +29,16 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     elif scale == "batch":
         centered = centered / (rewards.std() + 1e-4)
     return centered, frac_zero_std
+
+
+def soft_overlong_penalty(lengths: torch.Tensor, truncated: torch.Tensor, max_tokens: int, cache_tokens: int
+                          ) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, "overlong reward shaping") of each
+    completion, in [-1, 0]: 0 up to max_tokens - cache_tokens tokens, then (max_tokens - cache_tokens - length) /
+    cache_tokens, -1 at max_tokens. A truncated completion gets -1 whatever its length (the engine's max_model_len
+    may cut it before max_tokens): it would have run past the limit."""
+    penalty = ((max_tokens - cache_tokens - lengths.float()) / cache_tokens).clamp(-1.0, 0.0)
+    return torch.where(truncated, torch.full_like(penalty, -1.0), penalty)
 
 
 def sequence_weights(mask: torch.Tensor, loss_type: str, batch_size: int, max_completion_length: int,

@@ -1,7 +1,8 @@
 """`qarl matrix`: does the RL gain survive quantization better than post-training quantization (PTQ)?
 
 Every model (a base, and models trained from it: qarl runs or checkpoints, or Hugging Face directories)
-is evaluated greedily, in the rollout engine, on one held-out set at every precision of the matrix:
+is evaluated greedily, in the rollout engine, on every held-out split of the task (the test split, and the
+transfer split where the task has one: problems unlike the training ones) at every precision of the matrix:
   full       unquantized;
   FMT METHOD each format after PTQ with each calibration method, on the recipe's calibration data
              (ModelOpt's max calibration, and stronger ones: AWQ's activation-aware smoothing, MSE
@@ -13,14 +14,19 @@ A run's trained format is always also a PTQ column, so its transfer to the other
 
   gain      D(m, p) = acc(m, p) - acc(base, p)            the trained column compares with the base's PTQ
   survival  S(m, p) = D(m, p) - D(m, full)                > 0: quantization kept more of the gain
+  share     (acc(m, p) - acc(base, full)) / (acc(GRPO, full) - acc(base, full))   GRPO: the one unquantized
+            trained row; the PTQ-relative share D(m, p) / the same denominator is kept under that name
 
 Standard errors: every cell is scored on the same prompts, so differences are paired, the standard
 error of a mean of per-prompt differences, sqrt(var(d) / n); for one accuracy that is the binomial
 sqrt(p (1 - p) / n). A model given as several seeds is averaged prompt by prompt, and the spread of
 its per-seed survival is reported beside (the seed noise that the prompt SE does not contain).
+Paired tests: every pair of cells, on those per-prompt seed means, gets the mean difference, its 95 %
+paired-bootstrap interval over prompts and the exact sign-flip test's mid-p (McNemar's exact test when
+both cells have one seed).
 
 Outputs under `matrix.out`: matrix.json (every number and the hygiene of every cell: answer parse
-rate, truncation rate, stop/EOS rate, mean length), matrix.md (the tables), matrix.png.
+rate, truncation rate, stop/EOS rate, mean length; per split), matrix.md (the tables), matrix.png.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,6 +78,51 @@ def survival(model_q: Sequence[float], base_q: Sequence[float], model_full: Sequ
     return mean_and_se([mq - bq - mf + bf for mq, bq, mf, bf in zip(model_q, base_q, model_full, base_full, strict=True)])
 
 
+def sign_flip_p(differences: Sequence[int]) -> tuple[float, float]:
+    """Two-sided p-values (exact, mid-p) of the paired sign-flip test of integer per-prompt differences: if two rows
+    are the same model, each prompt's difference is as likely +d as -d. On 0/1 results (one seed a row) this is
+    McNemar's exact test: the signs of the b + c discordant prompts are Bin(b + c, 1/2). The null distribution of the
+    sum is exact: one binomial per distinct |d|, convolved. mid-p counts half the probability of the observed sum."""
+    import numpy as np
+
+    observed = abs(sum(differences))
+    distribution, offset = np.ones(1), 0  # P(sum = i - offset)
+    for magnitude, count in Counter(abs(d) for d in differences if d).items():
+        spread = np.zeros(2 * magnitude * count + 1)  # count signs, k of them +: sum magnitude * (2k - count)
+        spread[::2 * magnitude] = [math.comb(count, k) / 2**count for k in range(count + 1)]
+        distribution, offset = np.convolve(distribution, spread), offset + magnitude * count
+    sums = np.arange(len(distribution)) - offset
+    above, at = distribution[sums > observed].sum(), distribution[sums == observed].sum()
+    return min(1.0, float(2 * (above + at))), min(1.0, float(2 * (above + at / 2)))
+
+
+def bootstrap_interval(differences: Sequence[float], level: float = 0.95, resamples: int = 10_000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean difference over prompts resampled with replacement (paired: a prompt's two
+    results travel together). Drawn as multinomial counts of the distinct differences, which is the same distribution
+    as resampling prompts, in a fraction of the time; seeded, so one report gives one interval."""
+    import numpy as np
+
+    values, counts = np.unique(np.asarray(differences, dtype=float), return_counts=True)
+    n = int(counts.sum())
+    means = np.random.default_rng(seed).multinomial(n, counts / n, size=resamples) @ values / n
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def paired_test(a: Sequence[float], b: Sequence[float], seeds_a: int, seeds_b: int) -> dict[str, Any]:
+    """Row a against row b on the same prompts, each score a prompt's mean over its row's seeds: the mean difference
+    a - b, its 95 % paired-bootstrap interval over prompts, and the exact sign-flip test's p (mid-p; McNemar's when
+    both rows have one seed). Seeds are pooled per prompt: the interval is over prompts for these trained seeds; the
+    spread between seeds is the survival table's sd."""
+    differences = [x - y for x, y in zip(a, b, strict=True)]
+    scale = math.lcm(seeds_a, seeds_b)  # every difference is a multiple of 1 / scale
+    p_exact, p_mid = sign_flip_p([round(d * scale) for d in differences])
+    low, high = bootstrap_interval(differences)
+    return {"difference": sum(differences) / len(differences), "ci95": [low, high], "p": p_mid, "p_exact": p_exact,
+            "test": "mcnemar" if seeds_a == seeds_b == 1 else "sign-flip"}
+
+
 # -- what is evaluated -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Precision:
@@ -98,7 +150,7 @@ class Plan:
     """Everything `qarl matrix` will evaluate, checked before anything heavy runs."""
 
     cfg: RecipeConfig
-    problems: list
+    splits: dict[str, list]  # the held-out splits, by name: "test", and "transfer" where the task has one
     prompts: Any  # the PromptFormat every model is asked in (they share the base's tokenizer)
     calibration: list[str]
     models: dict[str, list[ModelSource]]  # "base" first
@@ -226,7 +278,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     from qarl.generation import check_expert_inputs
     from qarl.quant.ops import input_quant_plan
     from qarl.quant.quantize import check_format_fits
-    from qarl.tasks import build_task, model_prompt_format
+    from qarl.tasks import build_task, eval_splits, model_prompt_format
     from qarl.run import initial_model_dir, initial_model_key
 
     m = cfg.matrix
@@ -235,7 +287,10 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     if len(task.eval) < m.num_prompts:
         raise ConfigError(f"matrix.num_prompts={m.num_prompts} but the task has {len(task.eval)} held-out "
                           f"problems: raise task.num_eval (or lower matrix.num_prompts)")
-    problems = task.eval[: m.num_prompts]
+    if task.transfer and len(task.transfer) < m.num_transfer_prompts:
+        raise ConfigError(f"matrix.num_transfer_prompts={m.num_transfer_prompts} but the task's transfer split has "
+                          f"{len(task.transfer)} problems: lower matrix.num_transfer_prompts (0: the test split only)")
+    splits = eval_splits(task, m.num_prompts, m.num_transfer_prompts)
     models = {}
     for name, paths in m.models.items():
         models[name] = [resolve_model_source(p) for p in paths]
@@ -248,7 +303,8 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     # the warm start keeps its base's tokenizer and architecture: check against the base before making it
     base_dir = resolve_model_dir(cfg.policy.model_name) if warm else base.model_dir
     trust = cfg.policy.trust_remote_code
-    held_out, base_key = {p.prompt for p in problems}, initial_model_key(cfg, task) if warm else None
+    held_out = {p.prompt for problems in splits.values() for p in problems}
+    base_key = initial_model_key(cfg, task) if warm else None
     reference = _architecture(base_dir, trust)
     for name, sources in models.items():
         for source in sources:
@@ -283,7 +339,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     prompts = model_prompt_format(base_dir, cfg.task, trust)
     if warm:
         base = ModelSource(WARM_START, initial_model_dir(cfg, task))
-    return Plan(cfg, problems, prompts, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
+    return Plan(cfg, splits, prompts, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
                 {"base": [base], **models}, precisions, trained_precision)
 
 
@@ -324,10 +380,10 @@ def _writes(target: Any, source: ModelSource) -> bool:
 
 
 def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision: Precision, rewards: Any
-              ) -> EvalResult:
+              ) -> dict[str, EvalResult]:
     """`source`'s checkpoint exported to the column's target, then evaluated in an engine started from the export
-    (vLLM's own low-precision kernels; no fake quantization, no refit)."""
-    from qarl.evaluate import evaluate
+    (vLLM's own low-precision kernels; no fake quantization, no refit); the results per split."""
+    from qarl.evaluate import evaluate_splits
     from qarl.export import export_checkpoint
     from qarl.generation import VLLMEngine
 
@@ -335,17 +391,21 @@ def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision:
     export_checkpoint(source.checkpoint, precision.export, out, overwrite=True)
     engine = VLLMEngine(out, plan.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
     try:
-        return evaluate(engine, plan.prompts, plan.problems, rewards)
+        return evaluate_splits(engine, plan.prompts, plan.splits, rewards)
     finally:
         engine.close()
 
 
-def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
-    """{model: {precision: one EvalResult per seed}}, grouped by the engine's format (one switch each):
-    the trained column first, by trained format, then precision by precision."""
+Results = dict[str, dict[str, dict[str, list["EvalResult"]]]]  # {split: {model: {precision: one per seed}}}
+
+
+def evaluate_matrix(plan: Plan) -> Results:
+    """{split: {model: {precision: one EvalResult per seed}}}, every split of a cell in one batch, the cells grouped
+    by the engine's format (one switch each): the trained column first, by trained format, then precision by
+    precision."""
     from tqdm import tqdm
 
-    from qarl.evaluate import evaluate
+    from qarl.evaluate import evaluate_splits
     from qarl.generation import VLLMEngine
     from qarl.rewards import WeightedRewards
 
@@ -364,14 +424,19 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
                     cells.append((source.trained_format, name, source, precision))
     # trained cells first: a checkpoint that cannot load fails before the long part
     cells.sort(key=lambda c: (not c[3].trained, c[0].fingerprint() if c[0] is not None else ""))
-    results: dict[str, dict[str, list[EvalResult]]] = {name: {} for name in plan.models}
+    results: Results = {split: {name: {} for name in plan.models} for split in plan.splits}
+
+    def add(name: str, precision: Precision, by_split: dict[str, EvalResult]) -> None:
+        for split, result in by_split.items():
+            results[split][name].setdefault(precision.name, []).append(result)
+
     engine = VLLMEngine(plan.models["base"][0].model_dir, plan.generation, cfg.policy.dtype, cfg.run.seed,
                         quant_format=cells[0][0])  # grouped by format: a graph engine restarts once per format
     for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
         engine.set_quant_format(fmt)  # the same format again changes nothing
         policy = _policy(plan, source, precision)
         engine.refit(policy.model)
-        results[name].setdefault(precision.name, []).append(evaluate(engine, plan.prompts, plan.problems, rewards))
+        add(name, precision, evaluate_splits(engine, plan.prompts, plan.splits, rewards))
     exports = [p for p in plan.precisions if p.export is not None]
     if exports:
         engine.close()  # one engine at a time: each export starts its own
@@ -379,8 +444,7 @@ def evaluate_matrix(plan: Plan) -> dict[str, dict[str, list[EvalResult]]]:
         for name, sources in plan.models.items():
             for index, source in enumerate(sources):
                 if _writes(precision.export, source):
-                    results[name].setdefault(precision.name, []).append(
-                        _exported(plan, name, index, source, precision, rewards))
+                    add(name, precision, _exported(plan, name, index, source, precision, rewards))
     return results
 
 
@@ -390,19 +454,26 @@ def _hygiene(results: list[EvalResult]) -> dict[str, float | None]:
     return {k: (None if rows[0][k] is None else sum(r[k] for r in rows) / len(rows)) for k in rows[0]}
 
 
-def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> dict[str, Any]:
-    """Accuracy, gain and survival (each with its SE), per-seed numbers and hygiene, as one JSON-able dict."""
+def summarize(plan: Plan, results: Results) -> dict[str, Any]:
+    """The report as one JSON-able dict: the columns, the models, the row shares are of (`reference`), and per split
+    (`splits`: "test", "transfer") accuracy, gain and survival with their SEs, per-seed numbers, hygiene, shares and
+    the paired tests."""
+    reference = _share_reference(plan)
+    return {"precisions": [p.name for p in plan.precisions],
+            "models": {m: {"sources": [s.path for s in sources], "seeds": len(sources),
+                           "checkpoints": [str(s.checkpoint) if s.checkpoint else None for s in sources],
+                           "trained_format": (sources[0].trained_format.name if sources[0].trained_format else None)}
+                       for m, sources in plan.models.items()},
+            "reference": reference,
+            "splits": {split: _split_report(plan, by_model, reference) for split, by_model in results.items()}}
+
+
+def _split_report(plan: Plan, results: dict[str, dict[str, list[EvalResult]]], reference: str | None
+                  ) -> dict[str, Any]:
+    """One split's tables: {model: {precision: ...}} for accuracy, gain, survival, the shares, and the paired tests."""
     scores = {m: {p: per_prompt(r) for p, r in cells.items()} for m, cells in results.items()}
     base = scores["base"]
-    report: dict[str, Any] = {
-        "num_prompts": len(plan.problems),
-        "precisions": [p.name for p in plan.precisions],
-        "models": {m: {"sources": [s.path for s in sources], "seeds": len(sources),
-                       "checkpoints": [str(s.checkpoint) if s.checkpoint else None for s in sources],
-                       "trained_format": (sources[0].trained_format.name if sources[0].trained_format else None)}
-                   for m, sources in plan.models.items()},
-        "accuracy": {}, "gain": {}, "survival": {},
-    }
+    report: dict[str, Any] = {"num_prompts": len(base[FULL]), "accuracy": {}, "gain": {}, "survival": {}}
     for m, cells in results.items():
         report["accuracy"][m] = {}
         for p, per_seed in cells.items():
@@ -423,20 +494,58 @@ def summarize(plan: Plan, results: dict[str, dict[str, list[EvalResult]]]) -> di
                                                             results["base"][FULL][0])))[0] for i in range(len(cells[p]))]
             seed_sd = (math.sqrt(sum((x - s) ** 2 for x in seeds) / (len(seeds) - 1)) if len(seeds) > 1 else None)
             report["survival"][m][p] = {"mean": s, "se": s_se, "per_seed": seeds, "seed_sd": seed_sd}
-    report["reference"], report["share"] = _shares(plan, report["gain"])
+    report["share"], report["ptq_relative_share"] = _shares(report["accuracy"], report["gain"], reference)
+    report["paired"] = paired_comparisons(plan, results, scores)
     return report
 
 
-def _shares(plan: Plan, gains: dict[str, dict[str, dict]]) -> tuple[str | None, dict[str, dict[str, float | None]]]:
-    """Each cell's gain as a share of the unquantized RL gain: the one trained row that is not quantized (GRPO in
-    bf16), at full precision. None where there is no such single row, or its gain is 0."""
+def _share_reference(plan: Plan) -> str | None:
+    """The row whose gain the shares are of: the one trained row that is not quantized (GRPO in bf16); None where
+    there is not exactly one."""
     unquantized = [m for m, sources in plan.models.items() if m != "base" and sources[0].trained_format is None
                    and sources[0].checkpoint is not None]
-    if len(unquantized) != 1 or not gains[unquantized[0]][FULL]["mean"]:
-        return None, {}
-    reference = unquantized[0]
-    full_gain = gains[reference][FULL]["mean"]
-    return reference, {m: {p: cell["mean"] / full_gain for p, cell in cells.items()} for m, cells in gains.items()}
+    return unquantized[0] if len(unquantized) == 1 else None
+
+
+def _shares(accuracy: dict[str, dict[str, dict]], gains: dict[str, dict[str, dict]], reference: str | None
+            ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The share of GRPO's gain, one definition everywhere: a cell's gain over the unquantized base, over the
+    reference row's (GRPO in bf16) gain over the unquantized base,
+        share(m, p) = (acc(m, p) - acc(base, full)) / (acc(ref, full) - acc(base, full));
+    and, under its own name, the PTQ-relative share: the cell's `gain` (over the base at the same precision; the
+    trained column: over the base's PTQ in that format) over the same denominator. Empty without a reference or where
+    it gained nothing."""
+    if reference is None or accuracy[reference][FULL]["mean"] == accuracy["base"][FULL]["mean"]:
+        return {}, {}
+    base = accuracy["base"][FULL]["mean"]
+    full_gain = accuracy[reference][FULL]["mean"] - base
+    share = {m: {p: (cell["mean"] - base) / full_gain for p, cell in cells.items()} for m, cells in accuracy.items()}
+    relative = {m: {p: cell["mean"] / full_gain for p, cell in cells.items()} for m, cells in gains.items()}
+    return share, relative
+
+
+def _cell_format(plan: Plan, model: str, precision: str) -> str | None:
+    """The fingerprint of the format a cell is evaluated in (None: unquantized)."""
+    column = next(p for p in plan.precisions if p.name == precision)
+    fmt = plan.models[model][0].trained_format if column.trained else column.format
+    return fmt.fingerprint() if fmt is not None else None
+
+
+def paired_comparisons(plan: Plan, results: dict[str, dict[str, list[EvalResult]]],
+                       scores: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+    """Every pair of cells (model, precision) of a split, the later cell as `a` (a trained row against the base,
+    QA-GRPO against GRPO): `paired_test` over the shared prompts, and whether both cells are in one format
+    (`same_format`: the comparisons matrix.md lists, with those against the unquantized base)."""
+    order = [p.name for p in plan.precisions]
+    cells = [(m, p) for m, by_precision in results.items() for p in order if p in by_precision]
+    pairs = []
+    for j, (model_a, precision_a) in enumerate(cells):
+        for model_b, precision_b in cells[:j]:
+            test = paired_test(scores[model_a][precision_a], scores[model_b][precision_b],
+                               len(results[model_a][precision_a]), len(results[model_b][precision_b]))
+            pairs.append({"a": [model_a, precision_a], "b": [model_b, precision_b], **test, "same_format":
+                          _cell_format(plan, model_a, precision_a) == _cell_format(plan, model_b, precision_b)})
+    return pairs
 
 
 def _points(value: float, se: float, signed: bool = False) -> str:
@@ -444,7 +553,8 @@ def _points(value: float, se: float, signed: bool = False) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The tables: accuracy, gain over the base, gain survival, evaluation hygiene."""
+    """The tables of every split: accuracy, gain over the base, gain survival, the shares of GRPO's gain, evaluation
+    hygiene, paired comparisons."""
     precisions = report["precisions"]
     header = "| model | " + " | ".join(precisions) + " |\n|---|" + "---|" * len(precisions)
 
@@ -453,14 +563,14 @@ def markdown(report: dict[str, Any]) -> str:
         notes = [n for n in (info["trained_format"], f"{info['seeds']} seeds" if info["seeds"] > 1 else None) if n]
         return f"{m} ({', '.join(notes)})" if notes else m
 
-    def table(key: str, signed: bool, extra: str = "") -> str:
+    def table(rows: dict[str, dict[str, Any]], signed: bool = False, extra: str = "") -> str:
         lines = [header]
-        for m, cells in report[key].items():
+        for m, cells in rows.items():
             row = []
             for p in precisions:
                 c = cells.get(p)
-                if key == "share":
-                    row.append(f"{100 * c:.0f} %" if c is not None else "–")
+                if isinstance(c, float):  # a share
+                    row.append(f"{100 * c:.0f} %")
                     continue
                 text = _points(c["mean"], c["se"], signed) if c else "–"
                 if c and extra and c.get(extra) is not None:
@@ -469,56 +579,81 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {label(m)} | " + " | ".join(row) + " |")
         return "\n".join(lines)
 
-    n = report["num_prompts"]
-    hygiene = ["| model | precision | accuracy | parse rate | truncated | stopped (EOS) | mean length |",
-               "|---|---|---|---|---|---|---|"]
-    for m, cells in report["accuracy"].items():
-        for p in precisions:
-            c = cells.get(p)
-            if c:
-                parse = f"{100 * c['parse_rate']:.1f}" if c["parse_rate"] is not None else "n/a"
-                hygiene.append(f"| {m} | {p} | {100 * c['mean']:.1f} | {parse} | {100 * c['truncation_rate']:.1f} | "
-                               f"{100 * c['stop_rate']:.1f} | {c['mean_length']:.2f} |")
-    return "\n\n".join([
-        f"### Held-out accuracy (%, greedy, n = {n} prompts, ± SE: binomial for one seed, over prompts for seed means)", table("accuracy", False),
-        *(["### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's PTQ in that "
-           "format)", table("gain", True),
-           "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: across seeds)",
-           table("survival", True, "seed_sd")] if report["gain"] else []),  # a base alone: its PTQ columns only
-        *([f"### Share of {report['reference']}'s unquantized gain kept (gain at the precision / {report['reference']}'s "
-           "gain at full precision)", table("share", False)] if report.get("reference") else []),
-        "### Evaluation hygiene (%, mean over seeds)", "\n".join(hygiene)])
+    def hygiene(split: dict[str, Any]) -> str:
+        lines = ["| model | precision | accuracy | parse rate | truncated | stopped (EOS) | mean length |",
+                 "|---|---|---|---|---|---|---|"]
+        for m, cells in split["accuracy"].items():
+            for p in precisions:
+                c = cells.get(p)
+                if c:
+                    parse = f"{100 * c['parse_rate']:.1f}" if c["parse_rate"] is not None else "n/a"
+                    lines.append(f"| {m} | {p} | {100 * c['mean']:.1f} | {parse} | {100 * c['truncation_rate']:.1f} | "
+                                 f"{100 * c['stop_rate']:.1f} | {c['mean_length']:.2f} |")
+        return "\n".join(lines)
+
+    def paired(split: dict[str, Any]) -> str:
+        lines = ["| A | B | A − B (points) | 95 % interval | p | test |", "|---|---|---|---|---|---|"]
+        for c in split["paired"]:
+            if c["same_format"] or c["b"] == ["base", FULL]:
+                low, high = c["ci95"]
+                lines.append(f"| {', '.join(c['a'])} | {', '.join(c['b'])} | {100 * c['difference']:+.1f} | "
+                             f"{100 * low:+.1f} to {100 * high:+.1f} | {c['p']:.2g} | {c['test']} |")
+        return "\n".join(lines)
+
+    reference, parts = report["reference"], []
+    for name, split in report["splits"].items():
+        n = split["num_prompts"]
+        parts += [f"## The {name} split ({n} prompts)",
+                  f"### Held-out accuracy (%, greedy, n = {n} prompts, ± SE: binomial for one seed, over prompts for "
+                  "seed means)", table(split["accuracy"])]
+        if split["gain"]:  # a base alone: its PTQ columns only
+            parts += ["### Gain over the base at the same precision (points, ± paired SE; *trained*: vs the base's "
+                      "PTQ in that format)", table(split["gain"], signed=True),
+                      "### Gain survival: gain at the precision minus gain unquantized (points, ± paired SE; sd: "
+                      "across seeds)", table(split["survival"], signed=True, extra="seed_sd")]
+        if split["share"]:
+            parts += [f"### Share of {reference}'s gain: (accuracy - the base's unquantized accuracy) / "
+                      f"({reference}'s unquantized accuracy - the base's)", table(split["share"]),
+                      f"### PTQ-relative share (not the share): gain over the base at the same precision (*trained*: "
+                      f"the base's PTQ in that format) / {reference}'s unquantized gain",
+                      table(split["ptq_relative_share"])]
+        parts += ["### Evaluation hygiene (%, mean over seeds)", hygiene(split)]
+        if len(split["accuracy"]) > 1 or len(precisions) > 1:
+            parts += ["### Paired comparisons (A − B on the same prompts, each prompt's result averaged over a row's "
+                      "seeds; 95 % paired-bootstrap interval over prompts; p: exact sign-flip test, mid-p, McNemar's "
+                      "with one seed a row). Pairs in one format and against the unquantized base; every pair: "
+                      "matrix.json", paired(split)]
+    return "\n\n".join(parts)
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
-    """Accuracy per precision and model (left) and gain survival (right), with SE error bars."""
+    """Per split (a row of panels): accuracy per precision and model (left) and gain survival (right), with SE
+    error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    precisions = report["precisions"]
-    panels = [("accuracy", list(report["accuracy"]))]
-    if report["survival"]:  # a base alone has no gains
-        panels.append(("survival", list(report["survival"])))
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.6), squeeze=False)
-    axes = axes[0]
-    for ax, (key, models) in zip(axes, panels):
-        columns = precisions if key == "accuracy" else [p for p in precisions if p != FULL]
-        width = 0.8 / max(len(models), 1)
-        for i, m in enumerate(models):
-            xs = [j + (i - (len(models) - 1) / 2) * width for j, p in enumerate(columns) if p in report[key][m]]
-            cells = [report[key][m][p] for p in columns if p in report[key][m]]
-            ax.bar(xs, [100 * c["mean"] for c in cells], width, yerr=[100 * c["se"] for c in cells], capsize=2, label=m,
-                   color=f"C{list(report['accuracy']).index(m)}")  # one color per model in both panels
-        ax.set_xticks(range(len(columns)))
-        ax.set_xticklabels(columns, rotation=30, ha="right", fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-        ax.axhline(0, color="black", lw=0.6)
-    axes[0].set_title(f"held-out accuracy (%), n = {report['num_prompts']}", fontsize=10)
-    if len(axes) > 1:
-        axes[1].set_title("gain survival: Δ at precision − Δ unquantized (points)", fontsize=10)
-    axes[0].legend(fontsize=8, loc="lower left")
+    precisions, splits = report["precisions"], report["splits"]
+    keys = ["accuracy", "survival"] if any(split["survival"] for split in splits.values()) else ["accuracy"]
+    fig, axes = plt.subplots(len(splits), len(keys), figsize=(7 * len(keys), 4.6 * len(splits)), squeeze=False)
+    for row, (name, split) in zip(axes, splits.items()):
+        for ax, key in zip(row, keys):
+            columns = precisions if key == "accuracy" else [p for p in precisions if p != FULL]
+            models = list(split[key])
+            width = 0.8 / max(len(models), 1)
+            for i, m in enumerate(models):
+                xs = [j + (i - (len(models) - 1) / 2) * width for j, p in enumerate(columns) if p in split[key][m]]
+                cells = [split[key][m][p] for p in columns if p in split[key][m]]
+                ax.bar(xs, [100 * c["mean"] for c in cells], width, yerr=[100 * c["se"] for c in cells], capsize=2,
+                       label=m, color=f"C{list(report['models']).index(m)}")  # one color per model in every panel
+            ax.set_xticks(range(len(columns)))
+            ax.set_xticklabels(columns, rotation=30, ha="right", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+            ax.axhline(0, color="black", lw=0.6)
+            ax.set_title(f"{name}: accuracy (%), n = {split['num_prompts']}" if key == "accuracy" else
+                         f"{name}: gain survival, Δ at precision − Δ unquantized (points)", fontsize=10)
+    axes[0][0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -320,6 +320,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
     if evals:
         lines.append(f"held-out accuracy (quantized policy, greedy): {evals[0]['eval/accuracy']:.3f} at step "
                      f"{evals[0]['step']} -> {evals[-1]['eval/accuracy']:.3f} at step {evals[-1]['step']}")
+    transfer = [r for r in rows if r.get("eval_transfer/accuracy") is not None]
+    if transfer:
+        lines.append(f"transfer accuracy: {transfer[0]['eval_transfer/accuracy']:.3f} at step {transfer[0]['step']} -> "
+                     f"{transfer[-1]['eval_transfer/accuracy']:.3f} at step {transfer[-1]['step']}")
     if steps:
         last = steps[-10:]
         mean = lambda k: sum(r[k] for r in last if r.get(k) is not None) / max(1, sum(r.get(k) is not None for r in last))  # noqa: E731

@@ -3,7 +3,7 @@
     recipe -> checks -> policy (warm start, quantize, calibrate | resume from a checkpoint)
     -> the KL reference (the step-0 policy, frozen; none when beta = 0)
     -> vLLM engine (refit: weights + amax) -> for each step:
-         rollout (G completions per prompt) -> rewards -> group-relative advantages
+         rollout (G completions per prompt) -> rewards (+ the overlong punishment) -> group-relative advantages
          -> policy update on the fake-quantized policy (straight-through to the master weights)
          -> refit -> metrics row -> checkpoint
     -> final evaluation, plot, summary.
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from qarl.config import RecipeConfig, check_grpo_recipe
-from qarl.evaluate import evaluate
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights
+from qarl.evaluate import evaluate_splits, split_metrics
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED
@@ -25,7 +25,7 @@ from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
 from qarl.run import Rollout, Run, initial_policy, mismatch_sums, on_host, run_steps, start_engine, start_run
 from qarl.scoring import MicroBatch, TokenScores, micro_batches, score_completions
-from qarl.tasks import Task
+from qarl.tasks import Task, eval_splits
 
 
 def train(cfg: RecipeConfig) -> Path:
@@ -52,23 +52,31 @@ def reference_memory(cfg: RecipeConfig, shape: ModelShape) -> FrozenModel | None
 
 
 class GRPOSteps:
-    """GRPO's part of a step: held-out accuracy, group-relative advantages, the policy update."""
+    """GRPO's part of a step: held-out accuracy (every split of the task), group-relative advantages, the policy
+    update."""
 
     panels, summary = PLOTTED, None
 
     def __init__(self, run: Run, engine):
         self.run, self.engine = run, engine
         self.label = "QA-GRPO" if run.policy.format else "GRPO"
-        self.eval_problems = run.task.eval[: run.cfg.eval.num_prompts]
+        self.eval_splits = eval_splits(run.task, run.cfg.eval.num_prompts, run.cfg.eval.num_transfer_prompts)
         self.advantages = torch.empty(0)
 
     def evaluate(self) -> dict[str, float]:
-        return {"eval/accuracy": evaluate(self.engine, self.run.prompts, self.eval_problems, self.run.rewards).accuracy}
+        return split_metrics(evaluate_splits(self.engine, self.run.prompts, self.eval_splits, self.run.rewards))
 
     def judge(self, batch: Rollout) -> dict[str, float]:
         t = self.run.cfg.trainer
         values, parts = self.run.rewards(batch.texts, batch.answers)
         rewards = torch.tensor(values, dtype=torch.float32)
+        if t.soft_overlong_tokens:  # a reward term of token counts, which the reward functions (text in) cannot see
+            penalty = t.soft_overlong_penalty * soft_overlong_penalty(
+                torch.tensor([len(c.token_ids) for c in batch.completions]),
+                torch.tensor([c.truncated for c in batch.completions]),
+                self.run.cfg.policy.generation.max_new_tokens, t.soft_overlong_tokens)
+            rewards += penalty
+            parts["reward/soft_overlong"] = penalty.mean().item()
         self.advantages, frac_zero_std = group_advantages(rewards, t.num_generations, t.scale_rewards)
         return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
                 "reward/frac_zero_std": frac_zero_std, **parts}

@@ -1,4 +1,5 @@
-"""Where prompts come from: the embedded arithmetic task, or a prompt dataset with answers."""
+"""Where prompts come from: the embedded arithmetic task, or a prompt dataset with answers. A task has a train
+split, a held-out test split and, optionally, a transfer split (held-out problems unlike the training ones)."""
 
 from __future__ import annotations
 
@@ -22,5 +23,14 @@ def build_task(cfg: TaskConfig, seed: int) -> Task:
     raise ConfigError(f"unknown task {cfg.name!r}; choose 'arithmetic' (embedded) or 'dataset'")
 
 
-__all__ = ["ArithmeticTask", "DatasetTask", "Problem", "PromptFormat", "Task", "build_task", "model_prompt_format",
-           "prompt_format", "recipe_prompt_format"]
+def eval_splits(task: Task, num_test: int, num_transfer: int) -> dict[str, list[Problem]]:
+    """The held-out splits an evaluation scores, by name: "test" (the first `num_test` held-out problems) and, where
+    the task has a transfer split and `num_transfer` > 0, "transfer" (its first `num_transfer`)."""
+    splits = {"test": task.eval[:num_test]}
+    if task.transfer and num_transfer > 0:
+        splits["transfer"] = task.transfer[:num_transfer]
+    return splits
+
+
+__all__ = ["ArithmeticTask", "DatasetTask", "Problem", "PromptFormat", "Task", "build_task", "eval_splits",
+           "model_prompt_format", "prompt_format", "recipe_prompt_format"]

@@ -64,6 +64,7 @@ class ArithmeticTask:
         ordered = list(problems.values())
         self.train = ordered[:num_train]
         self.eval = ordered[num_train:]
+        self.transfer: list[Problem] = []  # the embedded task has no transfer split
 
     def calibration_texts(self, n: int, prompts: PromptFormat | None = None) -> list[str]:
         """Prompts with their answers, as `prompts` formats them (raw without): what the policy sees in training."""

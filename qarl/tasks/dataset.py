@@ -43,7 +43,8 @@ def check_data_files(cfg: TaskConfig) -> None:
         return
     if not cfg.train_data or not cfg.eval_data:
         raise ConfigError("task.name=dataset needs task.train_data and task.eval_data")
-    for key, source in (("task.train_data", cfg.train_data), ("task.eval_data", cfg.eval_data)):
+    for key, source in (("task.train_data", cfg.train_data), ("task.eval_data", cfg.eval_data),
+                        *((("task.transfer_data", cfg.transfer_data),) if cfg.transfer_data else ())):
         path = Path(source).expanduser()
         if path.suffix in (*LOCAL_FORMATS, ".parquet") and not path.is_file():
             raise ConfigError(f"{key}={source}: dataset file not found")
@@ -66,7 +67,8 @@ def load_problems(source: str, prompt_column: str, answer_column: str) -> list[P
 
 
 class DatasetTask:
-    """Train and held-out prompts from files; rewards come from trainer.rewards (e.g. gsm8k, boxed_math)."""
+    """Train, held-out and (optionally) transfer prompts from files; rewards come from trainer.rewards (e.g. gsm8k,
+    boxed_math)."""
 
     name = "dataset"
 
@@ -74,6 +76,12 @@ class DatasetTask:
         check_data_files(cfg)
         self.train = load_problems(cfg.train_data, cfg.prompt_column, cfg.answer_column)
         self.eval = load_problems(cfg.eval_data, cfg.prompt_column, cfg.answer_column)
+        self.transfer = (load_problems(cfg.transfer_data, cfg.prompt_column, cfg.answer_column) if cfg.transfer_data
+                         else [])
+        seen = {p.prompt for p in self.train} & {p.prompt for p in self.transfer}
+        if seen:
+            raise ConfigError(f"task.transfer_data={cfg.transfer_data} repeats training prompts of task.train_data "
+                              f"({len(seen)}, e.g. {sorted(seen)[0]!r}): a transfer split must be disjoint from training")
 
     def calibration_texts(self, n: int, prompts: PromptFormat | None = None) -> list[str]:
         """The training prompts, as `prompts` formats them (raw without)."""

@@ -104,7 +104,9 @@ def small_matrix(models):
 def test_small_matrix_end_to_end(small_matrix):
     report, out = small_matrix
     assert {p for p in report["precisions"]} == {FULL, "nvfp4_w4a4 max", "nvfp4_w4a4 awq_lite", "nvfp4_a16 max", TRAINED}
-    acc, gains, surv = report["accuracy"], report["gain"], report["survival"]
+    assert list(report["splits"]) == ["test"], "the embedded task has no transfer split"
+    split = report["splits"]["test"]
+    acc, gains, surv = split["accuracy"], split["gain"], split["survival"]
     assert 0.05 < acc["base"][FULL]["mean"] < 0.6, "the warm-started base is partly right"
     # the checkpoint holds the base's own weights: no gain anywhere, to the prompt, even at its trained
     # quantization (its amax = max calibration on the same data = the base's nvfp4_a16 max column)
@@ -121,15 +123,19 @@ def test_small_matrix_end_to_end(small_matrix):
     assert TRAINED not in acc["noisy"]  # a Hugging Face directory has no trained quantization
     assert set(acc["same"]) == {FULL, TRAINED}, "a row trained quantized: unquantized and its own format, no PTQ"
     # the share of the one unquantized trained row's gain: none here (the noisy copy is no run of qarl's)
-    assert report["reference"] is None and report["share"] == {}
-    n = report["num_prompts"]
+    assert report["reference"] is None and split["share"] == {}
+    # paired tests: the checkpoint of the base's own weights against the base, in its own format, differs nowhere
+    same = next(c for c in split["paired"] if c["a"] == ["same", TRAINED] and c["b"] == ["base", "nvfp4_a16 max"])
+    assert same["same_format"] and same["difference"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["p"] == 1.0
+    n = split["num_prompts"]
     assert n == 48 and acc["base"][FULL]["se"] == pytest.approx(
         math.sqrt(acc["base"][FULL]["mean"] * (1 - acc["base"][FULL]["mean"]) / n))
     for cell in acc["noisy"].values():  # evaluation hygiene of every cell
         assert 0 <= cell["parse_rate"] <= 1 and cell["truncation_rate"] + cell["stop_rate"] == pytest.approx(1.0)
         assert cell["mean_length"] > 0
     assert json.loads((out / "matrix.json").read_text())["precisions"] == report["precisions"]
-    assert "Gain survival" in (out / "matrix.md").read_text() and (out / "matrix.png").stat().st_size > 10_000
+    text = (out / "matrix.md").read_text()
+    assert "Gain survival" in text and "Paired comparisons" in text and (out / "matrix.png").stat().st_size > 10_000
 
 
 def test_a_base_alone_gets_its_precision_columns_as_in_a_whole_matrix(models, small_matrix):
@@ -137,12 +143,42 @@ def test_a_base_alone_gets_its_precision_columns_as_in_a_whole_matrix(models, sm
     cells, to the prompt, as the base row of a matrix with models."""
     whole, _ = small_matrix
     report, out = run_matrix(_cfg(models, models={}, ptq_methods=["max"], out=str(models["root"] / "alone")))
-    assert report["precisions"] == [FULL, "nvfp4_w4a4 max"] and list(report["accuracy"]) == ["base"]
+    split, whole = report["splits"]["test"], whole["splits"]["test"]
+    assert report["precisions"] == [FULL, "nvfp4_w4a4 max"] and list(split["accuracy"]) == ["base"]
     for precision in report["precisions"]:
-        assert report["accuracy"]["base"][precision] == whole["accuracy"]["base"][precision], precision
-    assert report["gain"] == {} and report["reference"] is None
+        assert split["accuracy"]["base"][precision] == whole["accuracy"]["base"][precision], precision
+    assert split["gain"] == {} and report["reference"] is None
     text = (out / "matrix.md").read_text()
     assert "Held-out accuracy" in text and "Gain survival" not in text and (out / "matrix.png").is_file()
+
+
+def test_a_task_with_a_transfer_split_gets_its_tables_beside_the_test_split(models, small_matrix, tmp_path):
+    """The embedded task as a dataset task (its own problems in files), with a transfer split of 6-digit reversals
+    (the base learnt 5-digit ones): every cell is scored on both splits in one batch; the test split's cells equal
+    the arithmetic task's matrix unquantized, to the prompt (its PTQ calibrates on prompts without their answers); the
+    transfer split gets its own tables and paired tests."""
+    task = ArithmeticTask(num_train=2000, num_eval=1000, seed=0)
+    files = {}
+    for split, problems in (("train", task.train), ("test", task.eval[:48]),
+                            ("transfer", ArithmeticTask(num_digits=6, num_train=1, num_eval=32, seed=1).eval)):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    cfg = _cfg(models, models={"noisy": [models["noisy"]]}, ptq_methods=["max"], num_transfer_prompts=32)
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+        cfg.task, name="dataset", train_data=str(files["train"]), eval_data=str(files["test"]),
+        transfer_data=str(files["transfer"])))
+    with pytest.raises(ConfigError, match="matrix.num_transfer_prompts=33 but the task's transfer split has 32"):
+        plan_matrix(dataclasses.replace(cfg, matrix=dataclasses.replace(cfg.matrix, num_transfer_prompts=33)))
+    report, out = run_matrix(cfg)
+    test, transfer = report["splits"]["test"], report["splits"]["transfer"]
+    assert (test["num_prompts"], transfer["num_prompts"]) == (48, 32)
+    whole = small_matrix[0]["splits"]["test"]["accuracy"]
+    for model in ("base", "noisy"):
+        assert test["accuracy"][model][FULL] == whole[model][FULL], model
+    assert set(transfer["accuracy"]["noisy"]) == {FULL, "nvfp4_w4a4 max"}
+    assert transfer["accuracy"]["base"][FULL]["mean"] < test["accuracy"]["base"][FULL]["mean"], "6 digits are harder"
+    assert len(transfer["paired"]) == 6 and all(0 <= c["p"] <= 1 for c in transfer["paired"])
+    assert "## The transfer split (32 prompts)" in (out / "matrix.md").read_text()
 
 
 def test_diagnose_statistics_and_report(models, tmp_path):
@@ -190,6 +226,7 @@ def test_the_exports_of_several_seeds_each_get_an_engine_in_one_process(models, 
         matrix_cfg.policy, generation=dataclasses.replace(matrix_cfg.policy.generation, sleep_between_rollouts="on")))
     assert plan_matrix(matrix_cfg).generation.sleep_between_rollouts == "off"
     report, _ = run_matrix(matrix_cfg)
-    cell = report["accuracy"]["fp8"]["exported fp8_w8a8_compressed_tensors"]
+    accuracy = report["splits"]["test"]["accuracy"]["fp8"]
+    cell = accuracy["exported fp8_w8a8_compressed_tensors"]
     assert len(cell["per_seed"]) == 2 and cell["per_seed"][0] == cell["per_seed"][1]
-    assert cell["per_seed"][0] == pytest.approx(report["accuracy"]["fp8"][TRAINED]["mean"], abs=0.1)
+    assert cell["per_seed"][0] == pytest.approx(accuracy[TRAINED]["mean"], abs=0.1)

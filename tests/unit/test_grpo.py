@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from qarl.config import ConfigError, TrainerConfig, check_grpo_recipe, load_recipe
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights
+from qarl.config import ConfigError, TrainerConfig, check_grpo_recipe, check_qad_recipe, load_recipe
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty
 
 
 def test_group_advantages():
@@ -104,7 +104,36 @@ def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
                                              (["trainer.batch_size=30", "trainer.num_generations=8"], "not divisible"),
                                              (["trainer.loss_type=ppo"], "loss_type"),
                                              (["trainer.scale_rewards=std"], "scale_rewards"),
-                                             (["trainer.importance_sampling_level=seq"], "importance_sampling_level")])
+                                             (["trainer.importance_sampling_level=seq"], "importance_sampling_level"),
+                                             (["trainer.soft_overlong_tokens=64", "policy.generation.max_new_tokens=64"],
+                                              "soft_overlong_tokens=64 must be below policy.generation.max_new_tokens")])
 def test_bad_trainer_settings_are_named(changes, needle):
     with pytest.raises(ConfigError, match=needle):
         check_grpo_recipe(load_recipe("recipes/qa_grpo_tiny.yaml", changes))
+
+
+def test_qad_refuses_the_overlong_punishment_it_would_not_use():
+    with pytest.raises(ConfigError, match="QAD learns from its teacher's KL.*soft_overlong_tokens=0"):
+        check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", ["trainer.soft_overlong_tokens=8"]))
+
+
+def test_soft_overlong_penalty_values():
+    """DAPO's punishment with a 256-token limit and a 64-token buffer: 0 up to 192 tokens, then -1/64 a token, -1 at
+    256; a truncated completion -1 at any length (max_model_len cut it first)."""
+    lengths = torch.tensor([0, 100, 192, 193, 224, 255, 256, 100])
+    truncated = torch.tensor([False] * 6 + [True, True])
+    penalty = soft_overlong_penalty(lengths, truncated, max_tokens=256, cache_tokens=64)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, 0.0, -1 / 64, -0.5, -63 / 64, -1.0, -1.0])
+    assert soft_overlong_penalty(torch.tensor([256]), torch.tensor([False]), 256, 64).item() == -1.0  # EOS at the limit
+
+
+def test_the_punishment_orders_a_group_before_truncated_completions_are_masked():
+    """A group of four (right and short, right inside the buffer, wrong and short, truncated): the punishment ranks
+    their advantages in that order. mask_truncated_completions then drops only the truncated one's loss; its -1 still
+    lowers the group's baseline, so the short answers' advantages rise and the late one's falls: the two compose."""
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    penalty = soft_overlong_penalty(torch.tensor([40, 224, 40, 256]), torch.tensor([False, False, False, True]), 256, 64)
+    advantages, _ = group_advantages(correct + penalty, 4, "none")
+    assert advantages.tolist() == pytest.approx([0.875, 0.375, -0.125, -1.125])
+    plain, _ = group_advantages(correct, 4, "none")
+    assert plain.tolist() == pytest.approx([0.5, 0.5, -0.5, -0.5])

@@ -1,15 +1,18 @@
-"""`qarl matrix`: the table's arithmetic (accuracy, gain, survival and their standard errors) against direct
-computation, and the CLI's refusal of bad settings (exit code 2). On real models: tests/integration/test_matrix.py."""
+"""`qarl matrix`: the table's arithmetic (accuracy, gain, survival and their standard errors, the shares of GRPO's gain)
+against direct computation, its paired tests against known values (McNemar by hand, exact sign-flip distributions
+by enumeration, the bootstrap against the normal approximation), and the CLI's refusal of bad settings (exit code 2).
+On real models: tests/integration/test_matrix.py."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
 
 from qarl.evaluate import EvalResult
-from qarl.matrix import gain, mean_and_se, per_prompt, survival
+from qarl.matrix import bootstrap_interval, gain, mean_and_se, paired_test, per_prompt, sign_flip_p, survival
 
 
 def _result(correct: list[float]) -> EvalResult:
@@ -54,8 +57,58 @@ def test_cli_refuses_bad_settings_with_exit_code_2(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_share_of_the_unquantized_rl_gain():
-    """The one trained row that is not quantized (GRPO in bf16) is the reference: every cell's gain over it."""
+def test_mcnemar_on_one_seed_a_row_matches_the_binomial_by_hand():
+    """12 prompts only row a gets right, 3 only row b, 85 both or neither: the exact McNemar p is
+    2 P(X <= 3), X ~ Bin(15, 1/2) = 2 (1 + 15 + 105 + 455) / 2^15; the mid-p counts P(X = 3) once."""
+    a = [1.0] * 12 + [0.0] * 3 + [1.0] * 40 + [0.0] * 45
+    b = [0.0] * 12 + [1.0] * 3 + [1.0] * 40 + [0.0] * 45
+    test = paired_test(a, b, 1, 1)
+    assert test["p_exact"] == pytest.approx(2 * 576 / 2**15) and test["p"] == pytest.approx((2 * 121 + 455) / 2**15)
+    assert test["difference"] == pytest.approx(0.09) and test["test"] == "mcnemar"
+    try:
+        from scipy.stats import binomtest
+    except ImportError:
+        return
+    assert test["p_exact"] == pytest.approx(binomtest(3, 15).pvalue)
+    assert paired_test(b, a, 1, 1)["p"] == test["p"]  # two-sided
+
+
+def test_the_sign_flip_test_of_seed_means_is_exact():
+    """Seeds pooled per prompt (6 and 3 seeds: differences in sixths): the p-values equal the share of all 2^12 sign
+    assignments whose sum is at least as far from 0 as the observed one (mid-p: ties counted half)."""
+    rng = random.Random(2)
+    a = [rng.randrange(7) / 6 for _ in range(12)]
+    b = [rng.randrange(4) / 3 for _ in range(12)]
+    integers = [round(6 * (x - y)) for x, y in zip(a, b)]
+    observed = abs(sum(integers))
+    sums = [sum(s * d for s, d in zip(signs, integers)) for signs in itertools.product((1, -1), repeat=12)]
+    above, at = sum(x > observed for x in sums) / 2**12, sum(x == observed for x in sums) / 2**12
+    test = paired_test(a, b, 6, 3)
+    assert test["p_exact"] == pytest.approx(min(1.0, 2 * (above + at)))
+    assert test["p"] == pytest.approx(min(1.0, 2 * (above + at / 2))) and test["test"] == "sign-flip"
+    assert sign_flip_p([0, 0, 0]) == (1.0, 1.0)  # no discordant prompt: nothing against the null
+
+
+def test_the_paired_bootstrap_interval():
+    """Identical rows: [0, 0]. On 1,000 prompts the percentile interval is close to mean +- 1.96 paired SE (the
+    normal approximation), the same on every call (seeded), and as wide as resampling the prompts themselves."""
+    assert paired_test([1.0, 0.0, 1.0], [1.0, 0.0, 1.0], 1, 1)["ci95"] == [0.0, 0.0]
+    rng = random.Random(0)
+    a = [float(rng.random() < 0.6) for _ in range(1000)]
+    b = [float(rng.random() < 0.5) for _ in range(1000)]
+    d = [x - y for x, y in zip(a, b)]
+    mean, se = mean_and_se(d)
+    low, high = bootstrap_interval(d)
+    assert low == pytest.approx(mean - 1.96 * se, abs=0.004) and high == pytest.approx(mean + 1.96 * se, abs=0.004)
+    assert bootstrap_interval(d) == (low, high)
+    means = sorted(sum(rng.choice(d) for _ in range(1000)) / 1000 for _ in range(2000))  # prompts resampled
+    assert means[50] == pytest.approx(low, abs=0.006) and means[1949] == pytest.approx(high, abs=0.006)
+
+
+def test_shares_and_paired_comparisons_in_the_report():
+    """The share of GRPO's gain has one definition: (accuracy - the base's unquantized) / (GRPO's unquantized - the
+    base's unquantized). The PTQ-relative figure (gain over the base at the same precision, for the trained column
+    over the base's PTQ in its format) is kept under its own name. Every pair of cells gets a paired test."""
     from pathlib import Path
 
     from qarl.matrix import FULL, TRAINED, ModelSource, Plan, Precision, markdown, summarize
@@ -66,18 +119,33 @@ def test_share_of_the_unquantized_rl_gain():
     models = {"base": [ModelSource("base", "base")],
               "grpo": [ModelSource("grpo", "g", ckpt)],
               "qa_grpo": [ModelSource("qa", "q", ckpt, w4a16)]}
-    plan = Plan(None, [None] * 4, None, [], models, [Precision(FULL), Precision("nvfp4_a16 max", w4a16),
-                                                     Precision(TRAINED, trained=True)],
+    plan = Plan(None, {"test": [None] * 4}, None, [], models, [Precision(FULL), Precision("nvfp4_a16 max", w4a16),
+                                                                 Precision(TRAINED, trained=True)],
                 {"qa_grpo": "nvfp4_a16 max"})
-    results = {"base": {FULL: [_result([1, 0, 0, 0])], "nvfp4_a16 max": [_result([0, 0, 0, 0])]},
-               "grpo": {FULL: [_result([1, 1, 1, 0])], "nvfp4_a16 max": [_result([1, 1, 0, 0])]},
-               "qa_grpo": {FULL: [_result([1, 1, 0, 0])], TRAINED: [_result([1, 1, 1, 0])]}}
-    report = summarize(plan, results)
-    assert report["reference"] == "grpo"  # gain 0.5 at full precision
-    assert report["share"]["grpo"] == pytest.approx({FULL: 1.0, "nvfp4_a16 max": 1.0})
-    assert report["share"]["qa_grpo"] == pytest.approx({FULL: 0.5, TRAINED: 1.5})  # 0.75 over the base's W4A16 PTQ
-    assert "Share of grpo's unquantized gain kept" in markdown(report) and "150 %" in markdown(report)
-    # two unquantized rows: no single reference, no share table
+    test = {"base": {FULL: [_result([1, 0, 0, 0])], "nvfp4_a16 max": [_result([0, 0, 0, 0])]},
+            "grpo": {FULL: [_result([1, 1, 1, 0])], "nvfp4_a16 max": [_result([1, 1, 0, 0])]},
+            "qa_grpo": {FULL: [_result([1, 1, 0, 0])], TRAINED: [_result([1, 1, 1, 0])]}}
+    report = summarize(plan, {"test": test})
+    split = report["splits"]["test"]
+    assert report["reference"] == "grpo" and split["num_prompts"] == 4  # grpo: +0.5 over the base's 0.25
+    assert split["share"]["grpo"] == pytest.approx({FULL: 1.0, "nvfp4_a16 max": 0.5})
+    assert split["share"]["qa_grpo"] == pytest.approx({FULL: 0.5, TRAINED: 1.0})
+    assert split["share"]["base"] == pytest.approx({FULL: 0.0, "nvfp4_a16 max": -0.5})
+    assert split["ptq_relative_share"]["qa_grpo"] == pytest.approx({FULL: 0.5, TRAINED: 1.5})  # 0.75 over 0 PTQ
+    assert split["ptq_relative_share"]["grpo"] == pytest.approx({FULL: 1.0, "nvfp4_a16 max": 1.0})
+    pairs = {(tuple(c["a"]), tuple(c["b"])): c for c in split["paired"]}
+    assert len(pairs) == 15  # 6 cells
+    qat_vs_ptq = pairs[("qa_grpo", TRAINED), ("grpo", "nvfp4_a16 max")]  # one prompt only qa_grpo gets right
+    assert qat_vs_ptq["difference"] == pytest.approx(0.25) and qat_vs_ptq["same_format"]
+    assert (qat_vs_ptq["p_exact"], qat_vs_ptq["p"]) == pytest.approx((1.0, 0.5))
+    assert not pairs[("qa_grpo", TRAINED), ("grpo", FULL)]["same_format"]
+    text = markdown(report)
+    assert "Share of grpo's gain" in text and "PTQ-relative share" in text and "150 %" in text
+    assert "| qa_grpo, trained | grpo, nvfp4_a16 max | +25.0 |" in text
+    assert "| qa_grpo, trained | grpo, full |" not in text  # other formats, not against the base: matrix.json only
+    # two unquantized rows: no single reference, no share tables; a transfer split gets its own section
     plan.models["grpo_2"] = [ModelSource("g2", "g2", ckpt)]
-    report = summarize(plan, {**results, "grpo_2": results["grpo"]})
-    assert report["reference"] is None and "Share of" not in markdown(report)
+    report = summarize(plan, {"test": {**test, "grpo_2": test["grpo"]}, "transfer": {**test, "grpo_2": test["grpo"]}})
+    assert report["reference"] is None and report["splits"]["transfer"]["share"] == {}
+    text = markdown(report)
+    assert "Share of" not in text and "## The transfer split (4 prompts)" in text

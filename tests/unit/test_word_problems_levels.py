@@ -1,19 +1,23 @@
 """The graded word-problem levels (qarl/tasks/word_problems.py): distinct questions, disjoint splits, solutions whose
 steps are the question's arithmetic, a reference the gsm8k verifier accepts, and the files the SmolLM2 recipes ship
-equal to what the generator writes (so they cannot drift from it)."""
+equal to what the generator writes (so they cannot drift from it). The transfer split: disjoint from training on the
+template level (phrasings, names, objects, number ranges, distractors, three steps), not only question by question."""
 
 from __future__ import annotations
 
 import json
 import operator
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from qarl.config import RecipeConfig, load_recipe
 from qarl.rewards import resolve_reward
-from qarl.tasks.word_problems import LEVELS, write_graded_problems
+from qarl.tasks.word_problems import (GRADED_NAMES, GRADED_THINGS, LEVELS, TRAINING_TEMPLATES, TRANSFER_KINDS,
+                                      TRANSFER_NAMES, TRANSFER_TEMPLATES, TRANSFER_THINGS, write_graded_problems,
+                                      write_transfer_problems)
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -58,3 +62,112 @@ def test_the_shipped_files_are_the_generators_and_the_recipe_reads_them(tmp_path
     fresh = write_graded_problems(tmp_path, level, num_train=num_train, num_eval=num_eval, seed=seed)
     for split, path in fresh.items():
         assert (ROOT / directory / f"{split}.jsonl").read_bytes() == path.read_bytes()
+
+
+# -- the transfer split -----------------------------------------------------------------------------------------------
+# words a template of each split may share: articles, prepositions, pronouns, auxiliaries, quantifiers
+FUNCTION_WORDS = {"a", "and", "does", "each", "how", "in", "many", "of", "on", "out", "the", "them", "then", "with"}
+TRANSFER = ROOT / "recipes/data/smollm2_mix/transfer.jsonl"
+
+
+def _words(template: str) -> list[str]:
+    """A template's words, lower case, placeholders ({n}, {a}, ...) kept as words, punctuation dropped."""
+    return re.sub(r"[^\w{} ]", " ", template.lower()).split()
+
+
+def _ngrams(template: str, n: int = 4) -> set[tuple[str, ...]]:
+    words = _words(template)
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def _matcher(template: str) -> re.Pattern:
+    """A regular expression that any question written from `template` matches, whatever its names and numbers."""
+    parts = re.split(r"(\{\w\})", template)
+    return re.compile("".join(r"[A-Za-z]+" if p in ("{n}", "{t}") else r"\d+" if re.fullmatch(r"\{\w\}", p)
+                              else re.escape(p) for p in parts))
+
+
+def _given(row: dict[str, str]) -> list[tuple[str, int]]:
+    """The operations and operands a problem's question gives: both of the first step's, then each later step's
+    second (its first is the step before's result)."""
+    given = []
+    for i, line in enumerate(row["answer"].split("\n")[:-1]):
+        a, op, b, _ = re.fullmatch(r"(\d+) ([-+*]) (\d+) = (\d+)", line).groups()
+        given += [(op, int(x)) for x in ((a, b) if i == 0 else (b,))]
+    return given
+
+
+def test_no_transfer_template_shares_a_phrasing_a_name_or_an_object_with_training():
+    """Template level: no word 4-gram of a transfer template is in any training template (names and numbers as
+    placeholders), the words both share are function words only, and the names and objects are other ones."""
+    training = set().union(*(_ngrams(t) for t in TRAINING_TEMPLATES))
+    transfer = [t for templates in TRANSFER_TEMPLATES.values() for t in templates]
+    assert len(transfer) >= 20
+    for template in transfer:
+        assert not _ngrams(template) & training, template
+    shared = {w for t in TRAINING_TEMPLATES for w in _words(t)} & {w for t in transfer for w in _words(t)}
+    assert {w for w in shared if not re.fullmatch(r"\{\w\}", w)} <= FUNCTION_WORDS
+    assert not set(TRANSFER_NAMES) & set(GRADED_NAMES) and not set(TRANSFER_THINGS) & set(GRADED_THINGS)
+
+
+def test_the_shipped_transfer_split_is_the_generators_and_disjoint_from_training(tmp_path):
+    """Data level, on the shipped files: the transfer file is what the generator writes, 1,000 distinct problems whose
+    solutions are their arithmetic; no transfer question is written from a training template and no training or test
+    question from a transfer one; every problem gives an operation an operand beyond any the levels can give it;
+    the distractor kinds' questions hold one number the solution does not use, the three-step kinds take three."""
+    assert TRANSFER.read_bytes() == write_transfer_problems(tmp_path).read_bytes()
+    transfer = _rows(TRANSFER)
+    directory = ROOT / SHIPPED[0]
+    trained = _rows(directory / "train.jsonl") + _rows(directory / "test.jsonl")
+    assert len(transfer) == 1000 and len({r["question"] for r in transfer}) == 1000
+    training_matchers = [_matcher(t) for t in TRAINING_TEMPLATES]
+    transfer_matchers = [_matcher(t) for templates in TRANSFER_TEMPLATES.values() for t in templates]
+    assert not any(m.fullmatch(r["question"]) for r in transfer for m in training_matchers)
+    assert not any(m.fullmatch(r["question"]) for r in trained for m in transfer_matchers)
+    largest = {"+": 20, "-": 80, "*": 12}  # the largest operand any level gives each operation (two_step's c: 80)
+    assert all(x <= largest[op] for r in trained for op, x in _given(r))
+    kinds = {r["template"].split("/")[0] for r in transfer}
+    assert kinds == set(TRANSFER_KINDS)
+    for r in transfer:
+        kind, index = r["template"].split("/")
+        assert _matcher(TRANSFER_TEMPLATES[kind][int(index)]).fullmatch(r["question"])
+        *lines, final = r["answer"].split("\n")
+        steps = [re.fullmatch(r"(\d+) ([-+*]) (\d+) = (\d+)", line).groups() for line in lines]
+        assert all(OPS[op](int(a), int(b)) == int(out) >= 0 for a, op, b, out in steps)
+        assert final == f"#### {steps[-1][3]}"
+        assert all(step[0] == before[3] for step, before in zip(steps[1:], steps)), r  # a chain: _given reads it so
+        assert any(x > largest[op] for op, x in _given(r)), r
+        used = sorted(x for _, x in _given(r))
+        numbers = sorted(int(n) for n in re.findall(r"\d+", r["question"]))
+        extra = list((Counter(numbers) - Counter(used)).elements())
+        assert len(extra) == (1 if kind.startswith("distractor") else 0), r
+        assert len(steps) == (3 if kind == "three_mul_add_sub" else 2 if kind.startswith("three") else 1), r
+    assert resolve_reward("gsm8k")([r["answer"] for r in transfer], [r["answer"] for r in transfer]) == [1.0] * 1000
+
+
+def test_the_smollm2_recipe_reads_the_transfer_split():
+    task = load_recipe(ROOT / "recipes/qa_grpo_smollm2.yaml", schema=RecipeConfig).task
+    assert task.transfer_data == f"{SHIPPED[0]}/transfer.jsonl"
+
+
+def test_a_task_has_train_test_and_optionally_transfer_splits(tmp_path):
+    """The dataset task reads task.transfer_data beside its other splits and refuses one that repeats a training
+    prompt; the embedded arithmetic task has none. eval_splits names what an evaluation scores."""
+    from qarl.config import ConfigError, TaskConfig
+    from qarl.tasks import ArithmeticTask, DatasetTask, eval_splits
+
+    directory = ROOT / SHIPPED[0]
+    files = dict(name="dataset", train_data=str(directory / "train.jsonl"), eval_data=str(directory / "test.jsonl"),
+                 prompt_column="question", answer_column="answer")
+    task = DatasetTask(TaskConfig(**files, transfer_data=str(TRANSFER)))
+    assert (len(task.train), len(task.eval), len(task.transfer)) == (2000, 1000, 1000)
+    assert task.transfer[0].prompt == _rows(TRANSFER)[0]["question"]
+    assert {k: len(v) for k, v in eval_splits(task, 100, 50).items()} == {"test": 100, "transfer": 50}
+    assert list(eval_splits(task, 100, 0)) == ["test"]
+    assert DatasetTask(TaskConfig(**files)).transfer == []
+    leaky = tmp_path / "leaky.jsonl"
+    leaky.write_text(TRANSFER.read_text() + (directory / "train.jsonl").read_text().splitlines()[7] + "\n")
+    with pytest.raises(ConfigError, match=r"repeats training prompts of task.train_data \(1, e.g."):
+        DatasetTask(TaskConfig(**files, transfer_data=str(leaky)))
+    arithmetic = ArithmeticTask(num_train=20, num_eval=10)
+    assert arithmetic.transfer == [] and list(eval_splits(arithmetic, 5, 100)) == ["test"]
