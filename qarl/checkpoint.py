@@ -10,10 +10,13 @@ Layout of RUN_DIR/checkpoints/step_N/:
   trainer_state.pt             optimizer state, RNG states, data position, step (weights_only-loadable)
   trainer_state.rankR.pt       under torchrun, process R's own (its optimizer state is that of its shards)
   run.json                     the run id (RUN_DIR/qarl_run.json) and step: pruning and resuming keep to one run
+  manifest.json                every file above with its size and sha256 (qarl/run_dir.py)
   COMPLETE                     written last; a directory without it is never loaded
 A checkpoint is assembled in step_N.tmp and renamed into place, so a crash leaves either the old
 set of checkpoints or the new one, never a half-written step_N. Under torchrun the main process writes
 the shared files (policy/ gathered from the shards) and renames; every process writes its trainer state.
+A checkpoint damaged after it was written (a file truncated or changed: its manifest tells) is never loaded:
+a run directory's newest intact checkpoint stands in for it, and a checkpoint named directly is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from qarl.distributed import barrier, is_main_process, rank, world_size
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
-from qarl.run_dir import CHECKPOINT_RUN, complete_checkpoints, read_identity
+from qarl.run_dir import (CHECKPOINT_RUN, checkpoint_damage, complete_checkpoints, newest_intact, prunable,
+                          read_identity, write_manifest)
 
 if TYPE_CHECKING:
     from qarl.optim import PolicyOptimizer
@@ -42,8 +46,9 @@ if TYPE_CHECKING:
 
 def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_state: dict[str, Any],
                     keep: int = 2) -> Path:
-    """Write checkpoints/step_<step> atomically, marked with the run's id, and keep the newest `keep` complete ones of
-    this run. Collective under torchrun: every process calls it with its own trainer state."""
+    """Write checkpoints/step_<step> atomically, marked with the run's id and with a manifest of its files, and keep the
+    newest `keep` intact complete ones of this run. Collective under torchrun: every process calls it with its own
+    trainer state."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
@@ -58,11 +63,12 @@ def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_stat
     if is_main_process():
         run_id = (read_identity(run_dir) or {}).get("run_id")
         (tmp / CHECKPOINT_RUN).write_text(json.dumps({"run_id": run_id, "step": step}))
+        write_manifest(tmp)
         (tmp / "COMPLETE").write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in complete_checkpoints(run_dir, run_id)[:-keep] if keep > 0 else []:
+        for old in prunable(complete_checkpoints(run_dir, run_id), keep):
             shutil.rmtree(old)
     barrier()
     return final
@@ -73,9 +79,18 @@ def _trainer_state_file() -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of the run in `run_dir` (its identity's run id)."""
+    """The newest intact complete checkpoint of the run in `run_dir` (its identity's run id; its files hashed against
+    its manifest), naming on the console the newer damaged ones it skips; None if the run has no complete one."""
     found = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
-    return found[-1] if found else None
+    if not found:
+        return None
+    checkpoint, damaged = newest_intact(found)
+    if checkpoint is None:
+        raise ConfigError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}): restore their files, or "
+                          "give another checkpoint")
+    if damaged:
+        print(f"using {checkpoint}: skipped the newer damaged checkpoint(s) {'; '.join(damaged)}")
+    return checkpoint
 
 
 def checkpoint_format(checkpoint: Path) -> QuantFormat | None:
@@ -108,11 +123,16 @@ def restore_trainer_state(checkpoint: Path, optimizer: PolicyOptimizer) -> int:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    """A checkpoint directory (intact: its files match its manifest), or a run directory (its newest intact complete
+    checkpoint)."""
     path = Path(path)
     if is_checkpoint_dir(path):
         if (path.parent.name == "checkpoints") and not (path / "COMPLETE").is_file():
             raise ConfigError(f"checkpoint {path} is incomplete (no COMPLETE marker): it was never finished")
+        damage = checkpoint_damage(path)
+        if damage is not None:
+            raise ConfigError(f"checkpoint {path} is damaged ({damage}): give an earlier checkpoint, or the run "
+                              "directory (its newest intact checkpoint)")
         return path
     latest = latest_checkpoint(path)
     if latest is None:

@@ -57,12 +57,13 @@ def _recipe(args: argparse.Namespace) -> RecipeConfig:
 
 
 def _training_recipe(args: argparse.Namespace, loop_checks) -> RecipeConfig:
-    """A training command's recipe, the loop's own checks of it, and what it may do with run.dir, before anything
-    heavy."""
-    from qarl.run_dir import plan_run_dir
+    """A training command's recipe, the loop's own checks of it, and what it may do with run.dir (locked first, for
+    the life of the process: no other run may write there meanwhile), before anything heavy."""
+    from qarl.run_dir import own_run_dir, plan_run_dir
 
     cfg = _recipe(args)
     loop_checks(cfg)
+    own_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
     plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
     return cfg
 

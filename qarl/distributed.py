@@ -30,12 +30,6 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def is_main_launch() -> bool:
-    """Whether torchrun launched this process as rank 0 (or without torchrun): known before torch.distributed starts,
-    for what one process does first (claiming the run directory)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def local_device() -> torch.device:
     """This process's own device: under torchrun with CUDA the GPU of its local rank (`cuda:LOCAL_RANK`), else the
     CPU. A bare `torch.device("cuda")` is whichever GPU is current, GPU 0 on every rank until something calls

@@ -26,7 +26,8 @@ paired-bootstrap interval over prompts and the exact sign-flip test's mid-p (McN
 both cells have one seed).
 
 Outputs under `matrix.out`: matrix.json (every number and the hygiene of every cell: answer parse
-rate, truncation rate, stop/EOS rate, mean length; per split), matrix.md (the tables), matrix.png.
+rate, truncation rate, stop/EOS rate, mean length; per split), matrix.md (the tables), matrix.png;
+.qarl.lock while it runs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, GenerationConfig, RecipeConfig, load_recipe
+from qarl.dir_lock import LOCK_FILE, owning
 
 if TYPE_CHECKING:  # the engine's import is heavy: the checks come first
     from qarl.evaluate import EvalResult
@@ -661,15 +663,17 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 
 
 def run_matrix(cfg: RecipeConfig) -> tuple[dict[str, Any], Path]:
-    """Plan (all checks), evaluate every cell, write matrix.json / matrix.md / matrix.png to matrix.out."""
+    """Plan (all checks), evaluate every cell, write matrix.json / matrix.md / matrix.png to matrix.out, which this
+    process owns meanwhile (qarl/dir_lock.py: a second matrix into it is refused at once, naming this one)."""
     start = time.perf_counter()
-    plan = plan_matrix(cfg)
-    results = evaluate_matrix(plan)
-    report = summarize(plan, results)
-    report["seconds"] = time.perf_counter() - start
-    out = Path(cfg.matrix.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "matrix.json").write_text(json.dumps(report, indent=1))
-    (out / "matrix.md").write_text(markdown(report) + "\n")
-    plot(report, out / "matrix.png")
+    out = Path(cfg.matrix.out).expanduser()
+    with owning(out / LOCK_FILE, f"matrix.out={cfg.matrix.out}", cfg.run.overwrite, "run.overwrite=true",
+                "choose another matrix.out"):
+        plan = plan_matrix(cfg)
+        results = evaluate_matrix(plan)
+        report = summarize(plan, results)
+        report["seconds"] = time.perf_counter() - start
+        (out / "matrix.json").write_text(json.dumps(report, indent=1))
+        (out / "matrix.md").write_text(markdown(report) + "\n")
+        plot(report, out / "matrix.png")
     return report, out

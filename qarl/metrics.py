@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,7 +36,7 @@ class MetricsLog:
     """Appends rows to metrics.jsonl (the source of truth) and mirrors them to the optional loggers.
 
     On resume from step N, rows of step >= N (written after the checkpoint by the run that stopped)
-    are dropped first, so the file reads as one clean run."""
+    are dropped first, so the file reads as one clean run; damaged rows are kept aside (`salvage_metrics`)."""
 
     def __init__(self, path: Path, resume_step: int | None, loggers: list[str] = (), config: dict | None = None,
                  project: str = "qarl"):
@@ -45,7 +46,7 @@ class MetricsLog:
         if not self.writes:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(path) if resume_step is not None and r["step"] < resume_step]
+        kept = [r for r in salvage_metrics(path, resume_step) if resume_step is not None and r["step"] < resume_step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(path)
@@ -270,15 +271,65 @@ def weight_memory(model: Any, optimizer: Any, engine_model: Any) -> dict[str, fl
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    """Rows of a metrics.jsonl, for reading only (plots, summaries, comparisons: nothing is written). A line that is
+    not a row is skipped and said on stderr: a torn last line (a crash mid-write), or a damaged row, which a resumed
+    run keeps aside in metrics.jsonl.damaged (`salvage_metrics`)."""
+    rows, damaged, torn = _parse_metrics(path)
+    if damaged or torn is not None:
+        print(f"{path}: {_unreadable_words(damaged, torn, 'skipped', 'skipped')}", file=sys.stderr)
     return rows
+
+
+DAMAGED_SUFFIX = ".damaged"  # metrics.jsonl.damaged: the damaged rows a resume kept aside
+
+
+def salvage_metrics(path: Path, resume_step: int | None) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl that a resumed run is about to rewrite: a damaged row (a line before the last that is
+    not a row) is appended, with its line number, to metrics.jsonl.damaged and named on the console; a torn last
+    line (a crash mid-write) is dropped, and said."""
+    rows, damaged, torn = _parse_metrics(path)
+    if damaged:
+        aside = path.with_name(path.name + DAMAGED_SUFFIX)
+        with aside.open("a") as f:
+            for line, text in damaged:
+                f.write(json.dumps({"line": line, "resume_step": resume_step, "text": text}) + "\n")
+    if damaged or torn is not None:
+        print(f"{path}: {_unreadable_words(damaged, torn, f'kept aside in {path.name + DAMAGED_SUFFIX}', 'dropped')}")
+    return rows
+
+
+def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], list[tuple[int, str]], int | None]:
+    """A metrics.jsonl's rows; its damaged lines before the last (line number, text); the number of its last line
+    if torn (not a row and not ended by a newline: a crash mid-write)."""
+    text = path.read_text(errors="surrogateescape") if path.is_file() else ""  # bytes kept as they are
+    lines = text.splitlines()
+    rows, damaged, torn = [], [], None
+    for number, line in enumerate(lines, 1):
+        row = _row(line)
+        if row is not None:
+            rows.append(row)
+        elif line.strip() and number == len(lines) and not text.endswith("\n"):
+            torn = number
+        elif line.strip():
+            damaged.append((number, line))
+    return rows, damaged, torn
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics row (a JSON object with an integer step), or None."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def _unreadable_words(damaged: list[tuple[int, str]], torn: int | None, damaged_fate: str, torn_fate: str) -> str:
+    lines = f"line{'s' if len(damaged) > 1 else ''} {', '.join(str(n) for n, _ in damaged)}"
+    parts = [f"{len(damaged)} damaged row(s) ({lines}) {damaged_fate}"] if damaged else []
+    if torn is not None:
+        parts.append(f"its torn last line {torn} (a crash mid-write) {torn_fate}")
+    return "; ".join(parts)
 
 
 PLOTTED = [("reward/mean", "reward"), ("eval/accuracy", "held-out accuracy (quantized, greedy)"),

@@ -1,7 +1,8 @@
 """What both training loops share, top to bottom:
 
-    start_run:    checks -> task -> run directory (claimed: qarl/run_dir.py) -> policy (resumed from the newest complete checkpoint, or built
-                  fresh: warm start, quantize, calibrate) -> the loop's frozen model -> optimizer
+    start_run:    run directory locked -> checks -> task -> run directory claimed (qarl/run_dir.py) -> policy
+                  (resumed from the newest intact checkpoint, or built fresh: warm start, quantize, calibrate)
+                  -> the loop's frozen model -> optimizer
     start_engine: the vLLM engine in the rollout format
     run_steps:    sync the engine (weights + amax), then for each step:
                     evaluation (every eval.every) -> the step's prompts -> rollout -> the loop's rewards
@@ -29,7 +30,6 @@ from omegaconf import OmegaConf
 
 from qarl.checkpoint import load_policy_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
 from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
-from qarl.distributed import is_main_launch
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
@@ -45,7 +45,7 @@ from qarl.quant import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
-from qarl.run_dir import claim_run_dir, plan_run_dir
+from qarl.run_dir import claim_run_dir, is_main_launch, own_run_dir, plan_run_dir, run_dir_lock
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, build_task, model_prompt_format
 from qarl.warm_start import fingerprint, warm_start
@@ -347,9 +347,23 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], 
     """Everything cheap is checked (what the run directory holds, `check_run_settings`, then the loop's `checks`, then
     the memory plan with the loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the fast
     settings are decided (`distilling`: QAD's) and the run directory is claimed, and the policy (resumed from the
-    run's newest complete checkpoint, or built fresh), the loop's `frozen(cfg, policy, task)` model (`cfg` the
-    decided recipe, as the policy's) and the optimizer (with its state, when resumed) are made."""
-    plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
+    run's newest intact checkpoint, or built fresh), the loop's `frozen(cfg, policy, task)` model (`cfg` the
+    decided recipe, as the policy's) and the optimizer (with its state, when resumed) are made.
+
+    The run directory is locked first (the CLI has locked it already; qarl/run_dir.py `own_run_dir`), held until the
+    process ends; a run that fails to start lets it go again."""
+    taken = None if run_dir_lock(cfg.run.dir) else own_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite)
+    try:
+        return _start_run(cfg, frozen, checks, frozen_model, distilling)
+    except BaseException:
+        if taken is not None:
+            taken.release()
+        raise
+
+
+def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], Any],
+               checks: Callable[[RecipeConfig], None], frozen_model: FrozenShape, distilling: bool) -> Run:
+    plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite, hashes=True)
     resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)

@@ -9,6 +9,13 @@ two runs. `plan_run_dir` decides, before anything heavy, what a training command
   qarl did not write)                                          run.overwrite=true clears it first
   trainer.resume=true without a complete checkpoint       -> refused (trainer.resume=auto starts afresh instead)
 
+Before it decides, the run locks the directory (`own_run_dir`, qarl/dir_lock.py: RUN_DIR/.qarl.lock), so two runs
+started at one instant cannot both find it empty, and a run that is still going is never resumed or written over.
+
+A checkpoint carries a manifest (`manifest.json`: every file's size and sha256), written before its COMPLETE marker.
+A resume continues from the newest checkpoint whose files match it (sizes as the command starts, hashes where the
+checkpoint is about to load); a damaged newer one is named and skipped, and pruning never counts one.
+
 This module imports no torch: the CLI runs it as the recipe loads.
 """
 
@@ -16,23 +23,51 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qarl.config import ConfigError
+from qarl.dir_lock import LOCK_FILE, DirLock, held, take_lock
 
 IDENTITY = "qarl_run.json"  # in the run directory
 CHECKPOINT_RUN = "run.json"  # in each checkpoint: the run id and step it belongs to
+MANIFEST = "manifest.json"  # in each checkpoint: every file's size and sha256
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # What qarl writes into a run directory (anything else is a user's file, never cleared without run.overwrite).
-RUN_FILES = {IDENTITY, "config.yaml", "metrics.jsonl", "metrics.tmp", "metrics.png", "summary.json", "checkpoints",
-             "tensorboard", "wandb", "engine_base", "matrix"}
+RUN_FILES = {IDENTITY, "config.yaml", "metrics.jsonl", "metrics.tmp", "metrics.jsonl.damaged", "metrics.png",
+             "summary.json", "checkpoints", "tensorboard", "wandb", "engine_base", "matrix", LOCK_FILE}
 NOT_HASHED = ("run.overwrite", "trainer.resume", "run.dir")  # how a run is started, not what it is
+
+
+def is_main_launch() -> bool:
+    """Whether torchrun launched this process as rank 0 (or without torchrun): known before torch.distributed starts,
+    for what one process does first (locking and claiming the run directory)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def own_run_dir(run_dir: str | Path, resume: str, overwrite: bool) -> DirLock | None:
+    """Lock `run_dir` for this run before anything reads or writes it (qarl/dir_lock.py), held until the process
+    ends: by the process torchrun launched as rank 0, or the only one; None in the others. A lock left by a run that
+    ended without releasing it is taken over only with trainer.resume=true|auto or run.overwrite=true."""
+    if not is_main_launch():
+        return None
+    path = Path(run_dir)
+    _refuse_a_file(path)
+    return take_lock(path / LOCK_FILE, f"run.dir={path}", resume != "false" or overwrite,
+                     "trainer.resume=true|auto (continue the run) or run.overwrite=true (clear it)",
+                     "choose another run.dir")
+
+
+def run_dir_lock(run_dir: str | Path) -> DirLock | None:
+    """This process's lock on `run_dir`, if it holds one."""
+    return held(Path(run_dir) / LOCK_FILE)
 
 
 def complete_checkpoints(run_dir: str | Path, run_id: str | None = None) -> list[Path]:
@@ -60,6 +95,89 @@ def checkpoint_step(checkpoint: Path) -> int | None:
         return int(match.group(1))
     marker = checkpoint / "COMPLETE"
     return int(marker.read_text()) if marker.is_file() else None
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Every file of a checkpoint with its size and sha256, written before its COMPLETE marker, so that a file damaged
+    later (truncated by a full disk or a partial copy, or overwritten) is found before the checkpoint loads."""
+    paths = [f for f in sorted(checkpoint.rglob("*")) if f.is_file() and f.name not in (MANIFEST, "COMPLETE")]
+    files = {f.relative_to(checkpoint).as_posix(): {"bytes": f.stat().st_size, "sha256": digest}
+             for f, digest in zip(paths, _sha256s(paths))}
+    (checkpoint / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    _HASHED[_manifest_key(checkpoint)] = None  # hashed as written: intact
+
+
+_HASHED: dict[tuple[int, int, int], str | None] = {}  # a manifest's (device, inode, mtime) -> its hashed verdict
+
+
+def checkpoint_damage(checkpoint: Path, hashes: bool = True) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest, in words ("policy/model.safetensors is 1,024
+    bytes, not 538,000,000"), or None: intact, or written before checkpoints had a manifest (accepted as before on
+    its COMPLETE marker, without a word: there is nothing a user could do about it). `hashes`: also read every file
+    (seconds for a large checkpoint; once a process), else check sizes only (at once)."""
+    path = checkpoint / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = {name: (int(want["bytes"]), str(want["sha256"])) for name, want in
+                 json.loads(path.read_text())["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, (size, _) in files.items():
+        found = (checkpoint / name).stat().st_size if (checkpoint / name).is_file() else None
+        if found is None:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} is {found:,} bytes, not {size:,}"
+    key = _manifest_key(checkpoint)
+    if not hashes or key in _HASHED:
+        return _HASHED.get(key)
+    digests = _sha256s([checkpoint / name for name in files])
+    wrong = [name for (name, (_, want)), digest in zip(files.items(), digests) if digest != want]
+    _HASHED[key] = f"{', '.join(wrong)}: content differs from the manifest's sha256" if wrong else None
+    return _HASHED[key]
+
+
+def _manifest_key(checkpoint: Path) -> tuple[int, int, int]:
+    """A manifest's identity that a rename (step_N.tmp -> step_N) keeps and a rewrite changes."""
+    stat = (checkpoint / MANIFEST).stat()
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
+
+
+def _sha256s(paths: list[Path]) -> list[str]:
+    """The files' sha256, a file a thread (hashlib lets go of the GIL): a checkpoint's large files hash side by side."""
+    def sha256(path: Path) -> str:
+        with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    with ThreadPoolExecutor() as pool:
+        return list(pool.map(sha256, paths))
+
+
+def newest_intact(checkpoints: list[Path], hashes: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest of `checkpoints` (oldest first) with nothing wrong (`checkpoint_damage`), and each newer one with
+    what is wrong with it, in words."""
+    damaged = []
+    for checkpoint in reversed(checkpoints):
+        damage = checkpoint_damage(checkpoint, hashes)
+        if damage is None:
+            return checkpoint, damaged
+        damaged.append(f"{checkpoint} ({damage})")
+    return None, damaged
+
+
+def prunable(checkpoints: list[Path], keep: int) -> list[Path]:
+    """The checkpoints (oldest first) that `checkpoint.keep` lets go: all older than the newest `keep` intact ones
+    (keep <= 0: none). A damaged checkpoint never counts toward `keep`, so the last intact one is never deleted in
+    favour of it."""
+    if keep <= 0:
+        return []
+    intact = 0
+    for i in range(len(checkpoints) - 1, -1, -1):
+        intact += checkpoint_damage(checkpoints[i]) is None
+        if intact == keep:
+            return checkpoints[:i]
+    return []
 
 
 def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
@@ -90,6 +208,7 @@ class RunDirPlan:
     path: Path
     action: str  # "new" | "resume" | "overwrite"
     checkpoint: Path | None = None  # the checkpoint a resume continues from
+    damaged: tuple[str, ...] = ()  # newer checkpoints a resume skips, each with what is wrong with it
 
     @property
     def resume_step(self) -> int | None:  # (a resume's checkpoint is always a step_N of the run)
@@ -121,27 +240,36 @@ def _refuse_to_clear(path: Path) -> None:
                           "home or root directory: set run.dir to a directory of its own")
 
 
-def plan_run_dir(run_dir: str | Path, resume: str, overwrite: bool) -> RunDirPlan:
-    """What a training command may do with `run_dir` (see the module's docstring); a refusal names the ways out.
-    Reads only: `claim_run_dir` acts on the plan once the run starts."""
-    path = Path(run_dir)
+def _refuse_a_file(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run.dir={path} is a file, not a directory: set run.dir to a directory")
+
+
+def plan_run_dir(run_dir: str | Path, resume: str, overwrite: bool, hashes: bool = False) -> RunDirPlan:
+    """What a training command may do with `run_dir` (see the module's docstring); a refusal names the ways out.
+    A resume's checkpoint is checked against its manifest: file sizes, and with `hashes` every file's sha256 (seconds
+    for a large checkpoint: the run does it as it starts, not the command). Reads only: `claim_run_dir` acts on the
+    plan once the run starts."""
+    path = Path(run_dir)
+    _refuse_a_file(path)
     if overwrite and resume != "false":
         raise ConfigError(f"run.overwrite=true clears run.dir and trainer.resume={resume} continues it: choose one")
     if overwrite:
         _refuse_to_clear(path)
-        return RunDirPlan(path, "overwrite" if path.is_dir() and any(path.iterdir()) else "new")
+        return RunDirPlan(path, "overwrite" if _contents(path) - {LOCK_FILE} else "new")
     identity = read_identity(path)
     checkpoints = complete_checkpoints(path, identity["run_id"] if identity else None)
     if resume in ("true", "auto") and checkpoints:
-        return RunDirPlan(path, "resume", checkpoints[-1])
+        checkpoint, damaged = newest_intact(checkpoints, hashes)
+        if checkpoint is None:
+            raise ConfigError(f"run.dir={path}: every checkpoint is damaged ({'; '.join(damaged)}): restore their "
+                              "files, or start afresh with run.overwrite=true")
+        return RunDirPlan(path, "resume", checkpoint, tuple(damaged))
     if resume == "true":
         raise ConfigError(f"trainer.resume=true, but run.dir={path} holds no complete checkpoint to continue from"
                           f"{_runs_beside(path)}: name the run's directory with run.dir=..., use trainer.resume=auto "
                           "(continue if there is a checkpoint, else start afresh), or leave trainer.resume out")
-    contents = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    foreign = sorted(contents - RUN_FILES)
+    foreign = sorted(_contents(path) - RUN_FILES)
     if foreign:
         raise ConfigError(f"run.dir={path} holds files qarl did not write ({', '.join(foreign[:5])}"
                           f"{', ...' if len(foreign) > 5 else ''}): choose another run.dir, or run.overwrite=true to "
@@ -152,6 +280,10 @@ def plan_run_dir(run_dir: str | Path, resume: str, overwrite: bool) -> RunDirPla
     return RunDirPlan(path, "new")
 
 
+def _contents(path: Path) -> set[str]:
+    return {p.name for p in path.iterdir()} if path.is_dir() else set()
+
+
 def _runs_beside(path: Path) -> str:
     """Run directories next to `path` that hold checkpoints (where a user may have meant to resume), in words."""
     parent = path.parent if path.parent.is_dir() else None
@@ -160,12 +292,13 @@ def _runs_beside(path: Path) -> str:
 
 
 def claim_run_dir(plan: RunDirPlan, recipe: dict[str, Any], config_yaml: str) -> str:
-    """Act on `plan`: clear the directory (overwrite), write the run's identity (new) or note the resume, and write the
-    recipe as config.yaml. Returns the run id. Called by the main process only."""
+    """Act on `plan`: clear the directory (overwrite; all but the run's lock), write the run's identity (new) or note
+    the resume (naming the damaged checkpoints it skips), and write the recipe as config.yaml. Returns the run id,
+    which the lock file then names too. Called by the main process only."""
     path = plan.path
     if plan.action == "overwrite":
         print(f"run.overwrite=true: clearing {path} ({describe_contents(path)})")
-        shutil.rmtree(path)
+        _clear(path)
     path.mkdir(parents=True, exist_ok=True)
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     identity = read_identity(path) if plan.action == "resume" else None
@@ -176,12 +309,27 @@ def claim_run_dir(plan: RunDirPlan, recipe: dict[str, Any], config_yaml: str) ->
         changed = _changed_keys(path / "config.yaml", recipe)
         identity["resumed"].append({"at": now, "from_step": plan.resume_step, "recipe_hash": recipe_hash(recipe)})
         print(f"resuming from step {plan.resume_step} ({plan.checkpoint})"
-              + (f"; changed settings: {', '.join(changed)}" if changed else ""))
+              + (f"; changed settings: {', '.join(changed)}" if changed else "")
+              + (f"; skipped the newer damaged checkpoint(s): {'; '.join(plan.damaged)}" if plan.damaged else ""))
     tmp = path / f"{IDENTITY}.tmp"
     tmp.write_text(json.dumps(identity, indent=2))
     tmp.replace(path / IDENTITY)
     (path / "config.yaml").write_text(config_yaml)
+    lock = run_dir_lock(path)
+    if lock is not None:
+        lock.note(run_id=identity["run_id"])
     return identity["run_id"]
+
+
+def _clear(path: Path) -> None:
+    """Everything in `path` but the run's lock file."""
+    for entry in path.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _changed_keys(old_config: Path, recipe: dict[str, Any]) -> list[str]:

@@ -84,7 +84,8 @@ def kill_after_first_checkpoint(cmd: list[str], run_dir: Path) -> None:
 
 class Runs:
     """Each loop's two runs with its `small` settings, made on first use and kept for the session: `uninterrupted`,
-    and `resumed` (SIGKILLed once checkpoint step_2 is complete, then resumed with trainer.resume=true)."""
+    and `resumed` (SIGKILLed once checkpoint step_2 is complete, then resumed with trainer.resume=true, which takes
+    over the lock the killed run left)."""
 
     def __init__(self, mktemp: Callable[[str], Path]):
         self._mktemp, self._made = mktemp, {}
@@ -114,5 +115,6 @@ class Runs:
             resumed = subprocess.run(loop.command(run_dir, "trainer.resume=true"), check=True, timeout=600,
                                      capture_output=True, text=True)
             assert "resuming from step 2" in resumed.stdout, resumed.stdout[-2000:]
+            assert "taking over the lock left by pid" in resumed.stdout  # the killed run's (qarl/dir_lock.py)
 
         return self._once(loop, "resumed", make)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qarl.config import ConfigError
+from qarl.dir_lock import beside, check_out_dir, owning
 
 
 def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,38 +66,51 @@ def run_export_command(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from qarl.export import verify_export
-    from qarl.export.core import export_policy, load_source, ptq_warning
-    from qarl.export.targets import load_target
-
-    result: dict[str, Any] = {}
     if args.verify:
         if args.checkpoint or args.target or args.out:
             raise ConfigError("--verify DIR checks an existing export; give the reference checkpoint with "
                               "--checkpoint CKPT, not as a positional argument, and no --target/--out")
-        result["verify"] = verify_export(args.verify, args.reference, vllm=args.vllm)
-    elif args.dequantized:
+        from qarl.export import verify_export
+
+        return {"verify": verify_export(args.verify, args.reference, vllm=args.vllm)}
+    if args.dequantized:
         if not args.checkpoint or not args.out or args.target:
             raise ConfigError("qarl export CHECKPOINT --dequantized --out DIR takes no --target")
-        from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint, trained_dtype
-        from qarl.config import PolicyConfig
-        from qarl.export.dequantized import export_dequantized
-
-        checkpoint = resolve_checkpoint(args.checkpoint)
-        policy = load_policy_checkpoint(checkpoint, PolicyConfig(dtype=trained_dtype(checkpoint)))
-        result["export"] = export_dequantized(policy, args.out, args.dtype, overwrite=args.overwrite)
     else:
         missing = [flag for flag, value in (("CHECKPOINT", args.checkpoint), ("--target", args.target),
                                             ("--out", args.out)) if not value]
         if missing:
             raise ConfigError(f"qarl export needs {', '.join(missing)} (or --verify DIR)")
-        target = load_target(args.target)
-        policy, source = load_source(args.checkpoint, target, args.calibrate, args.calib_data)
-        result["export"] = export_policy(policy, target, args.out, source=source, source_dir=Path(policy.model_dir),
-                                         overwrite=args.overwrite)
-        result["export"]["ptq"] = bool(args.calibrate)
-        if args.calibrate:
-            result["warnings"] = [ptq_warning(source, target.resolved_format().source, args.calib_data)]
-        if args.then_verify:  # against the policy in memory: a PTQ export has no trained checkpoint
-            result["verify"] = verify_export(args.out, policy=policy, vllm=args.vllm)
+    out = Path(args.out)
+    # --out is owned while the export runs (a lock beside it: the export replaces it whole by a rename), and must be
+    # empty: both answered before anything loads.
+    with owning(beside(out), f"--out {out}", args.overwrite, "--overwrite", "choose another --out"):
+        check_out_dir(out, args.overwrite)
+        return _dequantized(args) if args.dequantized else _export(args)
+
+
+def _dequantized(args: argparse.Namespace) -> dict[str, Any]:
+    from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint, trained_dtype
+    from qarl.config import PolicyConfig
+    from qarl.export.dequantized import export_dequantized
+
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    policy = load_policy_checkpoint(checkpoint, PolicyConfig(dtype=trained_dtype(checkpoint)))
+    return {"export": export_dequantized(policy, args.out, args.dtype, overwrite=args.overwrite)}
+
+
+def _export(args: argparse.Namespace) -> dict[str, Any]:
+    from qarl.export import verify_export
+    from qarl.export.core import export_policy, load_source, ptq_warning
+    from qarl.export.targets import load_target
+
+    target = load_target(args.target)
+    policy, source = load_source(args.checkpoint, target, args.calibrate, args.calib_data)
+    result: dict[str, Any] = {"export": export_policy(policy, target, args.out, source=source,
+                                                      source_dir=Path(policy.model_dir), overwrite=args.overwrite)}
+    result["export"]["ptq"] = bool(args.calibrate)
+    if args.calibrate:
+        result["warnings"] = [ptq_warning(source, target.resolved_format().source, args.calib_data)]
+    if args.then_verify:  # against the policy in memory: a PTQ export has no trained checkpoint
+        result["verify"] = verify_export(args.out, policy=policy, vllm=args.vllm)
     return result

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from qarl.config import ConfigError, PolicyConfig
+from qarl.dir_lock import check_out_dir
 from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
@@ -316,7 +317,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     target = target if isinstance(target, ExportTarget) else load_target(target)
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     if policy.format is None:
         raise ConfigError("the policy is not quantized: nothing to export in a quantized format "
                           "(export its checkpoint with --calibrate for PTQ)")
@@ -401,11 +402,6 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     return summary
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ConfigError(f"output directory {out_dir} exists and is not empty; choose another or pass --overwrite")
-
-
 def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: str | Path, *,
                       calibrate: bool = False, calib_data: str = "task", overwrite: bool = False) -> dict[str, Any]:
     """Export a qarl checkpoint (a step_N dir or a run dir: its newest complete checkpoint), or an
@@ -418,7 +414,7 @@ def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: st
     from qarl.policy import Policy
 
     target = target if isinstance(target, ExportTarget) else load_target(target)
-    _check_out_dir(Path(out_dir), overwrite)
+    check_out_dir(Path(out_dir), overwrite)
     if isinstance(checkpoint, Policy):
         return export_policy(checkpoint, target, out_dir, overwrite=overwrite)
     policy, source = load_source(checkpoint, target, calibrate, calib_data)

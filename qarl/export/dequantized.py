@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from qarl.config import ConfigError
+from qarl.dir_lock import check_out_dir
 
 
 @torch.no_grad()
@@ -23,7 +24,6 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
     """Write `policy` (a qarl Policy) as an unquantized `dtype` model directory; returns a summary."""
     from transformers import AutoModelForCausalLM
 
-    from qarl.export.core import _check_out_dir
     from qarl.lora import lora_layers
     from qarl.models.experts import fuse_expert_weights
     from qarl.config import DTYPES
@@ -32,7 +32,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {DTYPES}")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     weights = dict(folded_weights(policy.model))
     merged = 0
     for name, layer in lora_layers(policy.model):

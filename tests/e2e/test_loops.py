@@ -32,6 +32,7 @@ def test_a_few_steps_write_the_metrics_checkpoints_and_plot(loop_runs, loop, whi
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     assert [c.name for c in complete_checkpoints(run_dir)] == list(loop.checkpoints)
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == list(loop.checkpoints)
+    assert not (run_dir / ".qarl.lock").exists()  # the run's lock, let go as it ended
 
     if loop is GRPO:
         assert max(r["mismatch/max_abs_logprob_diff"] for r in steps) < 1e-4  # synced: at the fp32 floor

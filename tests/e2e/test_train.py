@@ -1,19 +1,22 @@
 """QA-GRPO's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a reward that raises stops the run
-and keeps its checkpoints, and `qarl eval` of a run reports what the run evaluated. What GRPO shares with QAD (a few
+and keeps its checkpoints, `qarl eval` of a run reports what the run evaluated, and a resume past a damaged newest
+checkpoint continues from the one before it. What GRPO shares with QAD (a few
 steps, exact resume after SIGKILL): tests/e2e/test_loops.py; its input checks: tests/unit/test_loop_checks.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import PolicyConfig
 from qarl.metrics import read_metrics
-from qarl.run_dir import checkpoint_run_id, read_identity
-from tests.loops import GRPO
+from qarl.run_dir import checkpoint_damage, checkpoint_run_id, read_identity
+from tests.loops import GRPO, deterministic
 
 
 def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
@@ -51,3 +54,25 @@ def test_a_second_run_into_a_finished_runs_directory_loses_nothing(loop_runs):
     assert {f: (run_dir / f).read_bytes() for f in files} == before
     run_id = read_identity(run_dir)["run_id"]
     assert all(checkpoint_run_id(c) == run_id for c in complete_checkpoints(run_dir))
+
+
+def test_a_resume_past_a_damaged_newest_checkpoint_continues_from_the_one_before(loop_runs, tmp_path):
+    """The newest checkpoint's model.safetensors cut short under its COMPLETE marker (a full disk, a partial copy):
+    the resume names it once, continues from step_2, and reproduces the uninterrupted run (once a raw SafetensorError
+    after "resuming from step 4")."""
+    uninterrupted = loop_runs.uninterrupted(GRPO)
+    run_dir = Path(shutil.copytree(uninterrupted, tmp_path / "run"))
+    model = run_dir / "checkpoints" / "step_4" / "policy" / "model.safetensors"
+    size = model.stat().st_size
+    with model.open("r+b") as f:
+        f.truncate(size // 2)
+    proc = subprocess.run(GRPO.command(run_dir, "trainer.resume=true"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("step_4 (policy/model.safetensors") == 1
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("resuming from step"))
+    assert line.startswith(f"resuming from step 2 ({run_dir}/checkpoints/step_2)"), line
+    assert line.endswith(f"; skipped the newer damaged checkpoint(s): {run_dir}/checkpoints/step_4 "
+                         f"(policy/model.safetensors is {size // 2:,} bytes, not {size:,})"), line
+    assert deterministic(read_metrics(run_dir / "metrics.jsonl")) == deterministic(
+        read_metrics(uninterrupted / "metrics.jsonl"))
+    assert checkpoint_damage(run_dir / "checkpoints" / "step_4") is None  # written again

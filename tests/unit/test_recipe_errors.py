@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,10 @@ CASES = [
     Case("diagnose without a model", ("diagnose", "qarl/recipe_defaults.yaml", "task.num_eval=5"),
          "name at least one model"),
     Case("config without a recipe", ("config",), "qarl config --schema lists every key"),
+    Case("run directory left locked by a killed run", ("train", TINY, "run.dir={tmp}/left_locked"),
+         "which ended without releasing it (no longer running: killed or crashed)"),
+    Case("export into a non-empty --out", ("export", "{tmp}/old_run", "--target", "nvfp4_w4a16_modelopt", "--out",
+                                           "{tmp}/papers"), "is not empty; choose another or pass --overwrite"),
 ]
 
 
@@ -114,6 +119,10 @@ def make_fixtures(root: Path) -> Path:
     (old / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in range(3)))
     (root / "papers").mkdir(exist_ok=True)
     (root / "papers" / "notes.txt").write_text("mine\n")
+    left = root / "left_locked"  # a run SIGKILLed before it released its lock (no pid is this large: none runs)
+    left.mkdir(exist_ok=True)
+    (left / ".qarl.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**31 - 1,
+                                                 "since": "2026-11-30T10:00:00", "command": "python -m qarl train"}))
     return root
 
 
