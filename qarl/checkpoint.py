@@ -36,7 +36,7 @@ from qarl.distributed import barrier, is_main_process, rank, world_size
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
-from qarl.run_dir import (CHECKPOINT_RUN, checkpoint_damage, complete_checkpoints, newest_intact, prunable,
+from qarl.run_dir import (CHECKPOINT_RUN, checkpoint_damage, complete_checkpoints, is_checkpoint_dir, is_run_or_checkpoint, newest_intact, prunable,
                           read_identity, write_manifest)
 
 if TYPE_CHECKING:
@@ -140,8 +140,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def is_checkpoint_dir(path: Path) -> bool:
-    return (path / "policy").is_dir() or (path / "lora.json").is_file()
+def named_checkpoint(model_name: str) -> Path | None:
+    """The qarl checkpoint a model name stands for (`policy.model_name` or `teacher.model_name` may name a checkpoint
+    directory, or a run directory: its newest intact checkpoint), None for any other name. A LoRA checkpoint is
+    refused: its adapter would be lost, the run starting from its base alone."""
+    path = Path(model_name).expanduser()
+    if not is_run_or_checkpoint(path):
+        return None
+    checkpoint = resolve_checkpoint(path)
+    if (checkpoint / "lora.json").is_file():
+        raise ConfigError(f"{model_name} is a LoRA checkpoint ({checkpoint}): a run starts from a whole model; merge "
+                          f"its adapter first with `qarl export {checkpoint} --dequantized --out DIR` and name DIR")
+    return checkpoint
+
 
 
 def model_dir_dtype(model_dir: Path) -> str:

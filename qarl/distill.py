@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from qarl.checkpoint import resolve_checkpoint
 from qarl.config import ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import SPLIT_PREFIX, evaluate_splits, split_metrics
@@ -61,12 +60,7 @@ def teacher_source(cfg: RecipeConfig) -> str:
     """The teacher's model directory (or hub id) without running anything: the warm-start teacher
     shares the base model's tokenizer and shape, so the checks read the base model."""
     name = cfg.teacher.model_name
-    if name == WARM_START_TEACHER:
-        return resolve_model_dir(cfg.policy.model_name)
-    path = Path(name).expanduser()
-    if path.is_dir() and ((path / "policy").is_dir() or (path / "checkpoints").is_dir()):
-        return str(resolve_checkpoint(path) / "policy")
-    return resolve_model_dir(name)
+    return resolve_model_dir(cfg.policy.model_name if name == WARM_START_TEACHER else name)
 
 
 def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool = False) -> None:

@@ -15,6 +15,7 @@ from qarl.config import ConfigError, RecipeConfig, load_recipe
 from qarl.models.resolve import check_model_name
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
+from qarl.run_dir import is_run_or_checkpoint
 
 if TYPE_CHECKING:
     from qarl.generation import VLLMEngine
@@ -103,14 +104,13 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
         check_model_name(target, "qarl eval's target (a run directory, a checkpoint or a model)")
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
-    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
-                                 resolve_checkpoint)
+    from qarl.checkpoint import checkpoint_format, checkpoint_model_dir, load_policy_checkpoint, resolve_checkpoint
     from qarl.generation import VLLMEngine, engine_adapter_rank
     from qarl.policy import build_policy
     from qarl.quant import resolve_format
     from qarl.run_dir import checkpoint_run_id, checkpoint_step
 
-    is_checkpoint = path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
+    is_checkpoint = is_run_or_checkpoint(path)
     # evaluation runs in one process on the HF backend, whichever backend trained it (its checkpoints are HF ones)
     # eager: a run's config.yaml holds the decided fast settings ("on"), which evaluation has no use for
     cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, backend="hf", tensor_parallel_size=1,

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, GenerationConfig, RecipeConfig, load_recipe
 from qarl.dir_lock import LOCK_FILE, owning
+from qarl.run_dir import is_run_or_checkpoint
 
 if TYPE_CHECKING:  # the engine's import is heavy: the checks come first
     from qarl.evaluate import EvalResult
@@ -173,9 +174,9 @@ def resolve_model_source(path: str) -> ModelSource:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"model {path!r} does not exist")
-    from qarl.checkpoint import checkpoint_format, is_checkpoint_dir, resolve_checkpoint
+    from qarl.checkpoint import checkpoint_format, resolve_checkpoint
 
-    if is_checkpoint_dir(p) or (p / "checkpoints").is_dir():
+    if is_run_or_checkpoint(p):
         checkpoint = resolve_checkpoint(p)
         if (checkpoint / "lora.json").is_file():
             raise ConfigError(f"{checkpoint} is a LoRA adapter; qarl matrix and qarl diagnose read whole models. "

@@ -28,8 +28,10 @@ from typing import Any, Protocol
 import torch
 from omegaconf import OmegaConf
 
-from qarl.checkpoint import load_policy_checkpoint, restore_trainer_state, save_checkpoint, trainer_state
+from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, named_checkpoint, restore_trainer_state,
+                             save_checkpoint, trainer_state)
 from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
+from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
@@ -100,9 +102,28 @@ def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True, resolv
     """The step-0 policy: the initial model, quantized and calibrated (`trainable`: with master weights).
     Deterministic, so the KL reference is this policy built again. `resolved`: the run's (else resolved here)."""
     resolved = resolved or resolve_recipe(cfg)
+    checkpoint = named_checkpoint(cfg.policy.model_name)
+    if checkpoint is not None and _starts_with_its_amax(checkpoint, cfg, resolved.policy_format):
+        return load_policy_checkpoint(checkpoint, cfg.policy, trainable=trainable)
     calibration = task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts)
     return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task, resolved.model_dir),
                         fmt=resolved.policy_format, trainable=trainable, tokenizer=resolved.prompts.tokenizer)
+
+
+def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat | None) -> bool:
+    """Whether a run that starts from another run's checkpoint (a two-stage recipe: QAD, then QA-GRPO) takes its
+    calibrated amax with its weights: where it trained in this run's format, so the run goes on from the very
+    quantized model the first stage left; else the weights start the run and its quantizers are calibrated afresh.
+    Says which, once."""
+    trained = checkpoint_format(checkpoint)
+    why_not = ("policy.quant_cfg=none" if fmt is None else "warm_start.enabled" if cfg.warm_start.enabled
+               else "policy.lora" if cfg.policy.lora.mode != "none"
+               else f"it trained in {trained.name if trained else 'no quantization'}" if not same_format(trained, fmt)
+               else "")
+    if is_main_process():
+        print(f"starting from checkpoint {checkpoint}: its weights"
+              + (f"; its quantizers calibrated afresh ({why_not})" if why_not else f" and its calibrated amax ({fmt.name})"))
+    return not why_not
 
 
 def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task, resolved: Resolved) -> Policy:

@@ -82,6 +82,17 @@ def complete_checkpoints(run_dir: str | Path, run_id: str | None = None) -> list
     return [p for _, p in sorted(found)]
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is one qarl checkpoint (a whole policy's or a LoRA adapter's)."""
+    return (path / "policy").is_dir() or (path / "lora.json").is_file()
+
+
+def is_run_or_checkpoint(path: Path) -> bool:
+    """Whether `path` is a qarl checkpoint or a run directory: what a model name may also be (its newest intact
+    checkpoint's model)."""
+    return path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
+
+
 def checkpoint_run_id(checkpoint: Path) -> str | None:
     path = checkpoint / CHECKPOINT_RUN
     return json.loads(path.read_text())["run_id"] if path.is_file() else None

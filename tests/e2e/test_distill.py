@@ -36,3 +36,39 @@ def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
     assert (checkpoint / "lora.json").is_file() and not (checkpoint / "policy").exists()
     adapter = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0
+
+
+def test_a_qa_grpo_run_goes_on_from_a_qad_checkpoint_with_its_amax(loop_runs, tmp_path):
+    """A two-stage recipe (QAD, then QA-GRPO) is a run whose policy.model_name is the first stage's run: its step-0
+    policy is that checkpoint's master weights with that checkpoint's calibrated amax (the same format), not weights
+    calibrated afresh; in another format its quantizers are calibrated afresh, and it says so. The run then trains."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qarl.quant.quantize import quantizer_state
+    from qarl.run import initial_policy
+    from qarl.tasks import build_task
+    from tests.loops import GRPO
+
+    qad_run = loop_runs.resumed(QAD)
+    checkpoint = qad_run / "checkpoints" / "step_3"
+    start = [f"policy.model_name={qad_run}", "policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml", "warm_start.enabled=false"]
+    cfg = load_recipe(GRPO.recipe, [f"run.dir={tmp_path / 'rl'}", *start], RecipeConfig)
+    policy = initial_policy(cfg, build_task(cfg.task, cfg.run.seed), trainable=False)
+    saved = load_file(str(checkpoint / "quantizer_state.safetensors"))
+    state = quantizer_state(policy.model)
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    weights = load_file(str(checkpoint / "policy" / "model.safetensors"))
+    master = policy.master_state_dict()
+    assert all(torch.equal(master[k].float(), weights[k].float()) for k in weights if k in master)
+
+    proc = subprocess.run(GRPO.command(tmp_path / "rl", *start, "trainer.steps=1", "eval.every=0"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"starting from checkpoint {checkpoint}: its weights and its calibrated amax" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "rl" / "metrics.jsonl")] == [0]
+
+    other = load_recipe(GRPO.recipe, [f"run.dir={tmp_path / 'w4a16'}", f"policy.model_name={qad_run}",
+                                      "warm_start.enabled=false"], RecipeConfig)
+    from qarl.run import _starts_with_its_amax, resolve_recipe
+    assert not _starts_with_its_amax(checkpoint, other, resolve_recipe(other).policy_format)
