@@ -178,7 +178,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         """A completion as long as the engine's whole window leaves no token for a prompt: refused as the recipe loads
-        (each prompt's own length is checked once the tokenizer has read it: qarl/tasks/chat.py)."""
+        (each prompt's own length is checked once the tokenizer has read it: qarl/tasks `check_prompt_lengths`)."""
         if self.max_new_tokens >= self.max_model_len:
             raise ConfigError(f"policy.generation.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
                               f"policy.generation.max_model_len={self.max_model_len} (prompt + completion, in tokens): "

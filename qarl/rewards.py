@@ -218,7 +218,15 @@ class WeightedRewards:
                 raise ConfigError(f"reward {name!r} takes {signature}; a reward takes (completions, answers) and "
                                   "returns one float per completion") from None
             try:
-                self._call(name, fn, completions, answers)
+                values = fn(completions, answers)
+            except Exception as e:
+                if self.on_error == "zero":  # asked for: a sample it fails on scores 0
+                    continue
+                raise ConfigError(f"reward {name!r} raised {type(e).__name__}: {e} on a sample before the run "
+                                  f"({sample}); fix it, or set trainer.reward_error=zero if it may fail on some "
+                                  "completions") from None
+            try:
+                self._checked(name, values, completions)
             except RewardError as e:
                 raise ConfigError(f"{e} (called on a sample before the run: {sample})") from None
 

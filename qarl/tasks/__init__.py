@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qarl.config import ConfigError, TaskConfig
+from qarl.config import ConfigError, GenerationConfig, TaskConfig
 from qarl.tasks.arithmetic import ArithmeticTask, Problem
-from qarl.tasks.chat import (PromptFormat, check_prompt_lengths, model_prompt_format, prompt_format,
-                             recipe_prompt_format)
+from qarl.tasks.chat import PromptFormat, model_prompt_format, prompt_format, recipe_prompt_format
 from qarl.tasks.dataset import LOCAL_FORMATS, DatasetTask
 
 Task = ArithmeticTask | DatasetTask
@@ -35,6 +34,33 @@ def sample_answer(cfg: TaskConfig, seed: int) -> str:
     if cfg.name == "dataset" and Path(cfg.train_data).suffix not in LOCAL_FORMATS:
         return "42"
     return build_task(cfg, seed).train[0].answer
+
+
+def check_prompt_lengths(prompts: PromptFormat, splits: dict[str, list[Problem]], generation: GenerationConfig
+                         ) -> dict[str, int]:
+    """Every prompt of `splits` (name -> the problems a command will ask), in the model's tokens, fits the engine's
+    window beside a whole completion: `max_model_len - max_new_tokens`. Checked once the tokenizer has read them and
+    before the model loads; the engine would refuse such a prompt only when it is first sampled, possibly hours in.
+    The refusal names the longest prompt (its file and line), how many are too long, and the keys to change. Returns
+    each split's longest prompt, in tokens."""
+    room = generation.max_model_len - generation.max_new_tokens
+    longest = {}
+    for split, problems in splits.items():
+        lengths = [len(ids) for ids in prompts.batch([p.prompt for p in problems])]
+        if not lengths:
+            continue
+        worst = max(range(len(lengths)), key=lengths.__getitem__)
+        longest[split] = lengths[worst]
+        if lengths[worst] > room:
+            where = problems[worst].where or f"{split} problem {worst + 1}"
+            too_long = sum(n > room for n in lengths)
+            raise ConfigError(
+                f"{too_long} of {len(lengths)} {split} prompts are longer than the {room} tokens "
+                f"policy.generation.max_model_len={generation.max_model_len} leaves beside max_new_tokens="
+                f"{generation.max_new_tokens}; the longest ({where}) is {lengths[worst]} tokens: raise "
+                f"policy.generation.max_model_len to {lengths[worst] + generation.max_new_tokens}, lower "
+                "policy.generation.max_new_tokens, or shorten those prompts")
+    return longest
 
 
 __all__ = ["ArithmeticTask", "DatasetTask", "Problem", "PromptFormat", "Task", "build_task", "check_prompt_lengths",

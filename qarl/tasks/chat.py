@@ -14,12 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qarl.config import ConfigError, GenerationConfig, RecipeConfig, TaskConfig, switch_mode
+from qarl.config import ConfigError, RecipeConfig, TaskConfig, switch_mode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from qarl.tasks.arithmetic import Problem
 
 _PROBE = "qarl-probe-answer"  # an assistant message whose rendering shows the token that closes a turn
 
@@ -65,33 +63,6 @@ class PromptFormat:
     def stop_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id
         return sorted({self.end_id} | ({eos} if eos is not None else set()))
-
-
-def check_prompt_lengths(prompts: PromptFormat, splits: dict[str, list[Problem]], generation: GenerationConfig
-                         ) -> dict[str, int]:
-    """Every prompt of `splits` (name -> the problems a command will ask), in the model's tokens, fits the engine's
-    window beside a whole completion: `max_model_len - max_new_tokens`. Checked once the tokenizer has read them and
-    before the model loads; the engine would refuse such a prompt only when it is first sampled, possibly hours in.
-    The refusal names the longest prompt (its file and line), how many are too long, and the keys to change. Returns
-    each split's longest prompt, in tokens."""
-    room = generation.max_model_len - generation.max_new_tokens
-    longest = {}
-    for split, problems in splits.items():
-        lengths = [len(ids) for ids in prompts.batch([p.prompt for p in problems])]
-        if not lengths:
-            continue
-        worst = max(range(len(lengths)), key=lengths.__getitem__)
-        longest[split] = lengths[worst]
-        if lengths[worst] > room:
-            where = problems[worst].where or f"{split} problem {worst + 1}"
-            too_long = sum(n > room for n in lengths)
-            raise ConfigError(
-                f"{too_long} of {len(lengths)} {split} prompts are longer than the {room} tokens "
-                f"policy.generation.max_model_len={generation.max_model_len} leaves beside max_new_tokens="
-                f"{generation.max_new_tokens}; the longest ({where}) is {lengths[worst]} tokens: raise "
-                f"policy.generation.max_model_len to {lengths[worst] + generation.max_new_tokens}, lower "
-                "policy.generation.max_new_tokens, or shorten those prompts")
-    return longest
 
 
 def end_of_turn(tokenizer: PreTrainedTokenizerBase, stop_token: str) -> int:

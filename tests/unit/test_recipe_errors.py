@@ -239,21 +239,21 @@ def read_only_folder(tmp: Path) -> Path:
 
 def run_case(case: Case, tmp: Path) -> tuple[int, str, float]:
     """(exit status, stderr, seconds) of `qarl <case.args>` as a user would run it."""
-    args = [_placed(a, tmp) for a in case.args]
-    env = {**os.environ, "PYTHONWARNINGS": "default", **{k: _placed(v, tmp) for k, v in case.env}}  # a user's shell
+    args = [placed(a, tmp) for a in case.args]
+    env = {**os.environ, "PYTHONWARNINGS": "default", **{k: placed(v, tmp) for k, v in case.env}}  # a user's shell
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "qarl", *args], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=max(60.0, 2 * case.seconds))
     return proc.returncode, proc.stderr, time.perf_counter() - start
 
 
-def _placed(text: str, tmp: Path) -> str:
+def placed(text: str, tmp: Path) -> str:
     """A case's argument with the fixtures' folder and the read-only folder in place."""
     return text.replace("{tmp}", str(tmp)).replace("{readonly}", str(read_only_folder(tmp)))
 
 
 def expected(case: Case, tmp: Path) -> str:
-    return _placed(case.expect, tmp)
+    return placed(case.expect, tmp)
 
 
 @pytest.fixture(scope="module")
