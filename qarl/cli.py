@@ -36,7 +36,7 @@ from qarl.outputs import check_outputs
 from qarl.quant_cfg import check_quant_files
 from qarl.rewards import RewardError, WeightedRewards
 from qarl.tasks import sample_answer
-from qarl.tasks.dataset import check_data_files
+from qarl.tasks.dataset import check_calibration_file, check_data_files
 
 # Warnings third-party libraries print as they import, about their own optional parts, that a user cannot act on.
 QUIET_MODULES = r"(megatron|modelopt|vllm|torch\.distributed|transformers)(\..*)?"
@@ -56,6 +56,7 @@ def _recipe(args: argparse.Namespace) -> RecipeConfig:
     cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     check_quant_files(cfg)
     check_data_files(cfg.task)
+    check_calibration_file(cfg.policy.quant_calib_data)
     check_model_name(cfg.policy.model_name, "policy.model_name")
     check_outputs(cfg, args.command)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
@@ -201,11 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
 def interrupted(args: argparse.Namespace) -> str:
     """What a Ctrl-C leaves to say: for a training command, the run's last complete checkpoint and the command that
     continues from it (the same recipe and overrides, with run.dir and trainer.resume=true)."""
-    if args.command not in ("train", "distill"):
+    try:
+        cfg = load_recipe(args.recipe, args.overrides, RecipeConfig) if args.command in ("train", "distill") else None
+    except ConfigError:  # stopped while the recipe was read
+        cfg = None
+    if cfg is None:
         return "interrupted (Ctrl-C)"
     from qarl.run_dir import complete_checkpoints, read_identity
 
-    cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     run_dir = Path(cfg.run.dir)
     how_started = ("run.dir", "trainer.resume", "run.overwrite")
     kept = [o for o in args.overrides if o.split("=", 1)[0].strip() not in how_started]

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 LOCAL_FORMATS = (".jsonl", ".json", ".csv")  # read with the standard library: no `datasets` needed (the GPU kit)
 FILE_FORMATS = (*LOCAL_FORMATS, ".parquet")
+# policy.quant_calib_data's files, by suffix: the `datasets` builder that reads each (qarl/calibration.py)
+CALIBRATION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
 
 def is_local_file(source: str) -> bool:
@@ -152,6 +154,14 @@ def check_data_files(cfg: TaskConfig) -> None:
             path = check_local_file(source, key)
             if path.suffix in LOCAL_FORMATS:
                 load_problems(source, cfg.prompt_column, cfg.answer_column, key)
+
+
+def check_calibration_file(source: str) -> None:
+    """`policy.quant_calib_data` naming a local file: there, a file, not empty, before anything loads (its texts are
+    read through `datasets` when the policy is calibrated)."""
+    path = Path(source).expanduser()
+    if source != "task" and (path.suffix in CALIBRATION_BUILDERS or path.exists()):
+        check_local_file(source, "policy.quant_calib_data")
 
 
 class DatasetTask:

@@ -152,6 +152,8 @@ CASES = [
          "reward 'bad_rewards:raises' raised KeyError", env=BAD_REWARDS),
     Case("eval of an exported (quantized) checkpoint", ("eval", "{tmp}/export"),
          "is a quantized checkpoint (W4A16_NVFP4; an export?): qarl eval takes a qarl run directory"),
+    Case("calibration data file missing", _trainer("policy.quant_calib_data={tmp}/no_such_calibration.jsonl"),
+         "policy.quant_calib_data={tmp}/no_such_calibration.jsonl: dataset file not found"),
     Case("prompt longer than the engine's window", _dataset("long_prompt.jsonl", "warm_start.enabled=false"),
          "1 of 3 train prompts are longer than the 248 tokens", seconds=120.0),
 ]
