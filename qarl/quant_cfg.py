@@ -44,12 +44,20 @@ def shipped_names() -> list[str]:
 def unknown_quant_config(spec: str, builtins: list[str], key: str = "") -> ConfigError:
     """The error for a name that is neither a quant config file nor one of ModelOpt's `builtins` (`key`: the recipe
     key that set it)."""
-    near = difflib.get_close_matches(spec, [*shipped_names(), *builtins], n=1, cutoff=0.6)
-    hint = f"; did you mean {near[0]}?" if near else "."
+    near = _nearest(spec, [*shipped_names(), *builtins])
+    hint = f"; did you mean {near}?" if near else "."
     where = f"{key}: " if key else ""
     return ConfigError(f"{where}unknown quant config {spec!r}: neither a YAML file nor a ModelOpt built-in{hint} Use a "
                        f"shipped config {shipped_names()} (name or path), your own YAML path, or one of ModelOpt's: "
                        f"{', '.join(builtins)}")
+
+
+def _nearest(spec: str, names: list[str]) -> str | None:
+    """The name `spec` most likely meant: the same words in another order or case (W4A16_NVFP4_CFG for
+    NVFP4_W4A16_CFG), else the closest spelling."""
+    words = sorted(spec.upper().split("_"))
+    same = [name for name in names if sorted(name.upper().split("_")) == words]
+    return same[0] if same else next(iter(difflib.get_close_matches(spec, names, n=1, cutoff=0.6)), None)
 
 
 @functools.cache

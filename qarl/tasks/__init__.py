@@ -7,7 +7,7 @@ from pathlib import Path
 from qarl.config import ConfigError, GenerationConfig, TaskConfig
 from qarl.tasks.arithmetic import ArithmeticTask, Problem
 from qarl.tasks.chat import PromptFormat, model_prompt_format, prompt_format, recipe_prompt_format
-from qarl.tasks.dataset import LOCAL_FORMATS, DatasetTask
+from qarl.tasks.dataset import LOCAL_FORMATS, DatasetTask, load_problems
 
 Task = ArithmeticTask | DatasetTask
 
@@ -31,9 +31,11 @@ def sample_answer(cfg: TaskConfig, seed: int) -> str:
     """The first training problem's answer where it is known before anything heavy loads (the embedded task, a local
     JSON Lines, JSON or CSV file), else a number: what the rewards are called on once before a run
     (qarl/rewards.py `WeightedRewards.check_on_sample`)."""
-    if cfg.name == "dataset" and Path(cfg.train_data).suffix not in LOCAL_FORMATS:
+    if cfg.name != "dataset":
+        return build_task(cfg, seed).train[0].answer
+    if Path(cfg.train_data).suffix not in LOCAL_FORMATS:
         return "42"
-    return build_task(cfg, seed).train[0].answer
+    return load_problems(cfg.train_data, cfg.prompt_column, cfg.answer_column)[0].answer
 
 
 def check_prompt_lengths(prompts: PromptFormat, splits: dict[str, list[Problem]], generation: GenerationConfig

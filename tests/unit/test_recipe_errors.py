@@ -106,7 +106,8 @@ CASES = [
          "name at least one model"),
     Case("config without a recipe", ("config",), "qarl config --schema lists every key"),
     Case("unknown quant config name", _trainer("policy.quant_cfg=NVFP4_W4A16_CFG"),
-         "unknown quant config 'NVFP4_W4A16_CFG': neither a YAML file nor a ModelOpt built-in; did you mean"),
+         "unknown quant config 'NVFP4_W4A16_CFG': neither a YAML file nor a ModelOpt built-in; did you mean "
+         "W4A16_NVFP4_CFG?"),
     Case("quant config key ModelOpt does not have", _trainer("policy.quant_cfg={tmp}/misspelt_quant.yaml"),
          "misspelt_quant.yaml:6: quant_cfg[1].cfg: no such key 'num_bit'; did you mean num_bits?"),
     Case("quant config shown by qarl config", ("config", TINY, "policy.quant_cfg={tmp}/misspelt_quant.yaml"),
