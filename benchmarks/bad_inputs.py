@@ -12,7 +12,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: the cases live in its tests
-from tests.unit.test_recipe_errors import CASES, make_fixtures, run_case  # noqa: E402
+from tests.unit.test_recipe_errors import CASES, REPO, make_fixtures, placed, run_case  # noqa: E402
+
+
+def shown(text: str, fixtures: Path) -> str:
+    """`text` with the fixtures' folder as FIXTURES and the checkout as REPO: the same table on any machine."""
+    return text.replace(str(fixtures), "FIXTURES").replace(str(REPO), "REPO")
 
 
 def main() -> None:
@@ -24,12 +29,13 @@ def main() -> None:
         rows = []
         for case in CASES:
             code, stderr, seconds = run_case(case, fixtures)
-            message = stderr.strip().splitlines()[-1].replace(str(fixtures), "FIXTURES") if stderr.strip() else ""
+            message = shown(stderr.strip().splitlines()[-1], fixtures) if stderr.strip() else ""
             rows.append((case, code, message, seconds))
     if args.markdown:
         print("| input | command (after `qarl`) | message | exit | seconds |\n|---|---|---|---|---|")
         for case, code, message, seconds in rows:
-            command = " ".join(case.args).replace("{tmp}", "FIXTURES")
+            env = "".join(f" (with {k}={v})" for k, v in case.env)
+            command = shown(placed(" ".join(case.args) + env, fixtures), fixtures)
             print(f"| {case.name} | `{command}` | {message.replace('|', '/')} | {code} | {seconds:.2f} |")
     else:
         for case, code, message, seconds in rows:

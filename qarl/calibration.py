@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from qarl.config import ConfigError, PolicyConfig
+from qarl.tasks.dataset import CALIBRATION_BUILDERS
 
 
 def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str]:
@@ -18,14 +19,14 @@ def load_calibration_texts(cfg: PolicyConfig, task_texts: list[str]) -> list[str
         texts = task_texts
     else:
         path = Path(source).expanduser()
-        builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
         try:
             import datasets
 
-            if path.suffix in builders or path.exists():
+            if path.suffix in CALIBRATION_BUILDERS or path.exists():
                 if not path.is_file():
                     raise ConfigError(f"calibration data file not found: {source}")
-                data = datasets.load_dataset(builders.get(path.suffix, "json"), data_files=str(path), split="train")
+                data = datasets.load_dataset(CALIBRATION_BUILDERS.get(path.suffix, "json"), data_files=str(path),
+                                             split="train")
             else:
                 data = datasets.load_dataset(source, split="train")
         except ConfigError:

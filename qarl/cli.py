@@ -23,16 +23,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
 
 from qarl import __version__
-from qarl.config import (ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe,
-                         check_quant_files, load_recipe, to_dict)
+from qarl.config import (ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe, load_recipe,
+                         to_dict)
 from qarl.models.resolve import check_model_name
+from qarl.outputs import check_outputs
+from qarl.quant_cfg import check_quant_files
 from qarl.rewards import RewardError, WeightedRewards
-from qarl.tasks.dataset import check_data_files
+from qarl.tasks import sample_answer
+from qarl.tasks.dataset import check_calibration_file, check_data_files
 
 # Warnings third-party libraries print as they import, about their own optional parts, that a user cannot act on.
 QUIET_MODULES = r"(megatron|modelopt|vllm|torch\.distributed|transformers)(\..*)?"
@@ -47,12 +51,16 @@ def quiet_third_party() -> None:
 
 
 def _recipe(args: argparse.Namespace) -> RecipeConfig:
-    """The command's recipe, and the files and names it points to that can be checked without torch."""
+    """The command's recipe, and the files, names, paths and rewards it points to that can be checked without torch:
+    its data read whole, its rewards imported and called once on a sample, where it writes tried."""
     cfg = load_recipe(args.recipe, args.overrides, RecipeConfig)
     check_quant_files(cfg)
     check_data_files(cfg.task)
+    check_calibration_file(cfg.policy.quant_calib_data)
     check_model_name(cfg.policy.model_name, "policy.model_name")
-    WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    check_outputs(cfg, args.command)
+    rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
+    rewards.check_on_sample(sample_answer(cfg.task, cfg.run.seed))
     return cfg
 
 
@@ -192,6 +200,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted(args: argparse.Namespace) -> str:
+    """What a Ctrl-C leaves to say: for a training command, the run's last complete checkpoint and the command that
+    continues from it (the same recipe and overrides, with run.dir and trainer.resume=true)."""
+    try:
+        cfg = load_recipe(args.recipe, args.overrides, RecipeConfig) if args.command in ("train", "distill") else None
+    except ConfigError:  # stopped while the recipe was read
+        cfg = None
+    if cfg is None:
+        return "interrupted (Ctrl-C)"
+    from qarl.run_dir import complete_checkpoints, read_identity
+
+    run_dir = Path(cfg.run.dir)
+    how_started = ("run.dir", "trainer.resume", "run.overwrite")
+    kept = [o for o in args.overrides if o.split("=", 1)[0].strip() not in how_started]
+    command = shlex.join(["qarl", args.command, args.recipe, f"run.dir={run_dir}", *kept])
+    checkpoints = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
+    if not checkpoints:
+        return (f"interrupted (Ctrl-C) before the first checkpoint in {run_dir}: nothing to resume; start again with "
+                f"`{command} run.overwrite=true`")
+    return (f"interrupted (Ctrl-C); the last complete checkpoint is {checkpoints[-1].name} in {run_dir}: continue "
+            f"with `{command} trainer.resume=true`")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
@@ -204,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RewardError, TrainingDiverged) as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\nqarl: error: {interrupted(args)}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

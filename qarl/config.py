@@ -176,6 +176,14 @@ class GenerationConfig:
     # adapters, merged where it cannot and a merge can (e.g. MoE models), else lora's hooks. Training and QAD runs.
     qlora_adapters: str = knob("auto", choices=("auto", "lora", "merged"))
 
+    def __post_init__(self) -> None:
+        """A completion as long as the engine's whole window leaves no token for a prompt: refused as the recipe loads
+        (each prompt's own length is checked once the tokenizer has read it: qarl/tasks `check_prompt_lengths`)."""
+        if self.max_new_tokens >= self.max_model_len:
+            raise ConfigError(f"policy.generation.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
+                              f"policy.generation.max_model_len={self.max_model_len} (prompt + completion, in tokens): "
+                              "raise max_model_len to your longest prompt plus max_new_tokens, or lower max_new_tokens")
+
 
 @dataclass
 class LoraConfig:
@@ -574,16 +582,21 @@ class RecipeConfig:
     matrix: MatrixConfig = field(default_factory=MatrixConfig)
 
 
+def yaml_error(path: Path, e: yaml.YAMLError) -> ConfigError:
+    """A YAML file's syntax error as one line, file:line:column."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        return ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}")
+    return ConfigError(f"{path}: YAML error: {e}")
+
+
 def _load_yaml(path: Path) -> DictConfig:
     """One recipe file; a YAML syntax error as one line, file:line:column."""
     try:
         node = OmegaConf.load(path)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML error: {e}") from None
+        raise yaml_error(path, e) from None
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: a recipe is a mapping of sections (run:, policy:, trainer:, ...), not a list")
     return node
@@ -685,29 +698,6 @@ def check_qad_recipe(cfg: RecipeConfig) -> None:
     if cfg.policy.compiles_scores:
         raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
                           "(qarl/distill.py) do not use it: set policy.compile_scores=false")
-
-
-NO_QUANT = {"", "none", "null", "bf16", "fp32", "false"}  # quant_cfg spellings of "unquantized"
-
-
-def find_quant_yaml(spec: str) -> Path | None:
-    """A quant config's YAML file: the path as given, or relative to the repository or to quant_configs/."""
-    for candidate in (Path(spec), REPO_ROOT / spec, REPO_ROOT / "quant_configs" / spec):
-        for path in (candidate, candidate.with_suffix(".yaml")):
-            if path.is_file():
-                return path
-    return None
-
-
-def check_quant_files(cfg: RecipeConfig) -> None:
-    """A quant config named as a YAML file that does not exist, answered before ModelOpt is imported (a built-in
-    ModelOpt name is checked when formats resolve)."""
-    for key, spec in (("policy.quant_cfg", cfg.policy.quant_cfg), ("policy.generation.quant_cfg",
-                                                                   cfg.policy.generation.quant_cfg)):
-        if spec and str(spec).endswith((".yaml", ".yml")) and find_quant_yaml(str(spec)) is None:
-            shipped = sorted(p.name for p in (REPO_ROOT / "quant_configs").glob("*.yaml"))
-            raise ConfigError(f"{key}={spec}: no such file (looked in the working directory, the repository and "
-                              f"quant_configs/, which ships {', '.join(shipped)})")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -7,15 +7,16 @@ checkpoint's quantizers and amax) and for the same master weights unquantized.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
-from qarl.models.resolve import check_model_name
+from qarl.models.resolve import check_model_name, resolve_model_dir
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
-from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
 from qarl.run_dir import is_run_or_checkpoint
+from qarl.tasks import Problem, PromptFormat, build_task, check_prompt_lengths, model_prompt_format
 
 if TYPE_CHECKING:
     from qarl.generation import VLLMEngine
@@ -96,11 +97,26 @@ def _recipe_for(target: Path, overrides: list[str]) -> RecipeConfig:
     return load_recipe(Path(__file__).parent / "recipe_defaults.yaml", overrides, RecipeConfig)
 
 
+def check_not_quantized(path: Path) -> None:
+    """`qarl eval` reads a model in full precision and quantizes it as the recipe says; a quantized checkpoint (an
+    export: quantization_config in its config.json) is refused, naming what evaluates one."""
+    config = path / "config.json"
+    quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if quantization:
+        method = quantization.get("quant_algo") or quantization.get("quant_method") or "quantized"
+        raise ConfigError(f"{path} is a quantized checkpoint ({method}; an export?): qarl eval takes a qarl run "
+                          "directory, a checkpoint or a full-precision model. Evaluate the checkpoint it was exported "
+                          f"from (qarl eval CHECKPOINT), compare the export with it by `qarl export --verify {path} "
+                          "--checkpoint CHECKPOINT` (--vllm: served by vLLM), or measure its accuracy served by vLLM "
+                          "with `qarl matrix` (matrix.exports, a GPU)")
+
+
 def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
     """Accuracy of a checkpoint (or run directory: its newest checkpoint, or model) quantized and unquantized, and
     which checkpoint (path, step, run id) or model was read. The recipe is loaded and checked before anything heavy."""
     path = Path(target)
-    if not path.is_dir():
+    if not path.is_dir() or (path / "config.json").is_file():  # a model (run and checkpoint directories hold none)
+        check_not_quantized(path)
         check_model_name(target, "qarl eval's target (a run directory, a checkpoint or a model)")
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
@@ -120,19 +136,21 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
     problems = task.eval[: cfg.eval.num_prompts]
     if is_checkpoint:
         checkpoint = resolve_checkpoint(path)
+        model_dir = str(checkpoint_model_dir(checkpoint))
+    elif path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is neither a qarl checkpoint/run directory nor a Hugging Face model")
+    else:
+        model_dir = str(path) if path.is_dir() else resolve_model_dir(cfg.policy.model_name)
+    prompts = model_prompt_format(model_dir, cfg.task, cfg.policy.trust_remote_code)
+    check_prompt_lengths(prompts, {"eval": problems}, cfg.policy.generation)  # before the model loads
+    if is_checkpoint:
         print(f"evaluating checkpoint {checkpoint} (step {checkpoint_step(checkpoint)})")
         quantized = load_policy_checkpoint(checkpoint, cfg.policy)
         plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
-        prompts = prompt_format(plain.tokenizer, cfg.task)
         fmt = checkpoint_format(checkpoint)
-        model_dir = str(checkpoint_model_dir(checkpoint))
     else:
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is neither a qarl checkpoint/run directory nor a Hugging Face model")
         fmt = resolve_format(cfg.policy.quant_cfg)
-        plain = build_policy(cfg.policy, [], model_dir=str(path) if path.is_dir() else None, fmt=None)
-        model_dir = plain.model_dir
-        prompts = prompt_format(plain.tokenizer, cfg.task)
+        plain = build_policy(cfg.policy, [], model_dir=model_dir, fmt=None)
         quantized = build_policy(cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, prompts),
                                  model_dir=model_dir)
     engine = VLLMEngine(model_dir, cfg.policy.generation, cfg.policy.dtype, cfg.run.seed, quant_format=fmt,

@@ -281,7 +281,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     from qarl.generation import check_expert_inputs
     from qarl.quant.ops import input_quant_plan
     from qarl.quant.quantize import check_format_fits
-    from qarl.tasks import build_task, eval_splits, model_prompt_format
+    from qarl.tasks import build_task, check_prompt_lengths, eval_splits, model_prompt_format
     from qarl.run import initial_model_dir, initial_model_key
 
     m = cfg.matrix
@@ -340,6 +340,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
             check_format_fits(base_dir, precision.format, trust)
             check_expert_inputs(input_quant_plan(base_dir, precision.format, trust), precision.format)  # the engine
     prompts = model_prompt_format(base_dir, cfg.task, trust)
+    check_prompt_lengths(prompts, splits, cfg.policy.generation)  # before any model loads
     if warm:
         base = ModelSource(WARM_START, initial_model_dir(cfg, task))
     return Plan(cfg, splits, prompts, task.calibration_texts(cfg.policy.quant_calib_size, prompts),

@@ -2,13 +2,16 @@
 
 A reward function takes the completions and the reference answers of a batch and returns one float
 per completion: `fn(completions: list[str], answers: list[str]) -> list[float]` (TRL's convention of
-batch-in, list-out).
+batch-in, list-out). Each is imported and called once on a sample before any model loads (`check_on_sample`); what
+it returns is checked at every call: one finite number per completion (a string is refused, not converted).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -121,9 +124,18 @@ def resolve_reward(name: str) -> RewardFn:
         raise ConfigError(f"unknown reward {name!r}: registered rewards are {sorted(REWARDS)}; "
                           "or give a dotted path such as my_pkg.rewards:my_reward")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
         raise ConfigError(f"reward {name!r} could not be imported ({e}); registered rewards are {sorted(REWARDS)}") from None
+    except SyntaxError as e:
+        raise ConfigError(f"reward {name!r}: {e.filename}:{e.lineno}: SyntaxError: {e.msg}; fix the module") from None
+    except Exception as e:  # the module's own code failed as it was imported
+        raise ConfigError(f"reward {name!r}: importing {module_name} raised {type(e).__name__}: {e}; fix the "
+                          "module") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"reward {name!r}: module {module_name} has no {attr!r}; registered rewards are "
+                          f"{sorted(REWARDS)}")
     if not callable(fn):
         raise ConfigError(f"reward {name!r} is not callable")
     return fn
@@ -156,18 +168,67 @@ class WeightedRewards:
                 raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e} (set trainer.reward_error=zero "
                                   "to score such samples 0 instead)") from e
             return [self._one(name, fn, c, a) for c, a in zip(completions, answers)]
-        values = list(values) if values is not None else []
+        return self._checked(name, values, completions)
+
+    def _checked(self, name: str, values: object, completions: list[str]) -> list[float]:
+        """What a reward returned, as one float per completion: anything else is the reward's fault, named. A value
+        that is not finite scores 0 with trainer.reward_error=zero, else it stops the run."""
+        try:
+            values = list(values)  # type: ignore[call-overload]
+        except TypeError:
+            raise RewardError(f"reward {name!r} returned {type(values).__name__}, not a list of one float per "
+                              "completion") from None
         if len(values) != len(completions):
             raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
-        return [float(v) for v in values]
+        out = []
+        for i, value in enumerate(values):
+            if not isinstance(value, numbers.Real):
+                raise RewardError(f"reward {name!r} returned {type(value).__name__} values ({value!r} for completion "
+                                  f"{i}); a reward returns one float per completion (qarl converts no strings)")
+            if not math.isfinite(value) and self.on_error == "raise":
+                raise RewardError(f"reward {name!r} returned {value} for completion {i} ({completions[i][:40]!r}); a "
+                                  "reward returns finite numbers: fix it (trainer.reward_error=zero scores such "
+                                  "samples 0)")
+            out.append(float(value) if math.isfinite(value) else 0.0)
+        return out
 
     def _one(self, name: str, fn: RewardFn, completion: str, answer: str) -> float:
         """Score one sample alone, so that only the sample that breaks the function gets 0."""
         try:
-            value = float(fn([completion], [answer])[0])
+            return self._checked(name, fn([completion], [answer]), [completion])[0]
         except Exception:
             return 0.0
-        return value if math.isfinite(value) else 0.0
+
+    def check_on_sample(self, answer: str) -> None:
+        """Call each reward once, before any model loads, on a sample: `answer` (the first training answer) as a
+        right completion and an empty one as a wrong completion. A reward that cannot take (completions, answers),
+        raises (unless trainer.reward_error=zero) or returns anything but one finite number per completion is a
+        ConfigError naming it now, not a failure steps into the run."""
+        completions, answers = [answer, ""], [answer, answer]
+        sample = f"completions [{answer[:40]!r}, ''], answers [{answer[:40]!r}] * 2"
+        for name, fn, _ in self.fns:
+            try:
+                signature = inspect.signature(fn)
+            except (TypeError, ValueError):  # no signature to read (a builtin): the call below tells
+                signature = None
+            try:
+                if signature is not None:
+                    signature.bind(completions, answers)
+            except TypeError:
+                raise ConfigError(f"reward {name!r} takes {signature}; a reward takes (completions, answers) and "
+                                  "returns one float per completion") from None
+            try:
+                values = fn(completions, answers)
+            except Exception as e:
+                if self.on_error == "zero":  # asked for: a sample it fails on scores 0
+                    continue
+                raise ConfigError(f"reward {name!r} raised {type(e).__name__}: {e} on a sample before the run "
+                                  f"({sample}); fix it, or set trainer.reward_error=zero if it may fail on some "
+                                  "completions") from None
+            try:
+                self._checked(name, values, completions)
+            except RewardError as e:
+                raise ConfigError(f"{e} (called on a sample before the run: {sample})") from None
 
     @property
     def verifier_name(self) -> str:

@@ -49,7 +49,8 @@ from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
 from qarl.run_dir import claim_run_dir, is_main_launch, own_run_dir, plan_run_dir, run_dir_lock
 from qarl.seeds import derived_seed
-from qarl.tasks import Problem, PromptFormat, Task, build_task, model_prompt_format
+from qarl.tasks import (Problem, PromptFormat, Task, build_task, check_prompt_lengths, eval_splits,
+                        model_prompt_format)
 from qarl.warm_start import fingerprint, warm_start
 
 
@@ -176,22 +177,23 @@ class Run:
         return self.resolved.prompts
 
 
-def longest_prompt_tokens(task: Task, prompts: PromptFormat) -> int:
-    """The longest training prompt in the policy's tokens (the memory plan's rows are this + max_new_tokens)."""
-    return max(len(ids) for ids in prompts.batch([p.prompt for p in task.train]))
+def asked_problems(cfg: RecipeConfig, task: Task) -> dict[str, list[Problem]]:
+    """What a training run asks the engine, by split: every training prompt, and the held-out ones it evaluates."""
+    held_out = eval_splits(task, cfg.eval.num_prompts, cfg.eval.num_transfer_prompts) if cfg.eval.every else {}
+    return {"train": task.train, **held_out}
 
 
 FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the loop's frozen model, for the plan
 
 
-def planned(cfg: RecipeConfig, task: Task, resolved: Resolved, frozen_model: FrozenShape
+def planned(cfg: RecipeConfig, resolved: Resolved, frozen_model: FrozenShape, longest_prompt: int
             ) -> tuple[RecipeConfig, MemoryPlan]:
-    """The memory plan of the run, before anything loads (with the loop's frozen model as `frozen_model` counts it),
-    and the recipe with `gradient_checkpointing` decided. (`trainer.max_tokens_per_micro_batch: auto` is planned as
-    micro-batches of rows, `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows'
-    tokens.)"""
+    """The memory plan of the run, before anything loads (with the loop's frozen model as `frozen_model` counts it,
+    rows of the longest training prompt, in tokens, + max_new_tokens), and the recipe with `gradient_checkpointing`
+    decided. (`trainer.max_tokens_per_micro_batch: auto` is planned as micro-batches of rows,
+    `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows' tokens.)"""
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
-    cfg, memory = plan_memory(cfg, shape, longest_prompt_tokens(task, resolved.prompts), frozen_model(cfg, shape))
+    cfg, memory = plan_memory(cfg, shape, longest_prompt, frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
     return cfg, memory
 
@@ -366,7 +368,8 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], 
               checks: Callable[[RecipeConfig], None] = lambda cfg: None,
               frozen_model: FrozenShape = lambda cfg, shape: None, distilling: bool = False) -> Run:
     """Everything cheap is checked (what the run directory holds, `check_run_settings`, then the loop's `checks`, then
-    the memory plan with the loop's `frozen_model(cfg, policy shape)`) before anything expensive; then the fast
+    every prompt's length in tokens against the engine's window, then the memory plan with the loop's
+    `frozen_model(cfg, policy shape)`) before anything expensive; then the fast
     settings are decided (`distilling`: QAD's) and the run directory is claimed, and the policy (resumed from the
     run's newest intact checkpoint, or built fresh), the loop's `frozen(cfg, policy, task)` model (`cfg` the
     decided recipe, as the policy's) and the optimizer (with its state, when resumed) are made.
@@ -388,7 +391,8 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)
-    cfg, memory = planned(cfg, task, resolved, frozen_model)
+    longest = check_prompt_lengths(resolved.prompts, asked_problems(cfg, task), cfg.policy.generation)["train"]
+    cfg, memory = planned(cfg, resolved, frozen_model, longest)
     cfg = with_fast_settings(cfg, resolved, memory, distilling)
     if is_main_launch():
         recipe = to_dict(cfg)

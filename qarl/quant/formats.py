@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from qarl.config import NO_QUANT, REPO_ROOT, ConfigError, find_quant_yaml
+from qarl.config import ConfigError
 from qarl.quant import modelopt_compat
-
+from qarl.quant_cfg import NO_QUANT, find_quant_yaml, unknown_quant_config
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,7 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
         cfg = getattr(mtq, spec, None)
         if spec.endswith("_CFG") and isinstance(cfg, dict):
             return QuantFormat(name=spec, source=f"modelopt:{spec}", modelopt_cfg=copy.deepcopy(cfg))
-        shipped = sorted(p.stem for p in (REPO_ROOT / "quant_configs").glob("*.yaml"))
-        raise ConfigError(
-            f"unknown quant config {spec!r}: neither a YAML file nor a ModelOpt built-in. Use a shipped "
-            f"config {shipped} (name or path), your own YAML path, or one of ModelOpt's: {', '.join(builtin_names())}"
-        )
+        raise unknown_quant_config(spec, builtin_names())
     stat = path.stat()
     cfg = _parsed_yaml(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     return QuantFormat(name=path.stem, source=str(path), modelopt_cfg=copy.deepcopy(cfg))
@@ -117,9 +113,29 @@ def _parsed_yaml(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
     from modelopt.torch.quantization.config import QuantizeConfig
 
     try:
-        return load_config(path, schema_type=QuantizeConfig).model_dump(exclude_unset=True)
+        cfg = load_config(path, schema_type=QuantizeConfig).model_dump(exclude_unset=True)
     except Exception as e:  # ModelOpt's schema names the bad field
-        raise ConfigError(f"invalid quant config {path}: {e}") from None
+        raise _schema_error(path, e) from None
+    algorithm = cfg.get("algorithm", "max")
+    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    if method is not None and method not in calibration_methods():
+        raise ConfigError(f"invalid quant config {path}: algorithm {method!r} is none of ModelOpt's calibration "
+                          f"algorithms: {', '.join(calibration_methods())}")
+    return cfg
+
+
+def _schema_error(path: str, e: Exception) -> ConfigError:
+    """ModelOpt's schema error as one line: its first fault, where in the file (the keys, without pydantic's names of
+    the types it tried) and what the schema says."""
+    from pydantic import ValidationError
+
+    cause = e.__cause__
+    if not isinstance(cause, ValidationError) or not cause.errors():
+        return ConfigError(f"invalid quant config {path}: {str(e).splitlines()[0]}")
+    first = cause.errors()[0]
+    where = ".".join(str(part) for part in first["loc"] if isinstance(part, int) or str(part).isidentifier())
+    return ConfigError(f"invalid quant config {path}: {where}: {first['msg'].removeprefix('Value error, ')} "
+                       "(ModelOpt's QuantizeConfig schema)")
 
 
 def same_format(a: QuantFormat | None, b: QuantFormat | None) -> bool:
@@ -153,7 +169,11 @@ def quantized_meta_model(model_dir: str, fmt: QuantFormat, trust_remote_code: bo
     from qarl.models.checks import meta_model  # imports transformers
 
     model = meta_model(model_dir, trust_remote_code)
-    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    try:
+        mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    except RuntimeError as e:  # e.g. no quantizer_name pattern matches this model's layers: ModelOpt's first line
+        raise ConfigError(f"quant config {fmt.source} on {model_dir}: {str(e).splitlines()[0]} (ModelOpt); check its "
+                          "quantizer_name patterns against the model's module names") from None
     return model
 
 

@@ -15,7 +15,7 @@ accuracy after 600 SFT steps); it is here for larger models.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class Problem:
     prompt: str
     answer: str
+    where: str = field(default="", compare=False)  # a dataset row's file and line, for messages ("": generated)
 
 
 def _problem(op: str, num_digits: int, rng: random.Random) -> Problem:
@@ -54,8 +55,8 @@ class ArithmeticTask:
             raise ValueError("task.num_digits must be at least 1")
         total = _distinct_problems(op, num_digits)
         if num_train + num_eval > total // 2:
-            raise ValueError(f"only {total} distinct problems with op={op}, num_digits={num_digits}: ask for at most "
-                             f"{total // 2} in num_train + num_eval")
+            raise ValueError(f"only {total} distinct problems with task.op={op}, task.num_digits={num_digits}: ask for "
+                             f"at most {total // 2} in task.num_train + task.num_eval, or raise task.num_digits")
         rng = random.Random(seed)
         problems: dict[str, Problem] = {}
         while len(problems) < num_train + num_eval:

@@ -1,13 +1,16 @@
 """QA-GRPO's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a reward that raises stops the run
-and keeps its checkpoints, `qarl eval` of a run reports what the run evaluated, and a resume past a damaged newest
-checkpoint continues from the one before it. What GRPO shares with QAD (a few
+and keeps its checkpoints, Ctrl-C stops it with one line naming the command that resumes it, `qarl eval` of a
+run reports what the run evaluated, and a resume past a damaged newest checkpoint continues from the one before
+it. What GRPO shares with QAD (a few
 steps, exact resume after SIGKILL): tests/e2e/test_loops.py; its input checks: tests/unit/test_loop_checks.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,18 +19,33 @@ from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import PolicyConfig
 from qarl.metrics import read_metrics
 from qarl.run_dir import checkpoint_damage, checkpoint_run_id, read_identity
-from tests.loops import GRPO, deterministic
+from tests.loops import GRPO, deterministic, kill_after_first_checkpoint
 
 
 def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
     run_dir = tmp_path / "raises"
-    env = {**os.environ, "QARL_TEST_RAISE_AFTER_CALLS": "3"}
+    env = {**os.environ, "QARL_TEST_RAISE_AFTER_CALLS": "4"}  # the first call: the sample before the model loads
     proc = subprocess.run(GRPO.command(run_dir, "trainer.rewards=[{name: tests.rewards_for_tests:raises_later}]"),
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "raises_later" in proc.stderr and "reward_error=zero" in proc.stderr
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step_2"]
     load_policy_checkpoint(run_dir, PolicyConfig())  # intact and loadable
+
+
+def test_ctrl_c_stops_with_one_line_naming_the_resume_command(tmp_path):
+    run_dir = tmp_path / "interrupted"
+    with open(tmp_path / "stderr", "w+") as stderr:
+        code = kill_after_first_checkpoint(GRPO.command(run_dir, "trainer.steps=40"), run_dir, signal.SIGINT, stderr)
+        stderr.seek(0)
+        printed = stderr.read()
+    last = printed.strip().splitlines()[-1]
+    assert code == 130 and "Traceback" not in printed, printed[-3000:]
+    assert last.startswith("qarl: error: interrupted (Ctrl-C); the last complete checkpoint is step_"), last
+    resume = shlex.split(last.split("`")[1])
+    assert resume[:3] == ["qarl", "train", GRPO.recipe] and f"run.dir={run_dir}" in resume
+    assert resume[-1] == "trainer.resume=true" and "trainer.steps=40" in resume
+    subprocess.run([sys.executable, "-m", "qarl", "config", *resume[2:]], check=True, capture_output=True)  # it loads
 
 
 def test_eval_reports_quantized_and_unquantized_accuracy(loop_runs):

@@ -24,6 +24,7 @@ BAD_INPUT = {
         (["policy.master_dtype=float16", "policy.dtype=float16"], "cannot train"),
         (["policy.dtype=bfloat16", "policy.master_dtype=bfloat16", "policy.dtype=float32"], "narrower"),
         (["run.loggers=[nope]"], "unknown logger"),
+        (["task.num_digits=300"], "train prompts are longer than the 248 tokens"),  # the engine's window, in tokens
         (["policy.tensor_parallel_size=2"], "needs policy.backend=megatron"),
         (["policy.backend=megatron", "policy.lora.mode=qlora"], "trains whole models"),
         (["policy.backend=megatron", "policy.tensor_parallel_size=2"], "a multiple of 2"),
@@ -36,6 +37,7 @@ BAD_INPUT = {
         (["trainer.batch_size=10", "trainer.num_generations=4"], "not divisible"),
         (["teacher.model_name=/no/such/teacher"], "model not found"),
         (["teacher.model_name=no-such-org/no-such-model"], "not in the Hugging Face cache.*HF_HUB_OFFLINE"),
+        (["task.num_digits=300"], "train prompts are longer than the 248 tokens"),
     ],
 }
 

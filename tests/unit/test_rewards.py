@@ -53,3 +53,57 @@ def test_reward_that_raises_errors_by_default_and_scores_zero_if_asked():
 def test_reward_of_wrong_length_is_an_error():
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
         WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:short")])(["1", "2"], ["1", "2"])
+
+
+def strings(completions, answers):
+    return ["1"] * len(completions)
+
+
+def nan_for_empty(completions, answers):
+    return [float("nan") if not c else 1.0 for c in completions]
+
+
+def one_argument(completions):
+    return [1.0] * len(completions)
+
+
+def test_a_reward_returning_strings_is_refused_not_converted():
+    for on_error in ("raise", "zero"):  # not a sample the function fails on: the function is wrong
+        rewards = WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:strings")], on_error=on_error)
+        with pytest.raises(RewardError, match=r"returned str values \('1' for completion 0\)"):
+            rewards(["1"], ["1"])
+
+
+def test_a_non_finite_reward_stops_the_run_naming_the_reward_or_scores_zero_if_asked():
+    strict = WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:nan_for_empty")])
+    with pytest.raises(RewardError, match=r"reward 'tests.unit.test_rewards:nan_for_empty' returned nan for "
+                                          r"completion 1 \(''\)"):
+        strict(["1", ""], ["1", "1"])
+    lenient = WeightedRewards.from_specs([RewardSpec("tests.unit.test_rewards:nan_for_empty")], on_error="zero")
+    assert lenient(["1", ""], ["1", "1"])[0] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("tests.unit.test_rewards:one_argument", r"takes \(completions\); a reward takes \(completions, answers\)"),
+    ("tests.unit.test_rewards:strings", r"returned str values .*called on a sample before the run: completions "
+                                        r"\['21', ''\]"),
+    ("tests.unit.test_rewards:nan_for_empty", r"returned nan for completion 1"),
+    ("tests.unit.test_rewards:flaky", None),  # a sample it handles: nothing to say
+])
+def test_each_reward_is_called_once_on_a_sample_before_the_run(name, message):
+    rewards = WeightedRewards.from_specs([RewardSpec("arithmetic"), RewardSpec(name)])
+    if message is None:
+        rewards.check_on_sample("21")
+        return
+    with pytest.raises(ConfigError, match=message):
+        rewards.check_on_sample("21")
+
+
+def test_a_reward_raising_on_the_sample_is_refused_unless_scored_zero():
+    def keyed(completions, answers):
+        return [{"21": 1.0}[c] for c in completions]
+
+    rewards = WeightedRewards([("keyed", keyed, 1.0)])
+    with pytest.raises(ConfigError, match=r"reward 'keyed' raised KeyError: ''"):
+        rewards.check_on_sample("21")
+    WeightedRewards([("keyed", keyed, 1.0)], on_error="zero").check_on_sample("21")
