@@ -232,7 +232,8 @@ def distill(cfg: RecipeConfig) -> Path:
         if same_architecture(teacher.model, run.policy.model):
             engine.refit(teacher.model)
             eval_problems = run.task.eval[: cfg.eval.num_prompts]
-            first_row["eval/teacher_accuracy"] = evaluate(engine, run.prompts, eval_problems, run.rewards).accuracy
+            first_row["eval/teacher_accuracy"] = evaluate(engine, run.prompts, eval_problems, run.rewards,
+                                                          "evaluating the teacher").accuracy
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine = engine_in_format(run, engine, rollout_format)  # a graph engine restarts for it (once, after the teacher)

@@ -44,11 +44,12 @@ class EvalResult:
                 "mean_length": sum(self.lengths) / n}
 
 
-def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
+def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards,
+             label: str = "evaluation") -> EvalResult:
     """Greedy completions of `problems` from the engine (refitted by the caller), formatted by `prompts`, scored by
-    the first reward (the verifier)."""
+    the first reward (the verifier); a progress bar named `label` counts the completions."""
     completions = engine.generate(prompts.batch([p.prompt for p in problems]), greedy=True,
-                                  stop_token_ids=prompts.stop_ids)
+                                  stop_token_ids=prompts.stop_ids, progress=label)
     texts = prompts.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     parser = ANSWER_PARSERS.get(rewards.verifier_name)
     return EvalResult(correct=rewards.verify(texts, [p.answer for p in problems]),
@@ -111,10 +112,10 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
                                "run_id": checkpoint_run_id(checkpoint)} if is_checkpoint else {"model": model_dir}
     if fmt is not None:
         engine.refit(quantized.model)
-        results["quantized"] = evaluate(engine, prompts, problems, rewards).accuracy
+        results["quantized"] = evaluate(engine, prompts, problems, rewards, f"evaluating {fmt.name}").accuracy
         results["format"] = fmt.name
     engine.set_quant_format(None)
     engine.refit(plain.model)
-    results["unquantized"] = evaluate(engine, prompts, problems, rewards).accuracy
+    results["unquantized"] = evaluate(engine, prompts, problems, rewards, "evaluating unquantized").accuracy
     results["num_prompts"] = len(problems)
     return results
