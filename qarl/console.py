@@ -90,12 +90,13 @@ class LogLines:
 
 class LogBar(tqdm):
     """A progress bar in a log: its first state, then at most one line every `mininterval` seconds whatever asks
-    for a redraw (tqdm redraws at once on a new postfix, and vLLM redraws a finished bar before closing it), then
-    its last state as it closes."""
+    for a redraw (tqdm redraws at once on a new postfix), then its last state as it closes (a bar that reached its
+    total is not drawn before: vLLM redraws its finished bar, and then closes it)."""
 
     def refresh(self, nolock: bool = False, lock_args: Any = None) -> bool:
         now = self._time()
-        if getattr(self, "_shown", False) and now - self.last_print_t < self.mininterval:
+        finished = self.total is not None and self.n >= self.total  # its closing line says so
+        if finished or (getattr(self, "_shown", False) and now - self.last_print_t < self.mininterval):
             return False
         self._shown, self.last_print_t = True, now
         return super().refresh(nolock, lock_args)

@@ -269,7 +269,7 @@ def quiet_numa_notice() -> None:
     def bind_quietly(*args: Any, **kwargs: Any) -> Any:
         return _dropping_stderr_lines(NUMA_NOTICE, op, *args, **kwargs)
 
-    bind_quietly._qarl_quiet = True
+    bind_quietly._qarl_quiet, bind_quietly.original = True, op
     torch.ops._C.init_cpu_memory_env = bind_quietly
 
 
