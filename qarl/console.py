@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import re
 import sys
@@ -96,9 +97,9 @@ class LogBar(tqdm):
     def refresh(self, nolock: bool = False, lock_args: Any = None) -> bool:
         now = self._time()
         finished = self.total is not None and self.n >= self.total  # its closing line says so
-        if finished or (getattr(self, "_shown", False) and now - self.last_print_t < self.mininterval):
+        if finished or now - getattr(self, "_line_t", -math.inf) < self.mininterval:
             return False
-        self._shown, self.last_print_t = True, now
+        self._line_t = now  # (tqdm's own last_print_t is its iterator's bookkeeping: not touched)
         return super().refresh(nolock, lock_args)
 
 

@@ -39,6 +39,18 @@ def test_a_bar_in_a_log_writes_a_line_every_log_interval(capsys, monkeypatch):
     assert [line.split(" [")[0] for line in lines] == [f"calibrating: {n}/3" for n in range(4)]
 
 
+def test_a_bar_in_a_log_counts_each_step_once_whatever_redraws_it(capsys, monkeypatch):
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.02)
+    bar = progress_bar(range(6), desc="QA-GRPO")
+    for step in bar:
+        time.sleep(0.03)
+        bar.set_postfix_str(f"started={step + 1}")  # a redraw between the iterator's own
+    lines = capsys.readouterr().err.splitlines()
+    shown = [re.match(r"QA-GRPO: (\d+)/6 .*started=(\d+)\]", line) for line in lines[1:]]
+    assert all(m and int(m[1]) == int(m[2]) - 1 for m in shown[:-1]), lines  # the steps done, each counted once
+    assert lines[-1].startswith("QA-GRPO: 6/6 [")
+
+
 def test_a_bar_on_a_terminal_is_tqdms_own(capsys, monkeypatch):
     monkeypatch.setattr(console, "on_terminal", lambda: True)
     for _ in progress_bar(range(3), desc="evaluation"):
