@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.console import timed
 from qarl.models.resolve import check_model_name
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.tasks import Problem, PromptFormat, build_task, prompt_format
@@ -92,8 +93,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
     if is_checkpoint:
         checkpoint = resolve_checkpoint(path)
         print(f"evaluating checkpoint {checkpoint} (step {checkpoint_step(checkpoint)})")
-        quantized = load_policy_checkpoint(checkpoint, cfg.policy)
-        plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
+        with timed(f"loading {checkpoint}, quantized and not"):  # (the first load imports ModelOpt)
+            quantized = load_policy_checkpoint(checkpoint, cfg.policy)
+            plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
         prompts = prompt_format(plain.tokenizer, cfg.task)
         fmt = checkpoint_format(checkpoint)
         model_dir = str(checkpoint_model_dir(checkpoint))

@@ -120,7 +120,8 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
                                   "would replace the trained amax. Drop --calibrate to export what was trained.")
             check_target_matches(trained, target)
             cfg = PolicyConfig(model_name=str(model_dir), dtype=trained_dtype(checkpoint))
-            return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
+            with timed(f"loading {checkpoint}"):  # (the first load imports ModelOpt: tens of seconds on a CPU)
+                return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
         if not calibrate:
             raise ConfigError(f"checkpoint {checkpoint} has no quantizer state (trained unquantized, "
                               "policy.quant_cfg=none). Export it with --calibrate for post-training quantization "
