@@ -108,19 +108,23 @@ def on_terminal() -> bool:
 
 
 def progress_bar(iterable: Iterable | None = None, desc: str = "", total: float | None = None, initial: int = 0,
-                 leave: bool | None = None, **kwargs: Any):
+                 leave: bool | None = None, remaining: bool = True, **kwargs: Any):
     """A tqdm bar on stderr, on the main process only: on a terminal tqdm's own (`leave` None: kept when it is the
     only one, cleared when it sits below another, as an evaluation inside the training loop's bar); elsewhere its
-    redraws as whole lines at most every LOG_EVERY_S seconds (`LogLines`), the last always kept."""
+    redraws as whole lines at most every LOG_EVERY_S seconds (`LogLines`), the last always kept. `remaining`: the
+    time left, from the rate so far (False where the items do not come at a steady rate)."""
     from qarl.distributed import is_main_process
 
     if total is None and iterable is not None and hasattr(iterable, "__len__"):
         total = len(iterable)
+    counts = "{n_fmt}/{total_fmt} " if total is not None else "{n_fmt} "
+    times = ("[{elapsed}<{remaining}, " if remaining and total is not None else "[{elapsed}, ") + "{rate_fmt}{postfix}]"
     bar, options = tqdm, {"file": sys.stderr, "leave": leave}
+    if not remaining:
+        options["bar_format"] = "{l_bar}{bar}| " + counts + times
     if not on_terminal():
-        known = "{n_fmt}/{total_fmt} [{elapsed}<{remaining}, " if total is not None else "{n_fmt} [{elapsed}, "
         bar, options = LogBar, {"file": LogLines(sys.stderr), "leave": True, "mininterval": LOG_EVERY_S,
-                                "maxinterval": LOG_EVERY_S, "bar_format": "{desc}: " + known + "{rate_fmt}{postfix}]"}
+                                "maxinterval": LOG_EVERY_S, "bar_format": "{desc}: " + counts + times}
     return bar(iterable, desc=desc, total=total, initial=initial, disable=not is_main_process(), **(options | kwargs))
 
 

@@ -589,15 +589,17 @@ class VLLMEngine:
 
 def vllm_progress(desc: str | None) -> bool | Callable[..., object]:
     """`LLM.generate`'s `use_tqdm`: False (no bar), or a qarl progress bar named `desc` over the requests vLLM runs.
-    vLLM asks the same callable for a bar over the prompts it renders, passing them as an iterable: token ids render
-    at once, so they get none."""
+    It shows the time so far, not the time left: completions finish in a burst near the end (every prompt is
+    prefilled first, and most answers run close to the length limit), so a rate from the first ones would be wrong
+    by an order of magnitude. vLLM asks the same callable for a bar over the prompts it renders, passing them as an
+    iterable: token ids render at once, so they get none."""
     if desc is None:
         return False
 
     def bar(iterable=None, **vllm_options):
         if iterable is not None:
             return iterable
-        return progress_bar(desc=desc, total=vllm_options.get("total"), unit="completion")
+        return progress_bar(desc=desc, total=vllm_options.get("total"), unit="completion", remaining=False)
 
     return bar
 

@@ -59,6 +59,22 @@ def test_a_bar_on_a_terminal_is_tqdms_own(capsys, monkeypatch):
     assert "\r" in err and "evaluation: 100%|" in err and "3/3" in err
 
 
+def test_a_bar_without_a_steady_rate_shows_no_time_left(capsys, monkeypatch):
+    from qarl.generation.vllm_engine import vllm_progress
+
+    assert vllm_progress(None) is False
+    make = vllm_progress("evaluation")  # as vLLM calls it: over the prompts it renders, then over its requests
+    assert make([[1, 2]], desc="Rendering prompts") == [[1, 2]]
+    bar = make(total=4, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed input: 0.00 toks/s")
+    bar.update(4)
+    bar.close()
+    assert re.fullmatch(r"evaluation: 4/4 \[00:00, .*completion/s\]", capsys.readouterr().err.splitlines()[-1])
+    monkeypatch.setattr(console, "on_terminal", lambda: True)
+    for _ in progress_bar(range(2), desc="evaluation", remaining=False):
+        pass
+    assert "<" not in capsys.readouterr().err.split("2/2")[-1]
+
+
 def test_a_step_without_a_length_says_its_elapsed_time_then_the_time_it_took(capsys):
     with timed("starting the vLLM engine"):
         time.sleep(0.1)
