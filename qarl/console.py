@@ -2,9 +2,10 @@
 it hides unless `qarl -v`.
 
 Progress goes to stderr (stdout carries a command's result). On a terminal a step is a tqdm bar with its elapsed and
-remaining time where its length is known (`progress_bar`: calibration batches, warm-start steps, evaluation prompts,
-exported layers), or its elapsed time redrawn while it runs where nothing reports how far it is (`timed`: vLLM's
-engine start, the GGUF conversion); either ends with the time the step took. Where stderr is not a terminal (a log
+remaining time where its length is known (`progress_bar`: calibration batches, warm-start and training steps,
+exported layers; an evaluation's completions without a time left, as they finish in a burst), or its elapsed time
+redrawn while it runs where nothing reports how far it is (`timed`: vLLM's engine start, the GGUF conversion);
+either ends with the time the step took. Where stderr is not a terminal (a log
 file, CI), a bar is written as whole lines: where it starts, at most every LOG_EVERY_S seconds, and where it ends,
 never a carriage return or a cursor move.
 

@@ -116,9 +116,11 @@ def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task, resolved: Re
 def check_run_settings(cfg: RecipeConfig, resolved: Resolved | None = None) -> Resolved:
     """What every training loop checks before anything loads: precision, the backend, trainable quant formats and
     the rollout's against the policy's, rewards, metric loggers, colocation, LoRA settings against the model's
-    layers. Returns the recipe resolved (`resolved`, else resolved here)."""
+    layers, and warns of half precision on a CPU (`cpu_half_precision_note`). Returns the recipe resolved (`resolved`,
+    else resolved here)."""
     check_precision(cfg.policy)
-    if (note := cpu_half_precision_note(cfg.policy.dtype, torch.cuda.is_available())) is not None:
+    note = cpu_half_precision_note(cfg.policy.dtype, torch.cuda.is_available())
+    if note is not None and is_main_launch():
         print(note)
     check_backend(cfg.policy)
     resolved = resolved or resolve_recipe(cfg)
