@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.distributed import barrier, is_main_process, rank, world_size
+from qarl.files import give_umask_modes
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
@@ -63,6 +64,7 @@ def save_checkpoint(run_dir: str | Path, step: int, policy: Policy, trainer_stat
     if is_main_process():
         run_id = (read_identity(run_dir) or {}).get("run_id")
         (tmp / CHECKPOINT_RUN).write_text(json.dumps({"run_id": run_id, "step": step}))
+        give_umask_modes(tmp)  # (safetensors writes its files 0600)
         write_manifest(tmp)
         (tmp / "COMPLETE").write_text(str(step))
         if final.exists():

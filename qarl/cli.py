@@ -15,7 +15,7 @@ Tensor and data parallel (the Megatron backend), N processes, N / TP data-parall
   torchrun --nproc_per_node N -m qarl train RECIPE policy.backend=megatron policy.tensor_parallel_size=TP
 
 Every command loads and checks its recipe (and run.dir) before it imports torch, vLLM or ModelOpt: a bad setting
-is answered in about a second. Third-party warnings at import are hidden; -v shows them.
+is answered in about a second. Third-party warnings and notices (ModelOpt's, vLLM's) are hidden; -v shows them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from qarl import __version__
 from qarl.config import (ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe, load_recipe,
                          to_dict)
+from qarl.console import set_verbose
 from qarl.models.resolve import check_model_name
 from qarl.outputs import check_outputs
 from qarl.quant_cfg import check_quant_files
@@ -163,7 +164,8 @@ def _with_recipe(sub: argparse._SubParsersAction, name: str, help: str, func, ov
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"qarl {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party libraries' import warnings")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show third-party libraries' warnings and notices (ModelOpt, vLLM, torch)")
     sub = parser.add_subparsers(dest="command", required=True)
     parity = _with_recipe(sub, "parity", "train/rollout log-prob mismatch per quantization format", _parity)
     parity.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -225,6 +227,7 @@ def interrupted(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
     if not args.verbose:
         quiet_third_party()
     try:

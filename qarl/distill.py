@@ -228,7 +228,8 @@ def distill(cfg: RecipeConfig) -> Path:
             engine.refit(teacher.model)
             splits = eval_splits(run.task, cfg.eval.num_prompts, cfg.eval.num_transfer_prompts)
             first_row.update({f"{SPLIT_PREFIX[name]}/teacher_accuracy": result.accuracy
-                              for name, result in evaluate_splits(engine, run.prompts, splits, run.rewards).items()})
+                              for name, result in evaluate_splits(engine, run.prompts, splits, run.rewards,
+                                                                 "evaluating the teacher").items()})
         else:
             print("teacher accuracy skipped: the teacher's architecture differs from the student's engine")
     engine = engine_in_format(run, engine, rollout_format)  # a graph engine restarts for it (once, after the teacher)

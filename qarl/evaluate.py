@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
+from qarl.console import timed
 from qarl.models.resolve import check_model_name, resolve_model_dir
 from qarl.rewards import ANSWER_PARSERS, WeightedRewards
 from qarl.run_dir import is_run_or_checkpoint
@@ -51,11 +52,12 @@ class EvalResult:
                           self.finish_reasons[start:stop], self.lengths[start:stop])
 
 
-def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards) -> EvalResult:
+def evaluate(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], rewards: WeightedRewards,
+             label: str = "evaluation") -> EvalResult:
     """Greedy completions of `problems` from the engine (refitted by the caller), formatted by `prompts`, scored by
-    the first reward (the verifier)."""
+    the first reward (the verifier); a progress bar named `label` counts the completions."""
     completions = engine.generate(prompts.batch([p.prompt for p in problems]), greedy=True,
-                                  stop_token_ids=prompts.stop_ids)
+                                  stop_token_ids=prompts.stop_ids, progress=label)
     texts = prompts.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     parser = ANSWER_PARSERS.get(rewards.verifier_name)
     return EvalResult(correct=rewards.verify(texts, [p.answer for p in problems]),
@@ -68,9 +70,10 @@ SPLIT_PREFIX = {"test": "eval", "transfer": "eval_transfer"}  # a split's metric
 
 
 def evaluate_splits(engine: VLLMEngine, prompts: PromptFormat, splits: dict[str, list[Problem]],
-                    rewards: WeightedRewards) -> dict[str, EvalResult]:
-    """`evaluate` of every split (qarl.tasks.eval_splits) in one batch of completions, the results per split."""
-    results = evaluate(engine, prompts, [p for problems in splits.values() for p in problems], rewards)
+                    rewards: WeightedRewards, label: str = "evaluation") -> dict[str, EvalResult]:
+    """`evaluate` of every split (qarl.tasks.eval_splits) in one batch of completions (one bar, `label`), the results
+    per split."""
+    results = evaluate(engine, prompts, [p for problems in splits.values() for p in problems], rewards, label)
     out, start = {}, 0
     for name, problems in splits.items():
         out[name] = results.part(start, start + len(problems))
@@ -145,8 +148,9 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
     check_prompt_lengths(prompts, {"eval": problems}, cfg.policy.generation)  # before the model loads
     if is_checkpoint:
         print(f"evaluating checkpoint {checkpoint} (step {checkpoint_step(checkpoint)})")
-        quantized = load_policy_checkpoint(checkpoint, cfg.policy)
-        plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
+        with timed(f"loading {checkpoint}, quantized and not"):  # (the first load imports ModelOpt)
+            quantized = load_policy_checkpoint(checkpoint, cfg.policy)
+            plain = load_policy_checkpoint(checkpoint, cfg.policy, quantized=False)  # with its adapter, if LoRA
         fmt = checkpoint_format(checkpoint)
     else:
         fmt = resolve_format(cfg.policy.quant_cfg)
@@ -159,10 +163,10 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
                                "run_id": checkpoint_run_id(checkpoint)} if is_checkpoint else {"model": model_dir}
     if fmt is not None:
         engine.refit(quantized.model)
-        results["quantized"] = evaluate(engine, prompts, problems, rewards).accuracy
+        results["quantized"] = evaluate(engine, prompts, problems, rewards, f"evaluating {fmt.name}").accuracy
         results["format"] = fmt.name
     engine.set_quant_format(None)
     engine.refit(plain.model)
-    results["unquantized"] = evaluate(engine, prompts, problems, rewards).accuracy
+    results["unquantized"] = evaluate(engine, prompts, problems, rewards, "evaluating unquantized").accuracy
     results["num_prompts"] = len(problems)
     return results

@@ -407,8 +407,7 @@ def evaluate_matrix(plan: Plan) -> Results:
     """{split: {model: {precision: one EvalResult per seed}}}, every split of a cell in one batch, the cells grouped
     by the engine's format (one switch each): the trained column first, by trained format, then precision by
     precision."""
-    from tqdm import tqdm
-
+    from qarl.console import progress_bar
     from qarl.evaluate import evaluate_splits
     from qarl.generation import VLLMEngine
     from qarl.rewards import WeightedRewards
@@ -436,7 +435,7 @@ def evaluate_matrix(plan: Plan) -> Results:
 
     engine = VLLMEngine(plan.models["base"][0].model_dir, plan.generation, cfg.policy.dtype, cfg.run.seed,
                         quant_format=cells[0][0])  # grouped by format: a graph engine restarts once per format
-    for fmt, name, source, precision in tqdm(cells, desc="matrix cells"):
+    for fmt, name, source, precision in progress_bar(cells, desc="matrix cells", unit="cell"):
         engine.set_quant_format(fmt)  # the same format again changes nothing
         policy = _policy(plan, source, precision)
         engine.refit(policy.model)

@@ -154,6 +154,17 @@ class MemoryPlan:
                 f"{self.available / GiB:.1f} GiB usable")
 
 
+def checkpoint_bytes(plan: MemoryPlan, shards: int = 1) -> dict[str, int]:
+    """What one checkpoint writes (qarl/checkpoint.py), from the state the plan counts: the master weights (policy/,
+    in the master dtype: the compute weights when they are the masters) and AdamW's two moments (trainer_state.pt);
+    `shards`: the processes each holding a share (tensor parallelism). The amax and the tokenizer add little. A LoRA
+    run (no AdamW state in the plan: its adapters' is small) writes only its adapters: {}."""
+    if "adamw" not in plan.resident:
+        return {}
+    weights = plan.resident.get("masters", plan.resident["weights"])
+    return {"weights": weights * shards, "AdamW state": plan.resident["adamw"] * shards}
+
+
 def available_bytes() -> int:
     """The free bytes the plan may use, for this process: on a GPU its own device; on a CPU its share of the host's
     memory, which torchrun's processes on this host (LOCAL_WORLD_SIZE) divide."""

@@ -389,13 +389,6 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def progress_bar(steps: range, desc: str):
-    """The loop's progress bar over `steps` (resumed runs start part-way), on the main process only."""
-    from tqdm import tqdm
-
-    return tqdm(steps, desc=desc, initial=steps.start, total=steps.stop, disable=not is_main_process())
-
-
 def report_run(run_dir: Path, panels: list[tuple[str, str]] = PLOTTED,
                extra: Callable[[list[dict[str, Any]]], str] | None = None) -> None:
     """The end of a run, on the main process: metrics.png and the summary (plus `extra(rows)`) on the terminal."""

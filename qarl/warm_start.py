@@ -15,11 +15,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qarl.config import TaskConfig, WarmStartConfig
+from qarl.console import progress_bar
 from qarl.distributed import exclusive
+from qarl.files import give_umask_modes
 from qarl.models.resolve import default_device
 from qarl.tasks import Problem, prompt_format
 from qarl.tasks.chat import chat_mode
@@ -59,7 +60,7 @@ def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, se
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / cfg.steps))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else prompts.end_id
         model.train()
-        bar = tqdm(range(cfg.steps), desc="warm start (SFT)", leave=False)
+        bar = progress_bar(range(cfg.steps), desc="warm start (SFT)", unit="step")
         for _ in bar:
             batch = rng.sample(problems, min(cfg.batch_size, len(problems)))
             questions = [prompts.ids(p.prompt) for p in batch]
@@ -84,6 +85,7 @@ def warm_start(model_dir: str, problems: list[Problem], cfg: WarmStartConfig, se
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text("ok")
+        give_umask_modes(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return str(out)

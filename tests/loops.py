@@ -107,8 +107,19 @@ class Runs:
         return self._made[key]
 
     def uninterrupted(self, loop: Loop) -> Path:
-        return self._once(loop, "uninterrupted",
-                          lambda run_dir: subprocess.run(loop.command(run_dir), check=True, timeout=600))
+        """The run; what it printed is kept beside its directory (`console`)."""
+        def make(run_dir: Path) -> None:
+            done = subprocess.run(loop.command(run_dir), timeout=600, capture_output=True, text=True)
+            (run_dir.parent / "stdout.txt").write_text(done.stdout)
+            (run_dir.parent / "stderr.txt").write_text(done.stderr)
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        return self._once(loop, "uninterrupted", make)
+
+    def console(self, loop: Loop) -> tuple[str, str]:
+        """(stdout, stderr) of the uninterrupted run: a log's, not a terminal's."""
+        root = self.uninterrupted(loop).parent
+        return (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
 
     def resumed(self, loop: Loop) -> Path:
         def make(run_dir: Path) -> None:

@@ -25,8 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 from qarl.config import ConfigError, PolicyConfig
+from qarl.console import progress_bar, timed
 from qarl.dir_lock import check_out_dir
 from qarl.export.targets import ExportTarget, check_target_matches, load_target
+from qarl.files import give_umask_modes
 from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
@@ -120,7 +122,8 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
                                   "would replace the trained amax. Drop --calibrate to export what was trained.")
             check_target_matches(trained, target)
             cfg = PolicyConfig(model_name=str(model_dir), dtype=trained_dtype(checkpoint))
-            return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
+            with timed(f"loading {checkpoint}"):  # (the first load imports ModelOpt: tens of seconds on a CPU)
+                return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
         if not calibrate:
             raise ConfigError(f"checkpoint {checkpoint} has no quantizer state (trained unquantized, "
                               "policy.quant_cfg=none). Export it with --calibrate for post-training quantization "
@@ -311,6 +314,8 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     quantized model of the merged weights; `qlora` as the quantized base plus a PEFT adapter directory
     in OUT_DIR/adapter (which transformers/peft and vLLM load on top of the base).
     """
+    from qarl.quant.quantize import quantized_weights
+
     lora_policy = policy if policy.lora is not None else None
     if lora_policy is not None:
         from qarl.lora import deployable_model
@@ -331,7 +336,8 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     tensors = dict(master)
     layers: dict[str, QuantizedLayer] = {}
     layer_stats: dict[str, dict[str, Any]] = {}
-    for layer in encoded_layers(model):
+    count = sum(1 for _ in quantized_weights(model))
+    for layer in progress_bar(encoded_layers(model), desc=f"encoding {scheme} layers", total=count, unit="layer"):
         if layer.scheme != scheme:
             raise ConfigError(f"{layer.name} is quantized as {layer.scheme}, target {target.name} writes {scheme}: "
                               "the model's quantizers are not uniform")
@@ -356,7 +362,9 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    files = write_safetensors(dict(sorted(tensors.items())), tmp, target.max_shard_bytes)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with timed(f"writing {size / 2**30:.2f} GiB of safetensors"):
+        files = write_safetensors(dict(sorted(tensors.items())), tmp, target.max_shard_bytes)
     config = json.loads(model.config.to_json_string())  # what save_pretrained writes
     config["quantization_config"] = fmt_module.write_config(tmp, model, layers, scheme)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -397,6 +405,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     manifest = {**summary, "quant_format": policy.format.name, "quant_format_source": policy.format.source,
                 "layers": layer_stats}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    give_umask_modes(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

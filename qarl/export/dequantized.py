@@ -17,6 +17,7 @@ import torch
 
 from qarl.config import ConfigError
 from qarl.dir_lock import check_out_dir
+from qarl.files import give_umask_modes
 
 
 @torch.no_grad()
@@ -55,6 +56,7 @@ def export_dequantized(policy, out_dir: str | Path, dtype: str = "bfloat16", ove
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     policy.tokenizer.save_pretrained(tmp)
+    give_umask_modes(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

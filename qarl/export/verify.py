@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
+from qarl.console import progress_bar, timed
 from qarl.export.core import ADAPTER_DIR, MANIFEST, format_module, master_tensors
 from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant.codes import same_bits
@@ -123,7 +124,7 @@ def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_mo
         raise ConfigError(f"the export's quantized layers {sorted(set(stored) ^ set(weights))[:4]} do not match "
                           "the policy's quantized layers")
     per_layer = {}
-    for name, found in weights.items():
+    for name, found in progress_bar(weights.items(), desc="checking the quantized layers", unit="layer"):
         w_q = found.quantized().detach()
         per_layer[name] = _compare(fmt_module.dequantize(stored[name], w_q.dtype), w_q)
     quantized = _sum(list(per_layer.values()))
@@ -338,23 +339,28 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     tokenizer.padding_side = "right"
     ids, mask = _batch(tokenizer, prompts or PROMPTS)
     reference = _logits(policy.model, ids, mask)
-    loaders: dict[str, Any] = {"qarl-decode": _qarl_decode(policy, tensors, config, fmt_module, ids, mask, reference)}
+    with timed("qarl-decode: the policy on the export's decoded weights"):
+        loaders: dict[str, Any] = {"qarl-decode": _qarl_decode(policy, tensors, config, fmt_module, ids, mask,
+                                                               reference)}
     if disk_format == "compressed_tensors" and has_experts(policy.model):
         loaders["transformers+compressed-tensors"] = {
             "status": "unsupported", "why": "transformers fuses a Mixture-of-Experts checkpoint's experts as it loads "
             "and drops their scales (seen with NVFP4: its load report calls each expert's weight_global_scale "
             "unexpected), so it decompresses the experts wrongly"}
     elif disk_format == "compressed_tensors":
-        loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference, None)
+        with timed("transformers+compressed-tensors: loading the export"):
+            loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference, None)
         if scheme.startswith("nvfp4"):
             dtype = next(policy.model.parameters()).dtype
-            loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
-                export_dir, policy, ids, mask, reference, dtype)
+            with timed(f"transformers+compressed-tensors: loading the export, {str(dtype)[6:]} decompression"):
+                loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
+                    export_dir, policy, ids, mask, reference, dtype)
     else:
         loaders["transformers"] = {"status": "unsupported", "why": "transformers has no loader for "
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
     if vllm:
-        loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme)
+        with timed("vllm: loading the export in a vLLM engine (a subprocess)"):
+            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme)
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders

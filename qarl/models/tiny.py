@@ -20,6 +20,7 @@ from transformers import (AutoModelForCausalLM, PretrainedConfig, PreTrainedMode
                           Qwen2Config)
 
 from qarl.distributed import exclusive
+from qarl.files import give_umask_modes
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"
 # A small chat template, so the embedded run formats its prompts as a user's instruct model would:
@@ -173,6 +174,7 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, fami
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "qarl_embedded.json").write_text(json.dumps(identity))
+        give_umask_modes(tmp)
         if out.exists():
             import shutil
 

@@ -164,17 +164,27 @@ def block_size(quantizer: nn.Module) -> int | None:
 def quantized_meta_model(model_dir: str, fmt: QuantFormat, trust_remote_code: bool = False) -> nn.Module:
     """The model on the meta device (no weights) with `fmt`'s quantizers inserted, uncalibrated: what a
     format does to a model, seen before any weights load."""
-    import modelopt.torch.quantization as mtq
-
     from qarl.models.checks import meta_model  # imports transformers
 
     model = meta_model(model_dir, trust_remote_code)
     try:
-        mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+        insert_quantizers(model, fmt)
     except RuntimeError as e:  # e.g. no quantizer_name pattern matches this model's layers: ModelOpt's first line
         raise ConfigError(f"quant config {fmt.source} on {model_dir}: {str(e).splitlines()[0]} (ModelOpt); check its "
                           "quantizer_name patterns against the model's module names") from None
     return model
+
+
+def insert_quantizers(model: nn.Module, fmt: QuantFormat) -> None:
+    """`fmt`'s quantizers into `model`, uncalibrated (`mtq.quantize` with no algorithm). ModelOpt prints what it
+    did ("Inserted N quantizers", each attention class it registers) at every call, several times a run: shown
+    with -v (`qarl.console.quiet_prints`)."""
+    import modelopt.torch.quantization as mtq
+
+    from qarl.console import quiet_prints
+
+    with quiet_prints():
+        mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
 
 
 def _plain(obj: Any) -> Any:

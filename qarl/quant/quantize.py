@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
+from qarl.console import progress_bar
 from qarl.quant import kernels
 from qarl.quant.fastpath.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
 from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, invalidate
-from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, quantized_meta_model
+from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, block_size, insert_quantizers, quantized_meta_model
 from qarl.models.experts import FUSED as FUSED_EXPERTS
 from qarl.models.experts import expert_layers, expert_weights, is_fused_experts
 from qarl.quant.modelopt_compat import (expert_weight_quantizers, is_static_block_quantizer, pass_through_bwd,
@@ -224,10 +225,8 @@ def quantize_policy(
     Off, the model runs ModelOpt's own path unchanged. `align`: a backend's step between inserting and
     calibrating that makes its quantizers the Hugging Face model's (`match_reference_quantizers`).
     """
-    import modelopt.torch.quantization as mtq
-
     kernels.install()  # the same bits as ModelOpt's kernels: NVFP4 on CPU, fast on GPUs
-    mtq.quantize(model, {"quant_cfg": fmt.quant_cfg, "algorithm": None})
+    insert_quantizers(model, fmt)
     if align is not None:
         align(model)
     check_block_sizes(model, fmt)
@@ -254,7 +253,7 @@ def calibrate(model: nn.Module, fmt: QuantFormat, batches: list[dict[str, torch.
 
     def forward_loop(m: nn.Module) -> None:
         with torch.no_grad():
-            for batch in batches:
+            for batch in progress_bar(batches, desc=f"calibrating {fmt.name} amax ({fmt.calibration})", unit="batch"):
                 m(**batch)
 
     with cache_kept(model):  # MSE / 4-over-6 calibration turns weight quantizers into static-block ones

