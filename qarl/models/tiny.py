@@ -61,18 +61,20 @@ SPECS: dict[str, TinyModelSpec] = {
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2,
     ),
-    # each family's attention at its real shape (`REALISTIC_HEADS`) with real-like activations (`plant_activations`)
+    # each family's attention at its real shape (`REALISTIC_ATTENTION`) with real-like activations (`plant_activations`)
     "realistic": TinyModelSpec(
         hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
     ),
 }
-# The realistic size's attention per family, as a released model of the family has it: (query heads, key/value heads,
-# head_dim). Gemma 3's 256 with one key/value head (270M, 1B), 128 elsewhere (Qwen3, Llama 3 8B, Mistral 7B, Qwen2.5 7B,
-# Phi-3 medium). Attention kernels round by shape: head_dim 32 and 64 hid what 256 and 128 show.
-REALISTIC_HEADS: dict[str, tuple[int, int, int]] = {
-    "qwen2": (2, 1, 128), "qwen3": (4, 2, 128), "llama3": (2, 1, 128), "mistral": (2, 1, 128), "gemma3": (4, 1, 256),
-    "phi3": (2, 2, 128), "qwen3moe": (4, 2, 128), "qwen2moe": (2, 1, 128),
+# The realistic size's attention per family: (hidden size, query heads, key/value heads, head_dim). head_dim as a
+# released model of the family has it: Gemma 3's 256 with one key/value head (270M, 1B), 128 elsewhere (Qwen3, Llama 3
+# 8B, Mistral 7B, Qwen2.5 7B, Phi-3 medium); attention kernels round by shape, and head_dim 32 hid what 256 and 128
+# show. Attention 1,024 wide (512 for Qwen2, whose vLLM model takes head_dim as hidden / heads), as Gemma 3 1B's: a
+# last-bit difference flips a rounding in one element of a million or so, and a real model has that many.
+REALISTIC_ATTENTION: dict[str, tuple[int, int, int, int]] = {
+    "qwen2": (512, 4, 1, 128), "qwen3": (256, 8, 2, 128), "llama3": (256, 8, 2, 128), "mistral": (256, 8, 2, 128),
+    "gemma3": (256, 4, 1, 256), "phi3": (256, 8, 2, 128), "qwen3moe": (256, 8, 2, 128), "qwen2moe": (512, 4, 1, 128),
 }
 REALISTIC_VERSION = 1  # of `plant_activations`: a cached realistic model made by another is made again
 SLIDING_WINDOWS = {"realistic": 16}  # a sliding-window layer's window (other sizes: 64); the realistic one is shorter
@@ -111,7 +113,7 @@ def _llama3(common: dict, head_dim: int, window: int) -> PretrainedConfig:  # Ll
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    return LlamaConfig(**common, rope_parameters=rope)
+    return LlamaConfig(**common, head_dim=head_dim, rope_parameters=rope)
 
 
 def _mistral(common: dict, head_dim: int, window: int) -> PretrainedConfig:
@@ -131,7 +133,7 @@ def _gemma3(common: dict, head_dim: int, window: int) -> PretrainedConfig:  # sc
 def _phi3(common: dict, head_dim: int, window: int) -> PretrainedConfig:  # q/k/v and gate/up fused in the checkpoint
     from transformers import Phi3Config
 
-    return Phi3Config(**common, rope_theta=10000.0)
+    return Phi3Config(**common, head_dim=head_dim, rope_theta=10000.0)
 
 
 def _qwen3moe(common: dict, head_dim: int, window: int) -> PretrainedConfig:  # Mixture-of-Experts: 8 experts, 2 a token
@@ -164,8 +166,8 @@ def family_spec(size: str, family: str) -> tuple[TinyModelSpec, int]:
     spec = SPECS[size]
     if size != "realistic":
         return spec, spec.hidden_size // spec.num_attention_heads
-    heads, kv_heads, head_dim = REALISTIC_HEADS[family]
-    return replace(spec, num_attention_heads=heads, num_key_value_heads=kv_heads), head_dim
+    hidden, heads, kv_heads, head_dim = REALISTIC_ATTENTION[family]
+    return replace(spec, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads), head_dim
 
 
 def build_model(size: str, tokenizer: PreTrainedTokenizerFast, seed: int, family: str = "qwen2") -> PreTrainedModel:
@@ -184,9 +186,9 @@ def build_model(size: str, tokenizer: PreTrainedTokenizerFast, seed: int, family
     return model
 
 
-# What `plant_activations` aims at, as trained models have them: a few residual channels carrying about OUTLIER_SIZE in
-# every token, and MASSIVE_SIZE in the tokens that open a chat turn (the attention sinks); attention logits and output
-# logits of these spreads (standard deviation over a row).
+# What `plant_activations` aims at, as trained models have them: a few residual channels carrying OUTLIER_SIZE in every
+# token, and MASSIVE_SIZE in the tokens that open a chat turn (the attention sinks); attention logits and output logits
+# of these spreads (standard deviation over a row).
 OUTLIER_CHANNELS, OUTLIER_SIZE, MASSIVE_SIZE = 4, 40.0, 400.0
 ATTENTION_LOGIT_STD, OUTPUT_LOGIT_STD = 4.0, 3.0
 
@@ -194,18 +196,18 @@ ATTENTION_LOGIT_STD, OUTPUT_LOGIT_STD = 4.0, 3.0
 @torch.no_grad()
 def plant_activations(model: PreTrainedModel, seed: int, sinks: list[int], offset_norms: bool) -> None:
     """Give a randomly initialised model the activations a trained one has, in place, deterministic from `seed`.
-    Random weights (transformers' init: std 0.02, unit norms) compute near-uniform attention over small, even
-    activations, which a last-bit difference between two kernels rarely moves across a 4/8-bit rounding boundary;
-    a trained model's do not. Here:
+    Random weights (transformers' init: std 0.02, unit norms) compute near-uniform attention and next-token
+    distributions over small, even activations; a trained model's are peaked, over outliers. Here:
       * every linear layer (and expert) is drawn with std 1/sqrt(fan-in), so activations keep their scale;
-      * OUTLIER_CHANNELS residual channels carry about OUTLIER_SIZE in every token, and MASSIVE_SIZE in the tokens
-        `sinks` (LLMs' outlier channels and massive activations; set in the embedding, through its scale), so each
-        norm divides by a sum its outliers dominate;
+      * OUTLIER_CHANNELS residual channels carry OUTLIER_SIZE in every token, and one of them MASSIVE_SIZE in the
+        tokens `sinks` (LLMs' outlier channels and massive activations; set in the embedding, through its scale), so
+        each norm divides by a sum its outliers dominate;
       * every RMSNorm's gains are spread log-normally, two of its channels 4-8 times the rest (`offset_norms`: the
         weight is gain - 1, Gemma's (1 + w) norms);
       * each layer's attention logits spread ATTENTION_LOGIT_STD (peaked softmax rows): its q/k norms' gains, or its
-        input norm's, scaled to it layer by layer on a random prompt; the output logits spread OUTPUT_LOGIT_STD
-        (the final norm's gains)."""
+        input norm's, scaled to it layer by layer on a random prompt;
+      * the final norm passes none of the outlier channels (the tied head would otherwise predict the sinks) and its
+        gains spread the output logits OUTPUT_LOGIT_STD (1.5-3 nats of entropy a token)."""
     generator = torch.Generator().manual_seed(seed + 1)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -218,7 +220,7 @@ def plant_activations(model: PreTrainedModel, seed: int, sinks: list[int], offse
     table, scale = embeddings.weight, getattr(embeddings, "scalar_embed_scale", 1.0)  # (Gemma: sqrt(hidden))
     channels = torch.randperm(table.shape[1], generator=generator)[:OUTLIER_CHANNELS]
     signs = torch.where(randn(OUTLIER_CHANNELS) > 0, 1.0, -1.0)
-    table[:, channels] = signs * OUTLIER_SIZE * (1 + 0.2 * randn(table.shape[0], OUTLIER_CHANNELS)) / scale
+    table[:, channels] = signs * OUTLIER_SIZE / scale
     table[sinks, channels[0]] = signs[0] * MASSIVE_SIZE / scale
     offset = 1.0 if offset_norms else 0.0
     for norm in rms_norms(model):
@@ -235,6 +237,7 @@ def plant_activations(model: PreTrainedModel, seed: int, sinks: list[int], offse
         for norm in scaled:  # logits grow with the product of q's and k's scales: each q/k norm takes a square root
             _scale_gains(norm, factor ** 0.5, offset)
     final = model.get_decoder().norm
+    final.weight[channels] = -offset  # gain 0: the (tied) head reads the tokens' channels, not the outliers
     _scale_gains(final, OUTPUT_LOGIT_STD / model(input_ids=prompt).logits.std(-1).mean().item(), offset)
 
 

@@ -33,8 +33,8 @@ def prompt() -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_has_the_familys_real_shape(models, family):
     config = models[family].config
-    heads, kv_heads, head_dim = tiny.REALISTIC_HEADS[family]
-    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+    hidden, heads, kv_heads, head_dim = tiny.REALISTIC_ATTENTION[family]
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (hidden, heads, kv_heads)
     assert models[family].model.layers[0].self_attn.head_dim == head_dim
     assert config.num_hidden_layers == 4
     if family == "gemma3":  # sliding layers, a window shorter than the embedded prompts, the last layer global
@@ -57,8 +57,13 @@ def test_activations_are_real_like(models, family):
     for layer in model.model.layers:
         assert 3.0 < tiny._attention_logit_std(model, ids, layer.self_attn) < 5.5  # peaked attention rows
     assert 2.0 < out.logits.std(-1).mean() < 4.5
-    gains = torch.cat([norm.weight + (1.0 if family == "gemma3" else 0.0) for norm in tiny.rms_norms(model)])
-    assert gains.min() > 0 and gains.max() > 10 * gains.median()  # spread gains, outlier channels among them
+    logprobs = out.logits.log_softmax(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
+    assert 0.5 < entropy < 0.8 * torch.tensor(out.logits.shape[-1]).log()  # peaked, not uniform, not one token
+    offset = 1.0 if family == "gemma3" else 0.0
+    gains = torch.cat([norm.weight + offset for norm in tiny.rms_norms(model)])
+    assert gains.min() >= 0 and gains.max() > 10 * gains.median()  # spread gains, outlier channels among them
+    assert (model.model.norm.weight + offset == 0).sum() == tiny.OUTLIER_CHANNELS  # the head reads no outlier
     if family == "gemma3":  # (1 + w) norms hold w = gain - 1
         assert (torch.cat([norm.weight for norm in tiny.rms_norms(model)]) < 0).any()
 
