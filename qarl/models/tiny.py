@@ -63,7 +63,7 @@ SPECS: dict[str, TinyModelSpec] = {
     ),
     # each family's attention at its real shape (`REALISTIC_ATTENTION`) with real-like activations (`plant_activations`)
     "realistic": TinyModelSpec(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
     ),
 }

@@ -36,9 +36,9 @@ def test_attention_has_the_familys_real_shape(models, family):
     hidden, heads, kv_heads, head_dim = tiny.REALISTIC_ATTENTION[family]
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (hidden, heads, kv_heads)
     assert models[family].model.layers[0].self_attn.head_dim == head_dim
-    assert config.num_hidden_layers == 4
-    if family == "gemma3":  # sliding layers, a window shorter than the embedded prompts, the last layer global
-        assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    assert config.num_hidden_layers == 6
+    if family == "gemma3":  # five sliding layers to a global one (Gemma 3's), a window shorter than the prompts
+        assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
         assert config.sliding_window == 16 and config.query_pre_attn_scalar == 256
 
 
