@@ -114,7 +114,7 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         s, u, f = r["synced"], r["unsynced"], r["unquantized"]
-        ratio = u["mean_abs"] / max(s["mean_abs"], 1e-30)
+        ratio = f"{u['mean_abs'] / s['mean_abs']:.0f}x" if s["mean_abs"] else "synced is exactly 0"
         lines.append(f"| {name} | {s['mean_abs']:.2e} | {s['max_abs']:.2e} | {s['flipped_tokens']}/{s['tokens']} | "
-                     f"{u['mean_abs']:.2e} | {f['mean_abs']:.2e} | {ratio:.0f}x |")
+                     f"{u['mean_abs']:.2e} | {f['mean_abs']:.2e} | {ratio} |")
     return "\n".join(lines)

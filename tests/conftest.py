@@ -126,6 +126,20 @@ def _sampling(i: int, logprobs: int | None, stop: list[int], greedy: bool):
                           logprobs=logprobs, flat_logprobs=True, detokenize=False, stop_token_ids=stop)
 
 
+def qarl_parity(model_name: str, num_prompts: int, max_new_tokens: int) -> dict:
+    """`qarl parity recipes/parity_tiny.yaml` (fp32, every shipped format) on `model_name` in a process of its own (its
+    engine never meets this session's), its JSON report per format."""
+    import json
+    import subprocess
+    import sys
+
+    parity = subprocess.run([sys.executable, "-m", "qarl", "parity", "recipes/parity_tiny.yaml",
+                             f"policy.model_name={model_name}", f"parity.num_prompts={num_prompts}",
+                             f"parity.max_new_tokens={max_new_tokens}", "--json"],
+                            check=True, capture_output=True, text=True)
+    return json.loads(parity.stdout[parity.stdout.index("{"):])
+
+
 def check_kept_logprobs(engine, policy) -> None:
     """The log-probs `engine` keeps at vLLM's sampler (generation/sampled_logprobs.py) equal, bit for bit, what vLLM
     returns when asked, and line up with the tokens when requests finish at different steps (their own max_tokens,

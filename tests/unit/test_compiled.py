@@ -33,8 +33,9 @@ def compiled_against_eager(task, tiny_dir, varlen: bool = False, **knobs):
     torch._dynamo.utils.counters.clear()
     eager = tiny_policy(task, tiny_dir, W4A16, trainable=True)
     fused = tiny_policy(task, tiny_dir, W4A16, trainable=True, gradient_checkpointing="on", **knobs)
-    if varlen:  # (a GPU's policy is on it from the load)
-        assert enable_varlen_attention(fused.model) or fused.model.config._attn_implementation == ATTENTION
+    if varlen:  # (a GPU's policy is on it from the load, a CPU's on the block attention)
+        fused.model.set_attn_implementation("sdpa")
+        assert enable_varlen_attention(fused.model) and fused.model.config._attn_implementation == ATTENTION
     assert torch.allclose(eval_logits(fused, task), eval_logits(eager, task), rtol=0, atol=1e-5)
     answer_loss(eager, task).backward()
     answer_loss(fused, task).backward()
