@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qarl.checkpoint import latest_checkpoint
+from qarl.run_dir import latest_checkpoint
 from qarl.evaluate import run_eval
 from qarl.metrics import read_metrics
 

@@ -37,8 +37,8 @@ from qarl.files import give_umask_modes
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
-from qarl.run_dir import (CHECKPOINT_RUN, checkpoint_damage, complete_checkpoints, is_checkpoint_dir, is_run_or_checkpoint, newest_intact, prunable,
-                          read_identity, write_manifest)
+from qarl.run_dir import (CHECKPOINT_RUN, complete_checkpoints, prunable, read_identity, resolve_checkpoint,
+                          write_manifest)
 
 if TYPE_CHECKING:
     from qarl.optim import PolicyOptimizer
@@ -80,21 +80,6 @@ def _trainer_state_file() -> str:
     return "trainer_state.pt" if rank() == 0 else f"trainer_state.rank{rank()}.pt"
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest intact complete checkpoint of the run in `run_dir` (its identity's run id; its files hashed against
-    its manifest), naming on the console the newer damaged ones it skips; None if the run has no complete one."""
-    found = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
-    if not found:
-        return None
-    checkpoint, damaged = newest_intact(found)
-    if checkpoint is None:
-        raise ConfigError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}): restore their files, or "
-                          "give another checkpoint")
-    if damaged:
-        print(f"using {checkpoint}: skipped the newer damaged checkpoint(s) {'; '.join(damaged)}")
-    return checkpoint
-
-
 def checkpoint_format(checkpoint: Path) -> QuantFormat | None:
     path = checkpoint / "quant_format.yaml"
     return format_from_yaml(path.read_text()) if path.is_file() else None
@@ -122,39 +107,6 @@ def restore_trainer_state(checkpoint: Path, optimizer: PolicyOptimizer) -> int:
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return state["step"]
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (intact: its files match its manifest), or a run directory (its newest intact complete
-    checkpoint)."""
-    path = Path(path)
-    if is_checkpoint_dir(path):
-        if (path.parent.name == "checkpoints") and not (path / "COMPLETE").is_file():
-            raise ConfigError(f"checkpoint {path} is incomplete (no COMPLETE marker): it was never finished")
-        damage = checkpoint_damage(path)
-        if damage is not None:
-            raise ConfigError(f"checkpoint {path} is damaged ({damage}): give an earlier checkpoint, or the run "
-                              "directory (its newest intact checkpoint)")
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise ConfigError(f"no checkpoint found at {path}: expected a step_N directory or a run directory")
-    return latest
-
-
-def named_checkpoint(model_name: str) -> Path | None:
-    """The qarl checkpoint a model name stands for (`policy.model_name` or `teacher.model_name` may name a checkpoint
-    directory, or a run directory: its newest intact checkpoint), None for any other name. A LoRA checkpoint is
-    refused: its adapter would be lost, the run starting from its base alone."""
-    path = Path(model_name).expanduser()
-    if not is_run_or_checkpoint(path):
-        return None
-    checkpoint = resolve_checkpoint(path)
-    if (checkpoint / "lora.json").is_file():
-        raise ConfigError(f"{model_name} is a LoRA checkpoint ({checkpoint}): a run starts from a whole model; merge "
-                          f"its adapter first with `qarl export {checkpoint} --dequantized --out DIR` and name DIR")
-    return checkpoint
-
 
 
 def model_dir_dtype(model_dir: Path) -> str:

@@ -123,7 +123,8 @@ def run_eval(target: str, overrides: list[str]) -> dict[str, Any]:
         check_model_name(target, "qarl eval's target (a run directory, a checkpoint or a model)")
     cfg = _recipe_for(path, overrides) if path.is_dir() else load_recipe(
         Path(__file__).parent / "recipe_defaults.yaml", [f"policy.model_name={target}", *overrides], RecipeConfig)
-    from qarl.checkpoint import checkpoint_format, checkpoint_model_dir, load_policy_checkpoint, resolve_checkpoint
+    from qarl.checkpoint import checkpoint_format, checkpoint_model_dir, load_policy_checkpoint
+    from qarl.run_dir import resolve_checkpoint
     from qarl.generation import VLLMEngine, engine_adapter_rank
     from qarl.policy import build_policy
     from qarl.quant import resolve_format

@@ -174,7 +174,8 @@ def resolve_model_source(path: str) -> ModelSource:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"model {path!r} does not exist")
-    from qarl.checkpoint import checkpoint_format, resolve_checkpoint
+    from qarl.checkpoint import checkpoint_format
+    from qarl.run_dir import resolve_checkpoint
 
     if is_run_or_checkpoint(p):
         checkpoint = resolve_checkpoint(p)

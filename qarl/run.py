@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from omegaconf import OmegaConf
 
-from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, named_checkpoint, restore_trainer_state,
-                             save_checkpoint, trainer_state)
+from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
+                             trainer_state)
 from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
 from qarl.console import progress_bar
 from qarl.distributed import is_main_process
@@ -49,7 +49,7 @@ from qarl.quant import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
-from qarl.run_dir import claim_run_dir, is_main_launch, own_run_dir, plan_run_dir, run_dir_lock
+from qarl.run_dir import claim_run_dir, is_main_launch, named_checkpoint, own_run_dir, plan_run_dir, run_dir_lock
 from qarl.seeds import derived_seed
 from qarl.tasks import (Problem, PromptFormat, Task, build_task, check_prompt_lengths, eval_splits,
                         model_prompt_format)

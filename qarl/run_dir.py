@@ -93,6 +93,53 @@ def is_run_or_checkpoint(path: Path) -> bool:
     return path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest intact complete checkpoint of the run in `run_dir` (its identity's run id; its files hashed against
+    its manifest), naming on the console the newer damaged ones it skips; None if the run has no complete one."""
+    found = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
+    if not found:
+        return None
+    checkpoint, damaged = newest_intact(found)
+    if checkpoint is None:
+        raise ConfigError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}): restore their files, or "
+                          "give another checkpoint")
+    if damaged:
+        print(f"using {checkpoint}: skipped the newer damaged checkpoint(s) {'; '.join(damaged)}")
+    return checkpoint
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory (intact: its files match its manifest), or a run directory (its newest intact complete
+    checkpoint)."""
+    path = Path(path)
+    if is_checkpoint_dir(path):
+        if (path.parent.name == "checkpoints") and not (path / "COMPLETE").is_file():
+            raise ConfigError(f"checkpoint {path} is incomplete (no COMPLETE marker): it was never finished")
+        damage = checkpoint_damage(path)
+        if damage is not None:
+            raise ConfigError(f"checkpoint {path} is damaged ({damage}): give an earlier checkpoint, or the run "
+                              "directory (its newest intact checkpoint)")
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(f"no checkpoint found at {path}: expected a step_N directory or a run directory")
+    return latest
+
+
+def named_checkpoint(model_name: str) -> Path | None:
+    """The qarl checkpoint a model name stands for (`policy.model_name` or `teacher.model_name` may name a checkpoint
+    directory, or a run directory: its newest intact checkpoint), None for any other name. A LoRA checkpoint is
+    refused: its adapter would be lost, the run starting from its base alone."""
+    path = Path(model_name).expanduser()
+    if not is_run_or_checkpoint(path):
+        return None
+    checkpoint = resolve_checkpoint(path)
+    if (checkpoint / "lora.json").is_file():
+        raise ConfigError(f"{model_name} is a LoRA checkpoint ({checkpoint}): a run starts from a whole model; merge "
+                          f"its adapter first with `qarl export {checkpoint} --dequantized --out DIR` and name DIR")
+    return checkpoint
+
+
 def checkpoint_run_id(checkpoint: Path) -> str | None:
     path = checkpoint / CHECKPOINT_RUN
     return json.loads(path.read_text())["run_id"] if path.is_file() else None

@@ -90,7 +90,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _dequantized(args: argparse.Namespace) -> dict[str, Any]:
-    from qarl.checkpoint import load_policy_checkpoint, resolve_checkpoint, trained_dtype
+    from qarl.checkpoint import load_policy_checkpoint, trained_dtype
+    from qarl.run_dir import resolve_checkpoint
     from qarl.config import PolicyConfig
     from qarl.export.dequantized import export_dequantized
 

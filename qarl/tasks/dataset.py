@@ -150,11 +150,10 @@ def check_data_files(cfg: TaskConfig) -> None:
     for a GSM8K-sized file); parquet files and hub datasets are checked as they load, through `datasets`."""
     if cfg.name != "dataset":
         return
-    for key, source in _sources(cfg):
-        if is_local_file(source):
-            path = check_local_file(source, key)
-            if path.suffix in LOCAL_FORMATS:
-                load_problems(source, cfg.prompt_column, cfg.answer_column, key)
+    local = [(key, source, check_local_file(source, key)) for key, source in _sources(cfg) if is_local_file(source)]
+    for key, source, path in local:  # every file there before any is read
+        if path.suffix in LOCAL_FORMATS:
+            load_problems(source, cfg.prompt_column, cfg.answer_column, key)
 
 
 def check_calibration_file(source: str) -> None:

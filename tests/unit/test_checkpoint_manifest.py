@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qarl.checkpoint import latest_checkpoint, load_policy_checkpoint, resolve_checkpoint, save_checkpoint
+from qarl.checkpoint import load_policy_checkpoint, save_checkpoint
+from qarl.run_dir import latest_checkpoint, resolve_checkpoint
 from qarl.config import ConfigError, PolicyConfig
 from qarl.run_dir import MANIFEST, checkpoint_damage, claim_run_dir, plan_run_dir
 from tests.conftest import W4A16, tiny_policy
