@@ -139,21 +139,28 @@ def graded_row(rng: random.Random, level: str) -> dict[str, str]:
             "answer": "".join(f"{a} {op} {b} = {r}\n" for a, op, b, r in steps) + f"#### {steps[-1][3]}"}
 
 
+def distinct_rows(draw: Callable[[], dict[str, str]], num: int, source: str) -> list[dict[str, str]]:
+    """`num` rows of `draw()` with distinct questions, in the order drawn. The draws are bounded: asking more problems
+    than `source` holds (level mul1 the fewest, 31,680) fails instead of looping forever."""
+    seen, rows = set(), []
+    for _ in range(20 * num):
+        if len(rows) == num:
+            break
+        row = draw()
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    if len(rows) == num:
+        return rows
+    raise ValueError(f"{source} has too few distinct questions for {num} problems")
+
+
 def write_graded_problems(out_dir: str | Path, level: str, num_train: int = 2000, num_eval: int = 1000,
                           seed: int = 0) -> dict[str, Path]:
     """train.jsonl and test.jsonl of `level` in `out_dir` (question, answer columns; reward gsm8k): distinct
     questions, none of the held-out ones in train; their paths by split. The same arguments write the same bytes."""
-    rng, seen, rows = random.Random(seed), set(), []
-    # a bound on the draws: more problems than a level holds (mul1 the fewest, 31,680) fail instead of looping forever
-    for _ in range(20 * (num_train + num_eval)):
-        if len(rows) == num_train + num_eval:
-            break
-        r = graded_row(rng, level)
-        if r["question"] not in seen:
-            seen.add(r["question"])
-            rows.append(r)
-    else:
-        raise ValueError(f"level {level} has too few distinct questions for {num_train + num_eval} problems")
+    rng = random.Random(seed)
+    rows = distinct_rows(lambda: graded_row(rng, level), num_train + num_eval, f"level {level}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -297,16 +304,8 @@ def write_transfer_problems(out_dir: str | Path, num: int = 1000, seed: int = 0)
     """transfer.jsonl in `out_dir`: `num` distinct transfer problems (question, answer, template columns; reward
     gsm8k), none in a template, phrasing or number range of the graded levels'. The same arguments write the same
     bytes."""
-    rng, seen, rows = random.Random(seed), set(), []
-    for _ in range(20 * num):  # a bound on the draws, as in write_graded_problems
-        if len(rows) == num:
-            break
-        r = transfer_row(rng)
-        if r["question"] not in seen:
-            seen.add(r["question"])
-            rows.append(r)
-    else:
-        raise ValueError(f"the transfer templates have too few distinct questions for {num} problems")
+    rng = random.Random(seed)
+    rows = distinct_rows(lambda: transfer_row(rng), num, "the transfer templates")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "transfer.jsonl"
