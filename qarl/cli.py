@@ -29,8 +29,8 @@ import warnings
 from pathlib import Path
 
 from qarl import __version__
-from qarl.config import (ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe, load_recipe,
-                         to_dict)
+from qarl.config import (WARM_START, ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe,
+                         load_recipe, to_dict)
 from qarl.console import set_verbose
 from qarl.models.resolve import check_model_name
 from qarl.outputs import check_outputs
@@ -59,6 +59,8 @@ def _recipe(args: argparse.Namespace) -> RecipeConfig:
     check_data_files(cfg.task)
     check_calibration_file(cfg.policy.quant_calib_data)
     check_model_name(cfg.policy.model_name, "policy.model_name")
+    if args.command == "distill" and cfg.teacher.model_name != WARM_START:
+        check_model_name(cfg.teacher.model_name, "teacher.model_name")
     check_outputs(cfg, args.command)
     rewards = WeightedRewards.from_specs(cfg.trainer.rewards, cfg.trainer.reward_error)
     rewards.check_on_sample(sample_answer(cfg.task, cfg.run.seed))
@@ -211,17 +213,21 @@ def interrupted(args: argparse.Namespace) -> str:
         cfg = None
     if cfg is None:
         return "interrupted (Ctrl-C)"
-    from qarl.run_dir import complete_checkpoints, read_identity
+    from qarl.run_dir import complete_checkpoints, newest_intact, read_identity
 
     run_dir = Path(cfg.run.dir)
     how_started = ("run.dir", "trainer.resume", "run.overwrite")
     kept = [o for o in args.overrides if o.split("=", 1)[0].strip() not in how_started]
     command = shlex.join(["qarl", args.command, args.recipe, f"run.dir={run_dir}", *kept])
-    checkpoints = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
-    if not checkpoints:
+    try:
+        checkpoints = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
+    except ConfigError:  # the run's identity file damaged: the resume will say so
+        checkpoints = []
+    last = newest_intact(checkpoints, hashes=False)[0]  # (sizes only: a quick word, not a second verification)
+    if last is None:
         return (f"interrupted (Ctrl-C) before the first checkpoint in {run_dir}: nothing to resume; start again with "
                 f"`{command} run.overwrite=true`")
-    return (f"interrupted (Ctrl-C); the last complete checkpoint is {checkpoints[-1].name} in {run_dir}: continue "
+    return (f"interrupted (Ctrl-C); the last complete checkpoint is {last.name} in {run_dir}: continue "
             f"with `{command} trainer.resume=true`")
 
 

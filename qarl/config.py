@@ -212,6 +212,9 @@ class LoraConfig:
     pack_base: bool = True
 
 
+WARM_START = "warm-start"  # a model name: the recipe's step-0 model (policy.model_name, warm-started if asked)
+
+
 @dataclass
 class PolicyConfig:
     """The trained model: where it comes from, its precision, its quantization and the training backend."""

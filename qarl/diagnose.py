@@ -197,7 +197,8 @@ def plot(report: dict[str, dict[str, dict[str, Any]]], out: Path) -> Path:
 
 def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, dict[str, dict[str, Any]]]:
     """Diagnose each model ("warm-start" = the recipe's step-0 model) and write the report to `out`."""
-    from qarl.matrix import WARM_START, resolve_model_source
+    from qarl.config import WARM_START
+    from qarl.matrix import resolve_model_source
 
     missing = [m for m in models if m != WARM_START and not Path(m).expanduser().exists()]
     if missing:

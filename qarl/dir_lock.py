@@ -112,9 +112,28 @@ def owning(lock_file: Path, label: str, takeover: bool, takeover_with: str, inst
             lock.release()
 
 
+def check_not_in_use(lock_file: Path, label: str, instead: str) -> None:
+    """Refuse, naming its owner, a directory whose lock a running process holds: what it holds is still being
+    written. Takes nothing (a shared lock for an instant) and writes nothing."""
+    try:
+        handle = open(lock_file)
+    except OSError:  # no lock file: no one holds it
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{label} is in use by {_running_words(lock_file)}: wait for it to finish, or "
+                              f"{instead}") from None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """A directory a command writes whole (`qarl export --out`) must not hold anything yet, unless `overwrite`."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"output directory {out_dir} is a file; choose another --out (--overwrite replaces a "
+                          "directory only)")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"output directory {out_dir} exists and is not empty; choose another or pass --overwrite")
 
 
@@ -179,7 +198,7 @@ def _write_owner(handle: IO[str], owner: dict[str, Any]) -> None:
 
 def _read_owner(lock_file: Path) -> dict[str, Any] | None:
     """Who the lock file names, or None if it names no one (new, or released); {} for unreadable contents."""
-    text = lock_file.read_text() if lock_file.is_file() else ""
+    text = lock_file.read_text(errors="replace") if lock_file.is_file() else ""
     if not text.strip():
         return None
     try:

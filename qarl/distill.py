@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from qarl.config import ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
+from qarl.config import WARM_START, ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
 from qarl.distill_loss import reverse_kl
 from qarl.evaluate import SPLIT_PREFIX, evaluate_splits, split_metrics
 from qarl.generation import Completion, VLLMEngine
@@ -49,7 +49,6 @@ from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, eval_splits
 
-WARM_START_TEACHER = "warm-start"
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
 EVAL_SEED_OFFSET = 2**30  # the held-out samples' seed position: apart from every rollout's
@@ -60,7 +59,7 @@ def teacher_source(cfg: RecipeConfig) -> str:
     """The teacher's model directory (or hub id) without running anything: the warm-start teacher
     shares the base model's tokenizer and shape, so the checks read the base model."""
     name = cfg.teacher.model_name
-    return resolve_model_dir(cfg.policy.model_name if name == WARM_START_TEACHER else name)
+    return resolve_model_dir(cfg.policy.model_name if name == WARM_START else name)
 
 
 def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool = False) -> None:
@@ -77,7 +76,7 @@ def check_tokenizers(student_dir: str, teacher_dir: str, trust_remote_code: bool
 def load_teacher(cfg: RecipeConfig, task: Task) -> Policy:
     """The teacher as an unquantized, frozen Policy (so `evaluate` and the engine take it like the student)."""
     name = cfg.teacher.model_name
-    model_dir = initial_model_dir(cfg, task) if name == WARM_START_TEACHER else teacher_source(cfg)
+    model_dir = initial_model_dir(cfg, task) if name == WARM_START else teacher_source(cfg)
     # a whole model, never adapted; no exact forward (its log-probs are targets, never compared with the engine's)
     settings = dataclasses.replace(cfg.policy, dtype=cfg.teacher.dtype, trust_remote_code=cfg.teacher.trust_remote_code,
                                    lora=LoraConfig(), exact_forward=False)

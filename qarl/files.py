@@ -13,7 +13,13 @@ from pathlib import Path
 
 
 def umask() -> int:
-    """The process's umask (read by setting it, as POSIX offers no other way, to a stricter mask for an instant)."""
+    """The process's umask: Linux says it in /proc/self/status; elsewhere it is read by setting it (POSIX offers no
+    other way) to a stricter mask for an instant, which a file another thread made in that instant would get."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o077)
     os.umask(mask)
     return mask

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qarl.config import ConfigError, GenerationConfig, RecipeConfig, load_recipe
+from qarl.config import WARM_START, ConfigError, GenerationConfig, RecipeConfig, load_recipe
 from qarl.dir_lock import LOCK_FILE, owning
 from qarl.run_dir import is_run_or_checkpoint
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:  # the engine's import is heavy: the checks come first
 
 FULL = "full"
 TRAINED = "trained"
-WARM_START = "warm-start"
 CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "use_cache"}
 
 

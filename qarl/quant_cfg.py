@@ -137,6 +137,9 @@ def check_quant_yaml(path: Path) -> None:
         documents = list(yaml.compose_all(path.read_text()))
     except yaml.YAMLError as e:
         raise yaml_error(path, e) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: byte {e.object[e.start]:#x} at offset {e.start} is not UTF-8; a quant config is "
+                          "a YAML text file (save it as UTF-8)") from None
     if len(documents) != 1:  # ModelOpt's `imports` (a second document): ModelOpt resolves and judges it
         return
     root = documents[0]

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, restore_trainer_state, save_checkpoint,
                              trainer_state)
-from qarl.config import ConfigError, RecipeConfig, compile_refusals, to_dict
+from qarl.config import WARM_START, ConfigError, RecipeConfig, compile_refusals, to_dict
 from qarl.console import progress_bar
 from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
@@ -49,7 +49,8 @@ from qarl.quant import QuantFormat, check_generation_matches, resolve_format
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
-from qarl.run_dir import claim_run_dir, is_main_launch, named_checkpoint, own_run_dir, plan_run_dir, run_dir_lock
+from qarl.run_dir import (RunDirPlan, checkpoint_damage, claim_run_dir, is_main_launch, named_checkpoint, own_run_dir,
+                          plan_run_dir, recorded_value, run_dir_lock)
 from qarl.seeds import derived_seed
 from qarl.tasks import (Problem, PromptFormat, Task, build_task, check_prompt_lengths, eval_splits,
                         model_prompt_format)
@@ -106,26 +107,41 @@ def initial_policy(cfg: RecipeConfig, task: Task, trainable: bool = True, resolv
     Deterministic, so the KL reference is this policy built again. `resolved`: the run's (else resolved here)."""
     resolved = resolved or resolve_recipe(cfg)
     checkpoint = named_checkpoint(cfg.policy.model_name)
-    if checkpoint is not None and _starts_with_its_amax(checkpoint, cfg, resolved.policy_format):
+    if checkpoint is not None and _starts_with_its_amax(checkpoint, cfg, resolved.policy_format, say=trainable):
         return load_policy_checkpoint(checkpoint, cfg.policy, trainable=trainable)
     calibration = task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts)
     return build_policy(cfg.policy, calibration, model_dir=initial_model_dir(cfg, task, resolved.model_dir),
                         fmt=resolved.policy_format, trainable=trainable, tokenizer=resolved.prompts.tokenizer)
 
 
-def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat | None) -> bool:
+def pinned_start(cfg: RecipeConfig, plan: RunDirPlan) -> RecipeConfig:
+    """The recipe with a `policy.model_name` that names a qarl run replaced by the checkpoint it stands for, so that
+    the run starts, rebuilds its KL reference and records in config.yaml one checkpoint, however the first run goes
+    on. A resume keeps the checkpoint its run started from (its config.yaml's) where that is still there and intact."""
+    checkpoint = named_checkpoint(cfg.policy.model_name)
+    if checkpoint is None:
+        return cfg
+    started = (recorded_value(plan.path / "config.yaml", "policy.model_name") if plan.action == "resume" else None)
+    if started is not None and Path(started).parent == checkpoint.parent and Path(started) != checkpoint:
+        if checkpoint_damage(Path(started)) is None:
+            print(f"{cfg.policy.model_name}: starting, as this run did, from {started} (the newest is {checkpoint})")
+            checkpoint = Path(started)
+    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=str(checkpoint)))
+
+
+def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat | None, say: bool) -> bool:
     """Whether a run that starts from another run's checkpoint (a two-stage recipe: QAD, then QA-GRPO) takes its
     calibrated amax with its weights: where it trained in this run's format, so the run goes on from the very
     quantized model the first stage left; else the weights start the run and its quantizers are calibrated afresh.
-    Says which, once."""
+    Says which where `say` (the trained policy, not its KL reference built again)."""
     trained = checkpoint_format(checkpoint)
     why_not = ("policy.quant_cfg=none" if fmt is None else "warm_start.enabled" if cfg.warm_start.enabled
                else "policy.lora" if cfg.policy.lora.mode != "none"
                else f"it trained in {trained.name if trained else 'no quantization'}" if not same_format(trained, fmt)
                else "")
-    if is_main_process():
-        amax = f"; its quantizers calibrated afresh ({why_not})" if why_not else f" and its calibrated amax ({fmt.name})"
-        print(f"starting from checkpoint {checkpoint}: its weights{amax}")
+    if say and is_main_process():
+        amax = f"quantizers calibrated afresh ({why_not})" if why_not else f"calibrated amax ({fmt.name})"
+        print(f"starting from checkpoint {checkpoint}: its weights and its {amax}")
     return not why_not
 
 
@@ -328,7 +344,7 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
     refuse("tokens", f"teacher.dtype={cfg.teacher.dtype}" if distilling and cfg.teacher.dtype not in half else "")
     refuse("tokens", "trainer.loss_type=bnpo (its token mean is per micro-batch)" if t.loss_type == "bnpo" else "")
     refuse("tokens", "" if machine.varlen else "no varlen attention in this torch")
-    other_teacher = distilling and cfg.teacher.model_name not in ("warm-start", cfg.policy.model_name)
+    other_teacher = distilling and cfg.teacher.model_name not in (WARM_START, cfg.policy.model_name)
     for knob in ("compile_layers", "tokens"):  # the teacher is built with the policy's settings: unseen here
         refuse(knob, "QAD's teacher is another model" if other_teacher else "")
     if any(wanted[knob] and knob not in off for knob in wanted):
@@ -431,6 +447,7 @@ def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], 
 def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], Any],
                checks: Callable[[RecipeConfig], None], frozen_model: FrozenShape, distilling: bool) -> Run:
     plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite, hashes=True)
+    cfg = pinned_start(cfg, plan)
     resolved = check_run_settings(cfg)
     checks(cfg)
     task = build_task(cfg.task, cfg.run.seed)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from qarl.config import ConfigError
-from qarl.dir_lock import LOCK_FILE, DirLock, held, take_lock
+from qarl.dir_lock import LOCK_FILE, DirLock, check_not_in_use, held, take_lock
 
 IDENTITY = "qarl_run.json"  # in the run directory
 CHECKPOINT_RUN = "run.json"  # in each checkpoint: the run id and step it belongs to
@@ -48,8 +48,10 @@ NOT_HASHED = ("run.overwrite", "trainer.resume", "run.dir")  # how a run is star
 
 def is_main_launch() -> bool:
     """Whether torchrun launched this process as rank 0 (or without torchrun): known before torch.distributed starts,
-    for what one process does first (locking and claiming the run directory)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    for what one process does first (locking and claiming the run directory). torchrun sets RANK and LOCAL_RANK; a
+    RANK some other launcher set alone, or that is no number, is not a torchrun rank."""
+    rank = os.environ.get("RANK", "0").strip()
+    return "LOCAL_RANK" not in os.environ or not rank.isdigit() or int(rank) == 0
 
 
 def own_run_dir(run_dir: str | Path, resume: str, overwrite: bool) -> DirLock | None:
@@ -90,16 +92,17 @@ def is_checkpoint_dir(path: Path) -> bool:
 def is_run_or_checkpoint(path: Path) -> bool:
     """Whether `path` is a qarl checkpoint or a run directory: what a model name may also be (its newest intact
     checkpoint's model)."""
-    return path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir())
+    return path.is_dir() and (is_checkpoint_dir(path) or (path / "checkpoints").is_dir() or (path / IDENTITY).is_file())
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path, hashes: bool = True) -> Path | None:
     """The newest intact complete checkpoint of the run in `run_dir` (its identity's run id; its files hashed against
-    its manifest), naming on the console the newer damaged ones it skips; None if the run has no complete one."""
+    its manifest, or their sizes alone without `hashes`), naming on the console the newer damaged ones it skips; None
+    if the run has no complete one."""
     found = complete_checkpoints(run_dir, (read_identity(run_dir) or {}).get("run_id"))
     if not found:
         return None
-    checkpoint, damaged = newest_intact(found)
+    checkpoint, damaged = newest_intact(found, hashes)
     if checkpoint is None:
         raise ConfigError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}): restore their files, or "
                           "give another checkpoint")
@@ -108,32 +111,36 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return checkpoint
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, hashes: bool = True) -> Path:
     """A checkpoint directory (intact: its files match its manifest), or a run directory (its newest intact complete
-    checkpoint)."""
+    checkpoint); without `hashes` the files' sizes alone are checked (the CLI's quick look before anything loads)."""
     path = Path(path)
     if is_checkpoint_dir(path):
         if (path.parent.name == "checkpoints") and not (path / "COMPLETE").is_file():
             raise ConfigError(f"checkpoint {path} is incomplete (no COMPLETE marker): it was never finished")
-        damage = checkpoint_damage(path)
+        damage = checkpoint_damage(path, hashes)
         if damage is not None:
             raise ConfigError(f"checkpoint {path} is damaged ({damage}): give an earlier checkpoint, or the run "
                               "directory (its newest intact checkpoint)")
         return path
-    latest = latest_checkpoint(path)
+    latest = latest_checkpoint(path, hashes)
     if latest is None:
         raise ConfigError(f"no checkpoint found at {path}: expected a step_N directory or a run directory")
     return latest
 
 
-def named_checkpoint(model_name: str) -> Path | None:
+def named_checkpoint(model_name: str, hashes: bool = True) -> Path | None:
     """The qarl checkpoint a model name stands for (`policy.model_name` or `teacher.model_name` may name a checkpoint
-    directory, or a run directory: its newest intact checkpoint), None for any other name. A LoRA checkpoint is
-    refused: its adapter would be lost, the run starting from its base alone."""
+    directory, or a run directory: its newest intact checkpoint), None for any other name. A run still running is
+    refused (its newest checkpoint is not yet its last), and so is a LoRA checkpoint: its adapter would be lost, the
+    run starting from its base alone."""
     path = Path(model_name).expanduser()
     if not is_run_or_checkpoint(path):
         return None
-    checkpoint = resolve_checkpoint(path)
+    run_dir = path.parent.parent if is_checkpoint_dir(path) and path.parent.name == "checkpoints" else path
+    check_not_in_use(run_dir / LOCK_FILE, model_name, "name a copy of one of its checkpoints (RUN/checkpoints/step_N, "
+                     "which its run may prune)")
+    checkpoint = resolve_checkpoint(path, hashes)
     if (checkpoint / "lora.json").is_file():
         raise ConfigError(f"{model_name} is a LoRA checkpoint ({checkpoint}): a run starts from a whole model; merge "
                           f"its adapter first with `qarl export {checkpoint} --dequantized --out DIR` and name DIR")
@@ -141,8 +148,13 @@ def named_checkpoint(model_name: str) -> Path | None:
 
 
 def checkpoint_run_id(checkpoint: Path) -> str | None:
+    """The run a checkpoint belongs to; None where it says none (written before checkpoints carried a run id) or
+    cannot be read: its manifest then names the damage where the checkpoint is verified."""
     path = checkpoint / CHECKPOINT_RUN
-    return json.loads(path.read_text())["run_id"] if path.is_file() else None
+    try:
+        return json.loads(path.read_text())["run_id"] if path.is_file() else None
+    except (ValueError, KeyError, TypeError):  # (a JSONDecodeError and a UnicodeDecodeError are ValueErrors)
+        return None
 
 
 def checkpoint_step(checkpoint: Path) -> int | None:
@@ -152,7 +164,10 @@ def checkpoint_step(checkpoint: Path) -> int | None:
     if match:
         return int(match.group(1))
     marker = checkpoint / "COMPLETE"
-    return int(marker.read_text()) if marker.is_file() else None
+    try:
+        return int(marker.read_text()) if marker.is_file() else None
+    except ValueError:  # a marker emptied or overwritten: the checkpoint's manifest says whether its files are whole
+        return None
 
 
 def write_manifest(checkpoint: Path) -> None:
@@ -239,8 +254,19 @@ def prunable(checkpoints: list[Path], keep: int) -> list[Path]:
 
 
 def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run directory's identity file (run id, recipe hash, ...), None where there is none."""
     path = Path(run_dir) / IDENTITY
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        identity = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path} is damaged ({type(e).__name__}): restore it, or start the run again with "
+                          "run.overwrite=true (which clears the run directory)") from None
+    if not isinstance(identity, dict):
+        raise ConfigError(f"{path} is damaged (not a JSON object): restore it, or start the run again with "
+                          "run.overwrite=true (which clears the run directory)")
+    return identity
 
 
 def recipe_hash(recipe: dict[str, Any]) -> str:
@@ -275,7 +301,8 @@ class RunDirPlan:
 
 def _metrics_rows(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+    text = path.read_text(errors="surrogateescape") if path.is_file() else ""  # a damaged byte is still a row
+    return sum(1 for line in text.splitlines() if line.strip())
 
 
 def describe_contents(run_dir: Path) -> str:
@@ -390,12 +417,22 @@ def _clear(path: Path) -> None:
             entry.unlink()
 
 
-def _changed_keys(old_config: Path, recipe: dict[str, Any]) -> list[str]:
-    """The keys whose values differ from the run's previous config.yaml (a resume may change, e.g., trainer.steps)."""
+def _recorded(config: Path) -> dict[str, Any]:
+    """A run's config.yaml, flattened to dotted keys ({} where there is none)."""
     import yaml
 
+    return _flatten(yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+
+
+def recorded_value(config: Path, key: str) -> Any:
+    """One dotted key's value in a run's config.yaml, None where it has none."""
+    return _recorded(config).get(key)
+
+
+def _changed_keys(old_config: Path, recipe: dict[str, Any]) -> list[str]:
+    """The keys whose values differ from the run's previous config.yaml (a resume may change, e.g., trainer.steps)."""
     if not old_config.is_file():
         return []
-    old, new = _flatten(yaml.safe_load(old_config.read_text()) or {}), _flatten(recipe)
+    old, new = _recorded(old_config), _flatten(recipe)
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if k not in NOT_HASHED and old.get(k) != new.get(k)]

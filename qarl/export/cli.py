@@ -26,6 +26,7 @@ from typing import Any
 
 from qarl.config import ConfigError
 from qarl.dir_lock import beside, check_out_dir, owning
+from qarl.export.targets import load_target
 
 
 def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,6 +82,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                             ("--out", args.out)) if not value]
         if missing:
             raise ConfigError(f"qarl export needs {', '.join(missing)} (or --verify DIR)")
+    if not Path(args.checkpoint).exists():
+        raise ConfigError(f"checkpoint {args.checkpoint} not found: give a qarl checkpoint (RUN/checkpoints/step_N) or "
+                          "run directory")
+    if args.target:
+        load_target(args.target)  # a name or file that is no target, said before anything loads
     out = Path(args.out)
     # --out is owned while the export runs (a lock beside it: the export replaces it whole by a rename), and must be
     # empty: both answered before anything loads.

@@ -97,7 +97,8 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
     warning says so.
     """
     from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, load_policy_checkpoint, model_dir_dtype,
-                                 resolve_checkpoint, trained_dtype)
+                                 trained_dtype)
+    from qarl.run_dir import resolve_checkpoint
     from qarl.models.resolve import resolve_model_dir
     from qarl.policy import build_policy
 

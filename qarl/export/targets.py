@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qarl.config import REPO_ROOT, ConfigError
-from qarl.quant import QuantFormat, resolve_format
-from qarl.quant.formats import quantizer_settings
+
+if TYPE_CHECKING:
+    from qarl.quant import QuantFormat
 
 DISK_FORMATS = ("modelopt_hf", "compressed_tensors")
 TARGET_DIR = REPO_ROOT / "export"
@@ -38,6 +39,8 @@ class ExportTarget:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def resolved_format(self) -> QuantFormat:
+        from qarl.quant import resolve_format  # (this module loads without torch: the CLI checks a target name)
+
         fmt = resolve_format(self.quant_format)
         if fmt is None:
             raise ConfigError(f"export target {self.source}: quant_format must name a quantization format, not "
@@ -108,6 +111,8 @@ def parse_size(size: str | int) -> int:
 
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
     """The export writes the format the model was trained in, or stops and names both."""
+    from qarl.quant.formats import quantizer_settings
+
     expected = target.resolved_format()
     have, want = quantizer_settings(trained), quantizer_settings(expected)
     if have != want:

@@ -49,7 +49,8 @@ def check_model_name(model_name: str, key: str = "") -> None:
         gguf_file()
         return
     path = Path(model_name).expanduser()
-    if is_run_or_checkpoint(path):  # its checkpoint is read (and verified) where it loads
+    if is_run_or_checkpoint(path):  # a quick look (sizes) now; its files are hashed where it loads
+        named_checkpoint(model_name, hashes=False)
         return
     if path.exists():
         if not (path / "config.json").is_file():
@@ -84,11 +85,19 @@ def check_model_files(path: Path, where: str = "") -> None:
         raise ConfigError(f"{where}{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
                           "model's tokenizer beside it (tokenizer.save_pretrained(DIR))")
     for index in path.glob("*.safetensors.index.json"):
-        for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):  # not JSON, not UTF-8, or no mapping
+            raise ConfigError(f"{where}{index} is damaged (not a JSON index of shards): copy or save the model "
+                              "again") from None
+        for shard in sorted(shards):
             if not (path / shard).is_file():
                 raise ConfigError(f"{where}{index} names {shard}, which is not in {path}; copy the whole model again")
     for file in sorted(path.glob("*.safetensors")):
         check_safetensors(file, where)
+
+
+MAX_SAFETENSORS_HEADER = 100_000_000  # bytes: safetensors' own bound on a header (a damaged length is not read whole)
 
 
 def check_safetensors(file: Path, where: str = "") -> None:
@@ -99,7 +108,7 @@ def check_safetensors(file: Path, where: str = "") -> None:
     fix = "copy or save the model again"
     with file.open("rb") as f:
         length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        if size < 8 or 8 + length > size:
+        if size < 8 or 8 + length > size or length > MAX_SAFETENSORS_HEADER:
             raise ConfigError(f"{damaged}: its {size} bytes do not hold the header it announces; {fix}")
         try:
             header = json.loads(f.read(length))

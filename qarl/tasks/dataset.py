@@ -151,9 +151,19 @@ def check_data_files(cfg: TaskConfig) -> None:
     if cfg.name != "dataset":
         return
     local = [(key, source, check_local_file(source, key)) for key, source in _sources(cfg) if is_local_file(source)]
-    for key, source, path in local:  # every file there before any is read
-        if path.suffix in LOCAL_FORMATS:
-            load_problems(source, cfg.prompt_column, cfg.answer_column, key)
+    loaded = {key: load_problems(source, cfg.prompt_column, cfg.answer_column, key)  # every file there before any
+              for key, source, path in local if path.suffix in LOCAL_FORMATS}      # is read
+    if "task.train_data" in loaded and "task.transfer_data" in loaded:
+        check_transfer_disjoint(cfg, loaded["task.train_data"], loaded["task.transfer_data"])
+
+
+def check_transfer_disjoint(cfg: TaskConfig, train: list[Problem], transfer: list[Problem]) -> None:
+    """A transfer split measures problems unlike the training ones: none of its prompts may be a training prompt."""
+    seen = {p.prompt for p in train} & {p.prompt for p in transfer}
+    if seen:
+        raise ConfigError(f"task.transfer_data={cfg.transfer_data} repeats training prompts of task.train_data "
+                          f"({len(seen)}, e.g. {sorted(seen)[0]!r}): a transfer split must be disjoint from "
+                          "training")
 
 
 def check_calibration_file(source: str) -> None:
@@ -175,10 +185,7 @@ class DatasetTask:
                   for key, source in _sources(cfg)}
         self.train, self.eval = loaded["task.train_data"], loaded["task.eval_data"]
         self.transfer = loaded.get("task.transfer_data", [])
-        seen = {p.prompt for p in self.train} & {p.prompt for p in self.transfer}
-        if seen:
-            raise ConfigError(f"task.transfer_data={cfg.transfer_data} repeats training prompts of task.train_data "
-                              f"({len(seen)}, e.g. {sorted(seen)[0]!r}): a transfer split must be disjoint from training")
+        check_transfer_disjoint(cfg, self.train, self.transfer)
 
     def calibration_texts(self, n: int, prompts: PromptFormat | None = None) -> list[str]:
         """The training prompts, as `prompts` formats them (raw without)."""

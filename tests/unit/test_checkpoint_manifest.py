@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from qarl.checkpoint import load_policy_checkpoint, save_checkpoint
-from qarl.run_dir import latest_checkpoint, resolve_checkpoint
-from qarl.config import ConfigError, PolicyConfig
-from qarl.run_dir import MANIFEST, checkpoint_damage, claim_run_dir, plan_run_dir
+from qarl.config import ConfigError, PolicyConfig, RecipeConfig, load_recipe
+from qarl.run import pinned_start
+from qarl.run_dir import (MANIFEST, RunDirPlan, checkpoint_damage, checkpoint_step, claim_run_dir, latest_checkpoint,
+                          plan_run_dir, resolve_checkpoint)
 from tests.conftest import W4A16, tiny_policy
 
 MODEL = "policy/model.safetensors"
+TINY = Path(__file__).resolve().parents[2] / "recipes" / "qa_grpo_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,42 @@ def test_pruning_never_deletes_the_last_intact_checkpoint_for_a_damaged_one(run_
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
     save_checkpoint(run_dir, 8, policy, {"step": 8, "processes": 1}, keep=2)  # two intact ones newer than step_4
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_6", "step_8"]
+
+
+def test_a_damaged_run_file_in_the_newest_checkpoint_is_skipped_not_a_traceback(run_dir, capsys):
+    (run_dir / "qarl_run.json").write_text(json.dumps({"run_id": "r1"}))
+    (run_dir / "checkpoints" / "step_4" / "run.json").write_text('{"run_')  # cut short
+    plan = plan_run_dir(run_dir, "true", False, hashes=True)
+    assert plan.checkpoint == run_dir / "checkpoints" / "step_2" and "step_4" in plan.damaged[0]
+
+
+def test_a_damaged_identity_file_is_one_error_naming_it(run_dir):
+    (run_dir / "qarl_run.json").write_bytes(b'{"run_id": "r')
+    with pytest.raises(ConfigError, match="qarl_run.json is damaged .*restore it, or start the run again"):
+        plan_run_dir(run_dir, "true", False)
+
+
+def test_an_emptied_complete_marker_gives_no_step_not_a_traceback(run_dir, tmp_path):
+    copy = Path(shutil.copytree(run_dir / "checkpoints" / "step_4", tmp_path / "mine"))
+    (copy / "COMPLETE").write_text("")
+    assert checkpoint_step(copy) is None
+
+
+def test_a_metrics_row_with_bytes_not_utf8_still_counts(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0}\n{"step": 1, "x": "\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"holds another run \(2 metrics rows\)"):
+        plan_run_dir(tmp_path, "false", False)
+
+
+def test_a_second_stage_is_pinned_to_one_checkpoint_of_the_first(run_dir, tmp_path, capsys):
+    """policy.model_name naming a run stands for its newest checkpoint when the second run starts, and a resume of
+    the second run keeps the one it started from (its config.yaml's) after the first has written a newer one."""
+    cfg = load_recipe(TINY, [f"policy.model_name={run_dir}"], RecipeConfig)
+    second = tmp_path / "second"
+    started = pinned_start(cfg, RunDirPlan(second, "new")).policy.model_name
+    assert started == str(run_dir / "checkpoints" / "step_4")
+    second.mkdir()
+    (second / "config.yaml").write_text(f"policy:\n  model_name: {run_dir / 'checkpoints' / 'step_2'}\n")
+    resumed = pinned_start(cfg, RunDirPlan(second, "resume")).policy.model_name
+    assert resumed == str(run_dir / "checkpoints" / "step_2")
+    assert f"starting, as this run did, from {run_dir}/checkpoints/step_2" in capsys.readouterr().out

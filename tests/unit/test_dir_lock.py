@@ -22,7 +22,7 @@ import pytest
 
 from qarl.config import ConfigError
 from qarl.dir_lock import LOCK_FILE, beside, held, owning, take_lock
-from qarl.run_dir import own_run_dir
+from qarl.run_dir import is_main_launch, named_checkpoint, own_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = "recipes/qa_grpo_tiny.yaml"
@@ -183,7 +183,7 @@ def test_a_second_export_into_one_out_is_refused(tmp_path):
     out = tmp_path / "export"
     first = holder(f"from pathlib import Path\nfrom qarl.dir_lock import beside, owning\n"
                    f"held = owning(beside(Path({str(out)!r})), '--out', False, '', '')\nheld.__enter__()")
-    args = ("export", str(tmp_path / "no_run"), "--target", "nvfp4_w4a16_modelopt", "--out", str(out))
+    args = ("export", str(tmp_path), "--target", "nvfp4_w4a16_modelopt", "--out", str(out))
     try:
         proc, seconds = qarl(*args)
         line = one_error_line(proc)
@@ -200,7 +200,7 @@ def test_an_export_into_a_non_empty_out_is_refused_before_anything_loads(tmp_pat
     out = tmp_path / "export"
     out.mkdir()
     (out / "model.safetensors").write_text("an earlier export")
-    proc, seconds = qarl("export", str(tmp_path / "no_run"), "--target", "nvfp4_w4a16_modelopt", "--out", str(out))
+    proc, seconds = qarl("export", str(tmp_path), "--target", "nvfp4_w4a16_modelopt", "--out", str(out))
     assert "exists and is not empty; choose another or pass --overwrite" in one_error_line(proc)
     assert seconds < 2.0 and not beside(out).exists()
 
@@ -211,3 +211,34 @@ def test_a_with_block_keeps_an_outer_holders_lock(tmp_path):
         assert inner is lock
     assert held(tmp_path / LOCK_FILE) is lock
     lock.release()
+
+
+def test_an_export_out_that_is_a_file_is_refused_even_with_overwrite(tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    proc, seconds = qarl("export", str(tmp_path), "--target", "nvfp4_w4a16_modelopt", "--out", str(out),
+                         "--overwrite")
+    assert f"output directory {out} is a file" in one_error_line(proc) and out.read_text() == "mine"
+
+
+def test_a_run_still_running_is_refused_as_a_start(run_holder):
+    run_dir, _ = run_holder
+    with pytest.raises(ConfigError, match="is in use by another qarl process, pid"):
+        named_checkpoint(str(run_dir))
+
+
+def test_a_lock_file_of_unreadable_bytes_is_a_left_lock(tmp_path):
+    (tmp_path / LOCK_FILE).write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match="left"):
+        own_run_dir(tmp_path, "false", False)
+
+
+@pytest.mark.parametrize("env, main", [({}, True), ({"RANK": "1", "LOCAL_RANK": "1"}, False),
+                                       ({"RANK": "0", "LOCAL_RANK": "0"}, True), ({"RANK": "3"}, True),
+                                       ({"RANK": "", "LOCAL_RANK": "0"}, True)])
+def test_only_a_torchrun_rank_other_than_0_leaves_the_run_directory_to_rank_0(monkeypatch, env, main):
+    for key in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert is_main_launch() is main

@@ -141,3 +141,20 @@ def test_the_ctrl_c_line_names_the_last_checkpoint_and_the_resume_command(tmp_pa
                                  "continue with `qarl train recipes/qa_grpo_tiny.yaml "
                                  f"run.dir={run_dir} trainer.steps=40 trainer.resume=true`")
     assert interrupted(argparse.Namespace(command="eval")) == "interrupted (Ctrl-C)"
+
+
+def test_a_quant_config_not_in_utf8_is_one_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("quant_cfg: []  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="byte 0xe9 at offset 20 is not UTF-8"):
+        check_quant_yaml(path)
+
+
+def test_a_transfer_split_repeating_a_training_prompt_is_refused_as_the_files_are_read(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+    for name, part in (("train", rows), ("test", rows[:1]), ("transfer", rows[2:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    cfg = TaskConfig(name="dataset", train_data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "test.jsonl"),
+                     transfer_data=str(tmp_path / "transfer.jsonl"))
+    with pytest.raises(ConfigError, match="repeats training prompts of task.train_data \\(1, e.g. 'q2'\\)"):
+        check_data_files(cfg)
