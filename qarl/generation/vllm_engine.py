@@ -38,7 +38,7 @@ from torch import nn
 
 from qarl.config import ConfigError, GenerationConfig, switch_mode
 from qarl.console import progress_bar, timed, verbose
-from qarl.distributed import world_size
+from qarl.distributed import is_main_process, world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
 from qarl.generation import vllm_compat
@@ -594,8 +594,9 @@ def vllm_progress(desc: str | None) -> bool | Callable[..., object]:
     It shows the time so far, not the time left: completions finish in a burst near the end (every prompt is
     prefilled first, and most answers run close to the length limit), so a rate from the first ones would be wrong
     by an order of magnitude. vLLM asks the same callable for a bar over the prompts it renders, passing them as an
-    iterable: token ids render at once, so they get none."""
-    if desc is None:
+    iterable: token ids render at once, so they get none. The main process alone shows one (vLLM divides by the time a
+    bar has run, which a disabled bar never starts counting)."""
+    if desc is None or not is_main_process():
         return False
 
     def bar(iterable=None, **vllm_options):

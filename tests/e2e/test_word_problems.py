@@ -31,7 +31,7 @@ def test_a_chat_formatted_word_problem_run_trains_with_its_reward(tmp_path, styl
         f"task.eval_data={files[style + '_test']}", f"task.prompt_column={prompt}", f"task.answer_column={answer}",
         f"trainer.rewards=[{{name: {reward}}}]", "trainer.steps=2", "checkpoint.every=2", f"eval.every={eval_every}",
         "eval.num_prompts=8", "warm_start.steps=20", "policy.generation.max_new_tokens=24",
-        "policy.generation.max_model_len=160", *extra), check=True, timeout=600)
+        "policy.generation.max_model_len=192", *extra), check=True, timeout=600)
     rows = read_metrics(run_dir / "metrics.jsonl")
     for r in rows[:2]:
         assert 0.0 <= r[f"reward/{reward}"] <= 1.0 and r["completion/mean_length"] > 0
