@@ -63,7 +63,7 @@ class GRPOSteps:
         self.label = "QA-GRPO" if run.policy.format else "GRPO"
         self.eval_splits = eval_splits(run.task, run.cfg.eval.num_prompts, run.cfg.eval.num_transfer_prompts)
         self.advantages = torch.empty(0)
-        self.no_signal = no_signal_watch(run)
+        self.no_signal: NoSignalWatch | None = None
 
     def evaluate(self) -> dict[str, float]:
         return split_metrics(evaluate_splits(self.engine, self.run.prompts, self.eval_splits, self.run.rewards))
@@ -87,6 +87,8 @@ class GRPOSteps:
         return policy_update(self.run.policy, self.run.frozen, self.run.optimizer, batch, self.advantages, self.run.cfg)
 
     def watch(self, step: int, row: dict[str, float]) -> Alarm | None:
+        if step == self.run.start_step:  # metrics.jsonl now holds the rows before this step, and only those
+            self.no_signal = no_signal_watch(self.run)
         return self.no_signal(step, row) if self.no_signal else None
 
 
@@ -96,10 +98,10 @@ def no_signal_watch(run: Run) -> NoSignalWatch | None:
     cfg, t = run.cfg, run.cfg.trainer
     if t.no_signal_watch == "off" or run.start_step >= t.no_signal_window:
         return None
-    earlier = read_metrics(run.dir / "metrics.jsonl") if run.start_step else []
     settings = Settings(quantized=run.policy.format is not None, num_generations=t.num_generations,
                         temperature=cfg.policy.generation.temperature, lr=t.lr, stop=t.no_signal_watch == "stop")
-    return NoSignalWatch(t.no_signal_window, settings, [r for r in earlier if r["step"] < run.start_step])
+    return NoSignalWatch(t.no_signal_window, settings,
+                         read_metrics(run.dir / "metrics.jsonl") if run.start_step else ())
 
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
