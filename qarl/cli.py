@@ -29,8 +29,8 @@ import warnings
 from pathlib import Path
 
 from qarl import __version__
-from qarl.config import (WARM_START, ConfigError, RecipeConfig, TrainingDiverged, check_grpo_recipe, check_qad_recipe,
-                         load_recipe, to_dict)
+from qarl.config import (WARM_START, ConfigError, NoLearningSignal, RecipeConfig, TrainingDiverged,
+                         check_grpo_recipe, check_qad_recipe, load_recipe, to_dict)
 from qarl.console import set_verbose
 from qarl.models.resolve import check_model_name
 from qarl.outputs import check_outputs
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 2
-    except (RewardError, TrainingDiverged) as e:
+    except (RewardError, TrainingDiverged, NoLearningSignal) as e:
         print(f"qarl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

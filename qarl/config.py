@@ -113,6 +113,10 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (raised by qarl.optim's guard)."""
 
 
+class NoLearningSignal(RuntimeError):
+    """A GRPO start with no learning signal, with trainer.no_signal_watch=stop (raised by qarl/learning_signal.py)."""
+
+
 @dataclass
 class RunConfig:
     """Where a run writes and how it is seeded."""
@@ -468,6 +472,12 @@ class TrainerConfig:
     # A step whose loss or gradient is not finite is skipped (and counted in the metrics); this many
     # in a row stop the run with an error. fp16 loss-scale overflows are skipped but not counted.
     max_nonfinite_steps: int = knob(3, ge=1)
+    # GRPO: at the end of the first no_signal_window steps, judge whether the run has a learning signal (enough
+    # groups whose completions got different rewards, a reward that rises as the policy sharpens;
+    # qarl/learning_signal.py). A start without one is said on the console with what to change and recorded in the
+    # metrics row (no_signal/*); "stop" then ends the run with an error, "off" judges nothing.
+    no_signal_watch: str = knob("warn", choices=("warn", "stop", "off"))
+    no_signal_window: int = knob(15, ge=3)  # the steps judged, from step 0 (a run of fewer steps is not judged)
     # Continue the run in run.dir from its newest complete checkpoint: "true" (an error when there is none), "auto"
     # (continue if there is one, else start afresh), "false" (a new run; run.dir must not hold another).
     resume: str = knob("false", choices=("false", "true", "auto"))
@@ -699,6 +709,9 @@ def check_qad_recipe(cfg: RecipeConfig) -> None:
     if cfg.trainer.soft_overlong_tokens:
         raise ConfigError("trainer.soft_overlong_tokens shapes GRPO's reward; QAD learns from its teacher's KL, not "
                           "from rewards: set trainer.soft_overlong_tokens=0")
+    if cfg.trainer.no_signal_watch == "stop":
+        raise ConfigError("trainer.no_signal_watch=stop judges GRPO's reward groups; QAD learns from its teacher's KL "
+                          "at every token and is not watched: set trainer.no_signal_watch=warn or off")
     if cfg.policy.compiles_scores:
         raise ConfigError("policy.compile_scores fuses QA-GRPO's scoring of the sampled tokens; QAD's KL chunks "
                           "(qarl/distill.py) do not use it: set policy.compile_scores=false")

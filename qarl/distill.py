@@ -272,6 +272,10 @@ class QADSteps:
         run = self.run
         return distill_update(run.policy, run.frozen, run.optimizer, batch, run.cfg, learning_rate(run.cfg, step))
 
+    def watch(self, step: int, row: dict[str, Any]) -> None:
+        """Nothing: QAD learns from the teacher's distribution at every token, never short of a signal."""
+        return None
+
 
 def distill_summary(rows: list[dict[str, Any]]) -> str:
     """What `summary` does not say for QAD: the teacher's accuracy and the held-out KL, first to last."""

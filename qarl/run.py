@@ -37,6 +37,7 @@ from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
                              serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
+from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
 from qarl.metrics import (DriverPeak, MetricsLog, MismatchWatch, ProgressFigures, check_loggers, device_memory_gib,
@@ -626,6 +627,10 @@ class Steps(Protocol):
     def update(self, step: int, batch: Rollout) -> dict[str, float]:
         """The optimizer step(s) on the rollout; their metrics."""
 
+    def watch(self, step: int, row: dict[str, Any]) -> Alarm | None:
+        """The loop's watch on its own learning, given the step's metrics row before it is written: its keys join the
+        row, and an alarm comes back when it fires (said, or the run stopped, once the row is written)."""
+
 
 def update_or_name_the_knob(steps: Steps, step: int, batch: Rollout, memory: MemoryPlan) -> dict[str, float]:
     """The loop's update; out of memory, an error naming the settings that lower the update's peak (the checkpoints
@@ -694,10 +699,13 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
                 batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
                 "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0)
                 / max(refit_start - train_start, 1e-9)})
+            alarm = steps.watch(step, row)
             metrics.write(row)
             bar.set_postfix_str(progress.update(row))
             mismatch(step, row, bar.write)
             guard(update.get("train/nonfinite", 0) > 0, step)
+            if alarm:
+                alarm.sound(bar.write)
             if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
                 save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
                                 keep=cfg.checkpoint.keep)

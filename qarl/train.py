@@ -18,9 +18,10 @@ import torch
 from qarl.config import RecipeConfig, check_grpo_recipe
 from qarl.evaluate import evaluate_splits, split_metrics
 from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty
+from qarl.learning_signal import Alarm, NoSignalWatch, Settings
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
-from qarl.metrics import PLOTTED
+from qarl.metrics import PLOTTED, read_metrics
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
 from qarl.run import Rollout, Run, initial_policy, mismatch_sums, on_host, run_steps, start_engine, start_run
@@ -62,6 +63,7 @@ class GRPOSteps:
         self.label = "QA-GRPO" if run.policy.format else "GRPO"
         self.eval_splits = eval_splits(run.task, run.cfg.eval.num_prompts, run.cfg.eval.num_transfer_prompts)
         self.advantages = torch.empty(0)
+        self.no_signal: NoSignalWatch | None = None
 
     def evaluate(self) -> dict[str, float]:
         return split_metrics(evaluate_splits(self.engine, self.run.prompts, self.eval_splits, self.run.rewards))
@@ -83,6 +85,23 @@ class GRPOSteps:
 
     def update(self, step: int, batch: Rollout) -> dict[str, float]:
         return policy_update(self.run.policy, self.run.frozen, self.run.optimizer, batch, self.advantages, self.run.cfg)
+
+    def watch(self, step: int, row: dict[str, float]) -> Alarm | None:
+        if step == self.run.start_step:  # metrics.jsonl now holds the rows before this step, and only those
+            self.no_signal = no_signal_watch(self.run)
+        return self.no_signal(step, row) if self.no_signal else None
+
+
+def no_signal_watch(run: Run) -> NoSignalWatch | None:
+    """The watch on the start's learning signal (qarl/learning_signal.py); a run resumed inside its window brings
+    the rows it wrote before. None: trainer.no_signal_watch=off, or a run resumed past the window."""
+    cfg, t = run.cfg, run.cfg.trainer
+    if t.no_signal_watch == "off" or run.start_step >= t.no_signal_window:
+        return None
+    settings = Settings(quantized=run.policy.format is not None, num_generations=t.num_generations,
+                        temperature=cfg.policy.generation.temperature, lr=t.lr, stop=t.no_signal_watch == "stop")
+    return NoSignalWatch(t.no_signal_window, settings,
+                         read_metrics(run.dir / "metrics.jsonl") if run.start_step else ())
 
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,

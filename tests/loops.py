@@ -45,7 +45,7 @@ GRPO = Loop(
     name="grpo", cli="train", recipe="recipes/qa_grpo_tiny.yaml", entry="qarl.train:train",
     small=("trainer.steps=4", "trainer.batch_size=16", "trainer.num_generations=4", "warm_start.steps=30",
            "checkpoint.every=2", "eval.every=2", "eval.num_prompts=16", "task.num_train=200", "task.num_eval=16",
-           "policy.quant_calib_size=16", "policy.generation.max_new_tokens=4"),
+           "policy.quant_calib_size=16", "policy.generation.max_new_tokens=4", "trainer.no_signal_window=3"),
     steps=4,
     metrics=("reward/mean", "reward/std", "reward/frac_zero_std", "kl/ref", "entropy", "mismatch/kl",
              "mismatch/max_abs_logprob_diff", "perf/rollout_tokens_per_s", "perf/step_s", *WEIGHT_MEMORY),

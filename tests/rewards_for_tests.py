@@ -14,3 +14,8 @@ def raises_later(completions: list[str], answers: list[str]) -> list[float]:
     if _calls > int(os.environ.get("QARL_TEST_RAISE_AFTER_CALLS", "1000000")):
         raise ValueError("simulated verifier crash")
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answers)]
+
+
+def always_zero(completions: list[str], answers: list[str]) -> list[float]:
+    """A verifier nothing satisfies: every group has one reward for all, a start with no learning signal."""
+    return [0.0] * len(completions)

@@ -43,6 +43,8 @@ def test_a_few_steps_write_the_metrics_checkpoints_and_plot(loop_runs, loop, whi
         AutoModelForCausalLM.from_pretrained(complete_checkpoints(run_dir)[-1] / "policy")
         policy = load_policy_checkpoint(run_dir, PolicyConfig())
         assert policy.format is not None and policy.format.name == "nvfp4_a16"
+        # the no-signal watch judged its 3-step window once, at step 2 (a resumed run from the rows before step 2)
+        assert [r["step"] for r in rows if "no_signal/fired" in r] == [2]
     if loop is QAD:
         assert rows[0]["eval/teacher_accuracy"] is not None  # the teacher, unquantized, in the same engine
         for r in steps:

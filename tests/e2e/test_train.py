@@ -33,6 +33,22 @@ def test_a_reward_that_raises_stops_the_run_and_keeps_its_checkpoints(tmp_path):
     load_policy_checkpoint(run_dir, PolicyConfig())  # intact and loadable
 
 
+def test_a_start_with_no_learning_signal_is_told_and_stopped(tmp_path):
+    """trainer.no_signal_watch=stop on a run whose every reward is 0: the window's last row records the judgement, and
+    the run ends there with one line that says what it saw and what to change (qarl/learning_signal.py)."""
+    run_dir = tmp_path / "no_signal"
+    proc = subprocess.run(GRPO.command(run_dir, "trainer.rewards=[{name: tests.rewards_for_tests:always_zero}]",
+                                       "trainer.no_signal_watch=stop", "trainer.no_signal_window=3"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("qarl: error: no learning signal in steps 0-2: 100 % of the groups of 4 completions"), last
+    assert "QAD repair" in last and "trainer.no_signal_watch=stop" in last
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["no_signal/fired"] == 1.0
+    assert rows[-1]["no_signal/zero_std_share"] == 1.0
+
+
 def test_ctrl_c_stops_with_one_line_naming_the_resume_command(tmp_path):
     run_dir = tmp_path / "interrupted"
     with open(tmp_path / "stderr", "w+") as stderr:
