@@ -96,6 +96,8 @@ class LogBar(tqdm):
     total is not drawn before: vLLM redraws its finished bar, and then closes it)."""
 
     def refresh(self, nolock: bool = False, lock_args: Any = None) -> bool:
+        if self.disable:  # (another process's bar: tqdm never set its clock up)
+            return False
         now = self._time()
         finished = self.total is not None and self.n >= self.total  # its closing line says so
         if finished or now - getattr(self, "_line_t", -math.inf) < self.mininterval:

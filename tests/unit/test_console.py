@@ -51,6 +51,14 @@ def test_a_bar_in_a_log_counts_each_step_once_whatever_redraws_it(capsys, monkey
     assert lines[-1].startswith("QA-GRPO: 6/6 [")
 
 
+def test_another_process_of_a_torchrun_world_draws_nothing_and_takes_a_postfix(capsys, monkeypatch):
+    monkeypatch.setattr("qarl.distributed.is_main_process", lambda: False)  # rank 1's view of itself
+    bar = progress_bar(range(3), desc="QA-GRPO")
+    for step in bar:
+        bar.set_postfix_str(f"step={step}")  # what the training loop does every step, on every rank
+    assert bar.disable and capsys.readouterr().err == ""
+
+
 def test_a_bar_on_a_terminal_is_tqdms_own(capsys, monkeypatch):
     monkeypatch.setattr(console, "on_terminal", lambda: True)
     for _ in progress_bar(range(3), desc="evaluation"):
