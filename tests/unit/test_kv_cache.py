@@ -86,3 +86,36 @@ def test_engine_cache_rows_are_the_policys_quantized_keys_and_values(task, tiny_
     assert rows.dtype == torch.uint8 and rows.shape == (40, 2, 64)  # one byte an element
     got_key, got_value = scales.decode(rows, torch.float32)
     assert torch.equal(got_key, key_quantizer(key)) and torch.equal(got_value, value_quantizer(value))
+
+
+@pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors"])
+def test_export_writes_the_trained_kv_scales_where_each_target_expects_them(task, tiny_dir, tmp_path, target):
+    import json
+
+    from safetensors.torch import load_file
+
+    from qarl.export import export_policy, verify_export
+
+    policy = tiny_policy(task, tiny_dir, "nvfp4_a16_kv_fp8")
+    summary = export_policy(policy, target, tmp_path / "out")
+    assert summary["kv_cache"] == {"dtype": "fp8", "attention_layers": 2}
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    attention = policy.model.model.layers[0].self_attn
+    amax = attention.k_bmm_quantizer.amax
+    expected = torch.reciprocal(torch.reciprocal(amax.float()) * 448.0)  # 1 / (448 / amax), as the CPU kernel rounds
+    if target.endswith("modelopt"):
+        hf_quant = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
+        assert hf_quant["kv_cache_quant_algo"] == "FP8"
+        key_scale = tensors["model.layers.0.self_attn.k_proj.k_scale"]
+        assert key_scale.shape == () and "model.layers.1.self_attn.v_proj.v_scale" in tensors
+    else:
+        scheme = config["kv_cache_scheme"]
+        assert (scheme["type"], scheme["num_bits"], scheme["strategy"], scheme["symmetric"], scheme["dynamic"]) == \
+            ("float", 8, "tensor", True, False)
+        key_scale = tensors["model.layers.0.self_attn.k_scale"]
+        assert key_scale.shape == (1,) and "model.layers.1.self_attn.v_scale" in tensors
+    assert key_scale.dtype == torch.float32 and torch.equal(key_scale.reshape(()), expected.reshape(()))
+    assert float(key_scale) < 1.0  # the trained scale, not ModelOpt's exporter's clamp to >= 1
+    report = verify_export(tmp_path / "out", policy=policy)
+    assert report["kv_cache"]["equal"] and report["kv_cache"]["scales"] == 4 and report["ok"], report["kv_cache"]
