@@ -59,8 +59,8 @@ class ExpertInput(nn.Module):
 
 class KVCacheScales(nn.Module):
     """The FP8 KV cache scales of one engine attention layer (vLLM's `Attention`), from the policy's key and value
-    amax, written in place by every refit: ModelOpt's FP8 scale 448 / amax as its CPU kernel rounds it
-    (`multiplier`, keys then values) and its reciprocal (`scale`), which is the dequantization scale vLLM's
+    amax, written in place by every refit: ModelOpt's FP8 scale 448 / amax as its kernel rounds it (`multiplier`,
+    keys then values) and its reciprocal (`scale`), which is the dequantization scale vLLM's
     `k_scale` / `v_scale` hold (`vllm_compat.write_kv_cache_scales`). On CPU qarl's attention stores each key and
     value row as the E4M3 codes ModelOpt's fake quant rounds it to and reads them back times `scale`: the
     policy's quantized keys and values to the bit. Until the first refit the scales are 1 (amax 448), vLLM's own
@@ -73,9 +73,11 @@ class KVCacheScales(nn.Module):
         self.register_buffer("scale", torch.ones(2, dtype=torch.float32, device=device))
 
     def load_amax(self, key_amax: torch.Tensor, value_amax: torch.Tensor) -> None:
-        """The scales of the policy's key and value amax, in place."""
+        """The scales of the policy's key and value amax, in place, as the kernel of the policy's device rounds them
+        (`fp8_kernel_multiplier`: ModelOpt's CPU path multiplies by the reciprocal, its CUDA extension divides)."""
+        kernel = "cuda" if key_amax.is_cuda else "cpu"
         amax = torch.stack([key_amax.reshape(()), value_amax.reshape(())]).to(self.multiplier.device)
-        self.multiplier.copy_(fp8_kernel_multiplier(amax, "cpu"))
+        self.multiplier.copy_(fp8_kernel_multiplier(amax, kernel))
         self.scale.copy_(torch.reciprocal(self.multiplier))
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
