@@ -53,7 +53,8 @@ def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[
 def kv_cache_tensors(attention: str, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
     """An attention layer's FP8 KV cache scales as ModelOpt's exporter names them (`<attention>.k_proj.k_scale`,
     `v_proj.v_scale`, fp32 []), which vLLM maps onto its attention layer's k_scale and v_scale."""
-    return {f"{attention}.k_proj.k_scale": key_scale.reshape(()), f"{attention}.v_proj.v_scale": value_scale.reshape(())}
+    return {f"{attention}.k_proj.k_scale": key_scale.reshape(()),
+            f"{attention}.v_proj.v_scale": value_scale.reshape(())}
 
 
 def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str, kv_cache: bool) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Run by the verifier in a subprocess (vLLM changes process-wide state: threads, signal handlers).
 REQUEST holds {"model": dir, "prompts": [[token ids]], "dtype": ...} and, optionally, the engine's
-"gpu_memory_utilization" (vLLM's default otherwise) and "kv_cache_dtype" ("fp8": the export's FP8 KV cache); the answer, next to it in
-answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of token i.
+"gpu_memory_utilization" (vLLM's default otherwise) and "kv_cache_dtype" ("fp8": the export's FP8 KV cache); the
+answer, next to it in answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of
+token i.
 """
 
 from __future__ import annotations

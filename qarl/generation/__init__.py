@@ -6,4 +6,5 @@ from qarl.generation.vllm_engine import (Completion, RefitTiming, VLLMEngine, ch
 from qarl.generation.vllm_lora import engine_adapter_rank, merges_adapters, training_engine_rank
 
 __all__ = ["Completion", "PackedBase", "RefitTiming", "VLLMEngine", "check_expert_inputs", "engine_adapter_rank",
-           "engine_mode", "holds_kv_cache_scales", "merges_adapters", "serves_packed_base", "sleeps_between_rollouts", "training_engine_rank"]
+           "engine_mode", "holds_kv_cache_scales", "merges_adapters", "serves_packed_base", "sleeps_between_rollouts",
+           "training_engine_rank"]

@@ -148,7 +148,8 @@ def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat
     if exact:
         raise ConfigError(f"{fmt.source} quantizes the KV cache, which the exact forward (policy.exact_forward) "
                           "does not compute: its FlashAttention reads keys and values in the compute dtype (an FP8 "
-                          "cache there is not built). Drop the k/v_bmm_quantizer entries, or policy.exact_forward=false")
+                          "cache there is not built). Drop the k/v_bmm_quantizer entries, or set "
+                          "policy.exact_forward=false")
     if not torch.cuda.is_available():
         from transformers import AutoConfig
 
@@ -428,9 +429,9 @@ class VLLMEngine:
                 attention = policy_model.get_submodule(scales.policy_name)
                 quantizers = [getattr(attention, kind, None) for kind in KV_CACHE_QUANTIZERS]
                 if any(q is None or not q.is_enabled or q.amax is None or q.amax.numel() != 1 for q in quantizers):
-                    raise RuntimeError(f"engine layer {name} holds an FP8 KV cache but the policy's {scales.policy_name} "
-                                       "quantizes no keys and values with a per-tensor amax: policy and generation "
-                                       "quant configs differ")
+                    raise RuntimeError(f"engine layer {name} holds an FP8 KV cache but the policy's "
+                                       f"{scales.policy_name} quantizes no keys and values with a per-tensor amax: "
+                                       "policy and generation quant configs differ")
                 links.append((layer, scales, quantizers))
             self._kv_links[policy_model] = links
         return links

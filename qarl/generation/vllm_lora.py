@@ -73,7 +73,8 @@ def merges_adapters(cfg: PolicyConfig, model_dir: str, fmt: QuantFormat | None, 
         return True
     if packed_base or hooks_needed(cfg.lora.rank, cfg.dtype, False, config_has_experts(model_dir)) is None:
         return False
-    return not layer_inputs(input_quant_plan(model_dir, fmt))  # built (a quantized meta model) only where a merge is in question
+    # (the plan is built, from a quantized meta model, only where a merge is in question)
+    return not layer_inputs(input_quant_plan(model_dir, fmt))
 
 
 def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:

@@ -51,3 +51,19 @@ def test_vllm_cpu_serves_an_export_with_its_fp8_kv_cache(task, tiny_dir, tmp_pat
     assert report["kv_cache"]["equal"] and report["kv_cache"]["scales"] == 4, report["kv_cache"]
     assert report["loaders"]["vllm"]["status"] == "ok", report["loaders"]["vllm"]
     assert report["ok"]
+
+
+def test_qa_grpo_with_an_fp8_kv_cache_trains_with_zero_mismatch(tmp_path):
+    """A few QA-GRPO steps (NVFP4 W4A16 and an FP8 KV cache, after the recipe's warm start): the weights move, and every
+    step's rollout log-probs equal the policy's (mismatch/kl and max |Δ log-prob| exactly 0)."""
+    import subprocess
+    import sys
+
+    from qarl.metrics import read_metrics
+
+    subprocess.run([sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_tiny.yaml",
+                    "policy.quant_cfg=quant_configs/nvfp4_a16_kv_fp8.yaml", "trainer.steps=3", "trainer.batch_size=32",
+                    "eval.every=0", "checkpoint.every=1000", f"run.dir={tmp_path / 'run'}"], check=True)
+    rows = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "mismatch/kl" in row]
+    assert len(rows) == 3 and any(row["grad_norm"] > 0 for row in rows), rows
+    assert all(row["mismatch/kl"] == 0.0 and row["mismatch/max_abs_logprob_diff"] == 0.0 for row in rows), rows

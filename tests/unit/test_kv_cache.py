@@ -56,7 +56,8 @@ def _with_kv_entry(entry: dict) -> QuantFormat:
       "cfg": {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}}, "NVFP4"),
     ({"quantizer_name": "*k_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}}, "keys and values alike"),
     ({"quantizer_name": "*[kv]_bmm_quantizer",  # ModelOpt's FP8_AFFINE_KV_CFG: a bias
-      "cfg": {"num_bits": (4, 3), "axis": None, "bias": {-2: None, -4: None, "type": "static"}}}, "otherwise than vLLM"),
+      "cfg": {"num_bits": (4, 3), "axis": None, "bias": {-2: None, -4: None, "type": "static"}}},
+     "otherwise than vLLM"),
     ({"quantizer_name": "*q_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}}, "does not run"),
 ])
 def test_kv_caches_the_engine_cannot_hold_are_refused(tiny_dir, entry, says):
