@@ -37,6 +37,7 @@ def test_fp8_kv_cache_synced_to_the_bit_and_unsynced_worse(task, tiny_dir):
             vllm_compat.write_kv_cache_scales(layer, scales.scale)
         engine.llm.reset_prefix_cache()
         unsynced = measure(engine, policy, prompts, 24, seed=0)
+        print(f"KV cache parity: synced {synced.as_dict()}, scales not sent {unsynced.as_dict()}")
         assert unsynced.mean_abs > 1e-4 and unsynced.flipped_tokens > 0, unsynced
     finally:
         engine.close()
