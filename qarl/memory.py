@@ -8,7 +8,9 @@ The update's peak is the larger of two moments (the HF backend, one device):
   * the optimizer step: the gradients in the master dtype and AdamW's temporaries for one group of masters
     (qarl/optim.py steps them in groups of `STEP_GROUP_BYTES`, a larger tensor alone).
 The engine sleeps during the update (colocated: its KV cache and, unless it shares them, its weights are released),
-so it counts during the rollout: the policy's resident state plus the engine's share of the device.
+so it counts during the rollout: the policy's resident state plus the engine's share of the device. The tokens
+its KV cache holds are counted from the model's key and value widths, 1 byte an element where the rollout format
+quantizes the cache (an FP8 KV cache: docs/guides/kv-cache.md), else the compute dtype's.
 
 The per-token activation figures are estimates for a Llama/Qwen-style decoder in transformers (bytes a token a
 layer); `benchmarks/user_shape.py` measures the real peaks beside the plan (`memory/planned_update_gib` in every
@@ -28,7 +30,7 @@ from qarl.config import ConfigError, RecipeConfig
 from qarl.generation import sleeps_between_rollouts
 from qarl.models.checks import load_pretrained, parameter_count
 from qarl.optim import STEP_GROUP_BYTES
-from qarl.quant.formats import QuantFormat, resolve_format
+from qarl.quant.formats import QuantFormat, quantizes_kv_cache, resolve_format
 
 GiB = 2**30
 CHECKPOINTING = ("off", "on", "auto")
@@ -78,6 +80,11 @@ class ModelShape:
         return self.layers * self.hidden * (self.attention_width + self.query_width + mlp) + self.expert_params
 
     @property
+    def kv_width(self) -> int:
+        """A token's keys and values in one layer, in elements (2 x key heads x head_dim): what the KV cache holds."""
+        return self.attention_width - self.query_width
+
+    @property
     def largest_tensor(self) -> int:
         """The most elements one parameter has: the embedding or head, or (MoE) one layer's experts at most."""
         return max(self.vocab * self.hidden, self.expert_params // self.layers if self.experts else 0,
@@ -123,6 +130,12 @@ class FrozenModel:
     packed_format: QuantFormat | None = None  # its quantized weights are packed (`weight_bytes`)
 
 
+def kv_cache_token_bytes(shape: ModelShape, dtype: str, fp8: bool) -> int:
+    """The engine's KV cache bytes per token: every layer's keys and values, 1 byte an element in an FP8 cache, else
+    the compute dtype's."""
+    return shape.layers * shape.kv_width * (1 if fp8 else _bytes(dtype))
+
+
 @dataclass
 class MemoryPlan:
     """Bytes by part; `update` and `rollout` are the two peaks, `available` what the device offers."""
@@ -135,6 +148,8 @@ class MemoryPlan:
     checkpointing: bool
     tokens_per_micro_batch: int
     activations: int  # what autograd keeps of the decoder for one micro-batch
+    kv_cache_tokens: int = 0  # the tokens the engine's KV cache holds (its share, less weights, where it has one)
+    kv_cache_dtype: str = ""  # what it holds them in: "fp8" (1 byte an element) or the compute dtype
 
     @property
     def update(self) -> int:
@@ -150,8 +165,8 @@ class MemoryPlan:
     def describe(self) -> str:
         parts = {**self.resident, **self.update_parts}
         return (f"update ~{self.update / GiB:.1f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in parts.items())}), "
-                f"rollout ~{self.rollout / GiB:.1f} GiB (engine {self.engine / GiB:.1f}), "
-                f"{self.available / GiB:.1f} GiB usable")
+                f"rollout ~{self.rollout / GiB:.1f} GiB (engine {self.engine / GiB:.1f}, its KV cache ~"
+                f"{self.kv_cache_tokens:,} tokens in {self.kv_cache_dtype}), {self.available / GiB:.1f} GiB usable")
 
 
 def checkpoint_bytes(plan: MemoryPlan, shards: int = 1) -> dict[str, int]:
@@ -186,6 +201,17 @@ def engine_bytes(cfg: RecipeConfig, shape: ModelShape) -> tuple[int, str]:
         share = gen.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
         return int(share), "policy.generation.gpu_memory_utilization"
     return int(gen.gpu_kv_cache_gib * GiB) + weights + ENGINE_WORKSPACE, "policy.generation.gpu_kv_cache_gib"
+
+
+def engine_kv_cache_bytes(cfg: RecipeConfig, shape: ModelShape, engine: int) -> int:
+    """The engine's KV cache: its fixed size (CPU: kv_cache_gib; GPU: gpu_kv_cache_gib), else what its share of the GPU
+    (`engine` bytes) leaves beside the weights and working memory (an estimate: vLLM measures it as it starts)."""
+    gen = cfg.policy.generation
+    if not torch.cuda.is_available():
+        return int(max(1.0, gen.kv_cache_gib) * GiB)
+    if gen.gpu_kv_cache_gib is not None:
+        return int(gen.gpu_kv_cache_gib * GiB)
+    return max(0, engine - shape.params * _bytes(cfg.policy.dtype) - ENGINE_WORKSPACE)
 
 
 def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointing: bool,
@@ -234,8 +260,10 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     engine, engine_knob = engine_bytes(cfg, shape)
     if not sleeps_between_rollouts(gen):  # awake during the update
         update_parts["engine (awake)"] = engine
+    fp8_cache = quantizes_kv_cache(resolve_format(gen.quant_cfg))
+    kv_tokens = engine_kv_cache_bytes(cfg, shape, engine) // kv_cache_token_bytes(shape, p.dtype, fp8_cache)
     return MemoryPlan(resident, update_parts, engine, engine_knob, available_bytes(), checkpointing, tokens,
-                      activations)
+                      activations, kv_tokens, "fp8" if fp8_cache else p.dtype)
 
 
 def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
@@ -246,10 +274,22 @@ def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
     candidates = {"off": [False], "on": [True], "auto": [False, True]}[mode]
     for checkpointing in candidates:
         found = plan(cfg, shape, longest_prompt, checkpointing, frozen)
+        check_kv_cache_holds_a_sequence(cfg, found)
         if found.fits():
             decided = dataclasses.replace(cfg.policy, gradient_checkpointing="on" if checkpointing else "off")
             return dataclasses.replace(cfg, policy=decided), found
     raise ConfigError(_refusal(cfg, shape, longest_prompt, frozen, found))
+
+
+def check_kv_cache_holds_a_sequence(cfg: RecipeConfig, memory: MemoryPlan) -> None:
+    """A KV cache of a fixed size (kv_cache_gib, gpu_kv_cache_gib) must hold one sequence of max_model_len tokens, or
+    vLLM refuses to start once the policy has loaded."""
+    longest = cfg.policy.generation.max_model_len
+    if memory.engine_knob != "policy.generation.gpu_memory_utilization" and memory.kv_cache_tokens < longest:
+        raise ConfigError(f"the engine's KV cache ({memory.engine_knob}) holds ~{memory.kv_cache_tokens:,} tokens in "
+                          f"{memory.kv_cache_dtype}, fewer than one sequence of policy.generation.max_model_len="
+                          f"{longest}: raise {memory.engine_knob}, lower max_model_len, or hold the cache in FP8 "
+                          "(quant_configs/*_kv_fp8.yaml, docs/guides/kv-cache.md)")
 
 
 def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: FrozenModel | None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qarl.config import RecipeConfig
-from qarl.generation import VLLMEngine, engine_adapter_rank
+from qarl.generation import VLLMEngine, engine_adapter_rank, engine_mode
 from qarl.lora import check_lora, lora_layers
 from qarl.models.resolve import resolve_model_dir
 from qarl.policy import build_policy, Policy
@@ -78,6 +78,8 @@ def run_parity(cfg: RecipeConfig) -> dict[str, dict[str, dict]]:
     modes = list(cfg.parity.lora_modes)
     for mode in modes:
         check_lora(dataclasses.replace(cfg.policy, lora=dataclasses.replace(cfg.policy.lora, mode=mode)), model_dir)
+    for fmt in formats:  # what the engine cannot serve (an NVFP4 KV cache, ...) is refused before any policy is built
+        engine_mode(model_dir, fmt, cfg.policy.generation, cfg.policy.dtype, 0, False, cfg.policy.exact_forward)
     formatting = model_prompt_format(model_dir, cfg.task, cfg.policy.trust_remote_code)
     calib = task.calibration_texts(cfg.policy.quant_calib_size, formatting)
     unquantized = build_policy(cfg.policy, calib, model_dir=model_dir, fmt=None)

@@ -34,8 +34,8 @@ from qarl.checkpoint import (checkpoint_format, load_policy_checkpoint, restore_
 from qarl.config import WARM_START, ConfigError, RecipeConfig, compile_refusals, to_dict
 from qarl.console import progress_bar
 from qarl.distributed import is_main_process
-from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, merges_adapters,
-                             serves_packed_base, sleeps_between_rollouts, training_engine_rank)
+from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, holds_kv_cache_scales,
+                             merges_adapters, serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
 from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
@@ -171,8 +171,13 @@ def check_run_settings(cfg: RecipeConfig, resolved: Resolved | None = None) -> R
     check_loggers(cfg.run.loggers)
     sleeps_between_rollouts(cfg.policy.generation)
     merging = engine_merges_adapters(cfg, model_dir, rollout_format)
-    engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype,
-                training_engine_rank(cfg.policy, merging), merging)  # what start_engine's engine will be asked
+    plan, _, _ = engine_mode(model_dir, rollout_format, cfg.policy.generation, cfg.policy.dtype,
+                             training_engine_rank(cfg.policy, merging), merging,
+                             cfg.policy.exact_forward)  # what start_engine's engine will be asked
+    if holds_kv_cache_scales(plan) and cfg.policy.backend != "hf":
+        raise ConfigError(f"{rollout_format.source} quantizes the KV cache, whose keys and values only the Hugging "
+                          f"Face backend's attention quantizes (ModelOpt's k/v_bmm_quantizer): use policy.backend=hf, "
+                          "or drop the k/v_bmm_quantizer entries")
     if cfg.policy.lora.mode != "none":
         check_lora(cfg.policy, model_dir)
     return resolved

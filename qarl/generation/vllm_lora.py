@@ -31,7 +31,7 @@ from qarl.generation.adapters import engine_part
 from qarl.lora import adapter_weights
 from qarl.models.experts import config_has_experts
 from qarl.quant import QuantFormat
-from qarl.quant.ops import input_quant_plan
+from qarl.quant.ops import input_quant_plan, layer_inputs
 
 ADAPTER_ID, ADAPTER_NAME = 1, "qarl-policy"
 _PARTS = ("lora_A", "lora_B")
@@ -73,7 +73,8 @@ def merges_adapters(cfg: PolicyConfig, model_dir: str, fmt: QuantFormat | None, 
         return True
     if packed_base or hooks_needed(cfg.lora.rank, cfg.dtype, False, config_has_experts(model_dir)) is None:
         return False
-    return not input_quant_plan(model_dir, fmt)  # built (a quantized meta model) only where a merge is in question
+    # (the plan is built, from a quantized meta model, only where a merge is in question)
+    return not layer_inputs(input_quant_plan(model_dir, fmt))
 
 
 def check_merged_adapters(merging: bool, quantized_inputs: bool) -> None:

@@ -222,10 +222,28 @@ def fp8_kernel_scale(amax: torch.Tensor, kernel: str) -> torch.Tensor:
     """
     if amax.numel() != 1:
         raise FidelityError(f"FP8 export supports per-tensor amax only, got shape {tuple(amax.shape)}")
-    amax = amax.detach().float().cpu().reshape(())
+    return torch.reciprocal(fp8_kernel_multiplier(amax.detach().cpu().reshape(()), kernel))
+
+
+def fp8_kernel_multiplier(amax: torch.Tensor, kernel: str) -> torch.Tensor:
+    """`scale` of ModelOpt's FP8 fake quant, 448 / amax (fp32, zero amax -> 1) as `kernel` rounds it (see
+    `fp8_kernel_scale`), elementwise and on amax's device."""
+    amax = amax.float()
     safe = torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
-    scale = torch.reciprocal(safe) * 448.0 if kernel == "cpu" else torch.full_like(safe, 448.0) / safe
-    return torch.reciprocal(scale)
+    return torch.reciprocal(safe) * 448.0 if kernel == "cpu" else torch.full_like(safe, 448.0) / safe
+
+
+def fp8_codes(x: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    """The E4M3 codes ModelOpt's FP8 fake quant rounds `x` to, given its `fp8_kernel_multiplier`: e4m3(clamp(x *
+    scale, +-448)) in fp32. Times the multiplier's reciprocal (`decode_fp8_codes`), they are its output bit for bit
+    (tests/unit/test_kv_cache.py): what an FP8 KV cache stores of a key or value row."""
+    return (x.float() * multiplier).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def decode_fp8_codes(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`codes` times their dequantization `scale` (the multiplier's reciprocal) in fp32, then `dtype`: the FP8
+    definition both export formats and vLLM's FP8 KV cache (k_scale, v_scale) use."""
+    return (codes.float() * scale).to(dtype)
 
 
 def encode_fp8(w_q: torch.Tensor, amax: torch.Tensor, name: str) -> FP8Weight:
@@ -248,7 +266,7 @@ def encode_fp8(w_q: torch.Tensor, amax: torch.Tensor, name: str) -> FP8Weight:
 
 def decode_fp8(w: FP8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Both formats' definition: code * weight_scale in fp32, then the training dtype."""
-    return (w.codes.float() * w.scale.float()).to(dtype)
+    return decode_fp8_codes(w.codes, w.scale.float(), dtype)
 
 
 def check_exact(name: str, decoded: torch.Tensor, w_q: torch.Tensor) -> None:

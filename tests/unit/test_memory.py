@@ -215,3 +215,24 @@ def test_megatron_ranks_plan_their_shard_of_the_quantized_experts():
             extra[tp] = quantized - unquantized
         per_layer = QWEN3_30B_A3B.expert_params * 2 // (QWEN3_30B_A3B.layers if checkpointing else 1)  # bf16
         assert extra == {tp: per_layer // tp for tp in (1, 2, 4)}
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(monkeypatch):
+    """At the Qwen3-1.7B shape a 1 GiB cache holds 9,362 bf16 tokens (28 layers x 2 x 8 heads x 128 x 2 bytes) and
+    18,724 in FP8: a 16k-token sequence fits only in the FP8 one, and the bf16 one is refused naming the knob."""
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: 1024 * GiB)
+    cfg = user_recipe()
+
+    def with_cache(quant_cfg: str) -> RecipeConfig:
+        gen = dataclasses.replace(cfg.policy.generation, quant_cfg=quant_cfg, kv_cache_gib=1.0, gpu_kv_cache_gib=1.0,
+                                  max_new_tokens=16_000, max_model_len=16_384)
+        return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, quant_cfg=quant_cfg, generation=gen))
+
+    bf16, fp8 = (plan(with_cache(q), QWEN3_1P7B, 100, True) for q in ("nvfp4_a16", "nvfp4_a16_kv_fp8"))
+    assert (bf16.kv_cache_tokens, bf16.kv_cache_dtype) == (GiB // (28 * 2 * 8 * 128 * 2), "bfloat16")
+    assert (fp8.kv_cache_tokens, fp8.kv_cache_dtype) == (GiB // (28 * 2 * 8 * 128), "fp8")
+    assert "18,724 tokens in fp8" in fp8.describe()
+    with pytest.raises(ConfigError, match=r"KV cache \(policy.generation.(gpu_)?kv_cache_gib\) holds ~9,362 tokens "
+                                          r"in bfloat16, fewer than one sequence of policy.generation.max_model_len="):
+        plan_memory(with_cache("nvfp4_a16"), QWEN3_1P7B, 100)
+    plan_memory(with_cache("nvfp4_a16_kv_fp8"), QWEN3_1P7B, 100)
