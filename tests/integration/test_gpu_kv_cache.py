@@ -1,6 +1,7 @@
 """The FP8 KV cache on a GPU (issue 73): vLLM's `kv_cache_dtype="fp8"` engine, with CUDA graphs, takes the policy's key
 and value scales at every refit, in place (a captured graph reads the new ones), and samples within the bf16 floor of
-the policy; the exact forward with a cache is refused. Skipped without CUDA. NOT RUN YET: written on a CPU-only
+the policy (allowed with policy.generation.allow_quant_mismatch: vLLM's GPU kernels round the queries too); without
+it, and with the exact forward, the cache is refused. Skipped without CUDA. NOT RUN YET: written on a CPU-only
 machine (the CPU path: tests/integration/test_kv_cache.py); its bounds are to be set from the first GPU run."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def test_refits_write_the_scales_in_place_under_cuda_graphs(task):
     model_dir = resolve_model_dir(MODEL)
     policy = tiny_policy(task, model_dir, "quant_configs/nvfp4_a16_kv_fp8.yaml", model_name=MODEL, dtype="bfloat16")
     plain = tiny_policy(task, model_dir, "quant_configs/nvfp4_a16.yaml", model_name=MODEL, dtype="bfloat16")
-    engine = VLLMEngine(model_dir, GenerationConfig(max_new_tokens=32, enforce_eager="false"), "bfloat16", 0,
+    generation = GenerationConfig(max_new_tokens=32, enforce_eager="false", allow_quant_mismatch=True)
+    engine = VLLMEngine(model_dir, generation, "bfloat16", 0,
                         quant_format=policy.format)
     try:
         engine.refit(policy.model)
@@ -53,5 +55,14 @@ def test_the_exact_forward_refuses_a_kv_cache(task):
 
     with pytest.raises(ConfigError, match="exact forward"):
         VLLMEngine(resolve_model_dir(MODEL), GenerationConfig(), "bfloat16", 0, exact=True,
+                   quant_format=tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_a16_kv_fp8.yaml",
+                                            model_name=MODEL, dtype="bfloat16").format)
+
+
+def test_a_gpu_engine_refuses_a_kv_cache_unless_a_mismatch_is_allowed(task):
+    from qarl.models.resolve import resolve_model_dir
+
+    with pytest.raises(ConfigError, match="round the queries to FP8 too"):
+        VLLMEngine(resolve_model_dir(MODEL), GenerationConfig(), "bfloat16", 0,
                    quant_format=tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_a16_kv_fp8.yaml",
                                             model_name=MODEL, dtype="bfloat16").format)
