@@ -133,7 +133,7 @@ def pinned_start(cfg: RecipeConfig, plan: RunDirPlan) -> RecipeConfig:
     return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=str(checkpoint)))
 
 
-def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat | None, say: bool) -> bool:
+def _starts_with_its_amax(checkpoint: Path, cfg: RecipeConfig, fmt: QuantFormat | None, say: bool = False) -> bool:
     """Whether a run that starts from another run's checkpoint (a two-stage recipe: QAD, then QA-GRPO) takes its
     calibrated amax with its weights: where it trained in this run's format, so the run goes on from the very
     quantized model the first stage left; else the weights start the run and its quantizers are calibrated afresh.
