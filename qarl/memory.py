@@ -196,7 +196,7 @@ def engine_bytes(cfg: RecipeConfig, shape: ModelShape) -> tuple[int, str]:
     CPU its KV cache and its own weights."""
     gen, weights = cfg.policy.generation, shape.params * _bytes(cfg.policy.dtype)
     if not torch.cuda.is_available():
-        return int(max(1.0, gen.kv_cache_gib) * GiB) + weights, "policy.generation.kv_cache_gib"
+        return gen.cpu_kv_cache_gib * GiB + weights, "policy.generation.kv_cache_gib"
     if gen.gpu_kv_cache_gib is None:
         share = gen.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
         return int(share), "policy.generation.gpu_memory_utilization"
@@ -208,7 +208,7 @@ def engine_kv_cache_bytes(cfg: RecipeConfig, shape: ModelShape, engine: int) -> 
     (`engine` bytes) leaves beside the weights and working memory (an estimate: vLLM measures it as it starts)."""
     gen = cfg.policy.generation
     if not torch.cuda.is_available():
-        return int(max(1.0, gen.kv_cache_gib) * GiB)
+        return gen.cpu_kv_cache_gib * GiB
     if gen.gpu_kv_cache_gib is not None:
         return int(gen.gpu_kv_cache_gib * GiB)
     return max(0, engine - shape.params * _bytes(cfg.policy.dtype) - ENGINE_WORKSPACE)

@@ -236,3 +236,13 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(monkeypatch):
                                           r"in bfloat16, fewer than one sequence of policy.generation.max_model_len="):
         plan_memory(with_cache("nvfp4_a16"), QWEN3_1P7B, 100)
     plan_memory(with_cache("nvfp4_a16_kv_fp8"), QWEN3_1P7B, 100)
+
+
+def test_a_cpu_kv_cache_is_planned_in_the_whole_gib_vllm_cpu_takes(monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE takes whole GiB: kv_cache_gib=1.9 gives the engine 1 GiB, and the plan counts that."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    cfg = user_recipe()
+    gen = dataclasses.replace(cfg.policy.generation, quant_cfg="nvfp4_a16", kv_cache_gib=1.9)
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, quant_cfg="nvfp4_a16", generation=gen))
+    assert gen.cpu_kv_cache_gib == 1
+    assert plan(cfg, QWEN3_1P7B, 100, True).kv_cache_tokens == GiB // (28 * 2 * 8 * 128 * 2)  # the recipe: bf16
