@@ -278,7 +278,7 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     _check_settings(cfg)
     from qarl.models.checks import tokenizer_differences
     from qarl.models.resolve import resolve_model_dir
-    from qarl.generation import check_expert_inputs
+    from qarl.generation import check_expert_inputs, check_kv_cache
     from qarl.quant.ops import input_quant_plan
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task, check_prompt_lengths, eval_splits, model_prompt_format
@@ -338,7 +338,9 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
     for precision in precisions:
         if precision.format is not None:
             check_format_fits(base_dir, precision.format, trust)
-            check_expert_inputs(input_quant_plan(base_dir, precision.format, trust), precision.format)  # the engine
+            engine_plan = input_quant_plan(base_dir, precision.format, trust)  # what the engine can serve
+            check_expert_inputs(engine_plan, precision.format)
+            check_kv_cache(base_dir, engine_plan, precision.format, False, cfg.policy.generation.allow_quant_mismatch)
     prompts = model_prompt_format(base_dir, cfg.task, trust)
     check_prompt_lengths(prompts, splits, cfg.policy.generation)  # before any model loads
     if warm:
