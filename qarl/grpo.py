@@ -23,12 +23,17 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     grouped = rewards.view(-1, num_generations)
     centered = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
     group_std = grouped.std(dim=1)
-    frac_zero_std = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()
     if scale == "group":
         centered = centered / (group_std.repeat_interleave(num_generations) + 1e-4)
     elif scale == "batch":
         centered = centered / (rewards.std() + 1e-4)
-    return centered, frac_zero_std
+    return centered, zero_std_share(rewards, num_generations)
+
+
+def zero_std_share(rewards: torch.Tensor, num_generations: int) -> float:
+    """The fraction of groups whose rewards are all equal: groups that give the update nothing to follow."""
+    group_std = rewards.view(-1, num_generations).std(dim=1)
+    return torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, truncated: torch.Tensor, max_tokens: int, cache_tokens: int

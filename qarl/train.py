@@ -17,7 +17,7 @@ import torch
 
 from qarl.config import RecipeConfig, check_grpo_recipe
 from qarl.evaluate import evaluate_splits, split_metrics
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty, zero_std_share
 from qarl.learning_signal import Alarm, NoSignalWatch, Settings
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
@@ -77,6 +77,8 @@ class GRPOSteps:
                 torch.tensor([len(c.token_ids) for c in batch.completions]),
                 torch.tensor([c.truncated for c in batch.completions]),
                 self.run.cfg.policy.generation.max_new_tokens, t.soft_overlong_tokens)
+            # the task's own signal, which the penalty's spread of lengths hides from reward/frac_zero_std
+            parts["reward/frac_zero_std_task"] = zero_std_share(rewards, t.num_generations)
             rewards += penalty
             parts["reward/soft_overlong"] = penalty.mean().item()
         self.advantages, frac_zero_std = group_advantages(rewards, t.num_generations, t.scale_rewards)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qarl.config import ConfigError, TrainerConfig, check_grpo_recipe, check_qad_recipe, load_recipe
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty
+from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty, zero_std_share
 
 
 def test_group_advantages():
@@ -137,3 +137,13 @@ def test_the_punishment_orders_a_group_before_truncated_completions_are_masked()
     assert advantages.tolist() == pytest.approx([0.875, 0.375, -0.125, -1.125])
     plain, _ = group_advantages(correct, 4, "none")
     assert plain.tolist() == pytest.approx([0.5, 0.5, -0.5, -0.5])
+
+
+def test_the_punishment_hides_a_group_without_task_signal():
+    """A group all wrong, whose answers differ only in length, has a spread once punished: the share of groups
+    without a signal reads 0 after the punishment and 0.5 on the task reward alone (reward/frac_zero_std_task)."""
+    correct = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    penalty = soft_overlong_penalty(torch.tensor([40, 224, 40, 256, 40, 40, 40, 40]),
+                                    torch.tensor([False, False, False, True, False, False, False, False]), 256, 64)
+    assert zero_std_share(correct, 4) == 0.5
+    assert zero_std_share(correct + penalty, 4) == 0.0 == group_advantages(correct + penalty, 4, "group")[1]
