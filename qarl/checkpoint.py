@@ -5,7 +5,8 @@ Layout of RUN_DIR/checkpoints/step_N/:
     or, for a LoRA policy (qarl/lora.py), instead of policy/:
   adapter/                     a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
   lora.json                    the LoRA settings and the base they belong to (path + weight fingerprint)
-  quantizer_state.safetensors  the calibrated amax of every quantizer (absent for unquantized runs)
+  quantizer_state.safetensors  the calibrated amax of every quantizer (absent for unquantized runs), with the FP8
+                               kernel it trained under in its metadata (qarl/quant/state_file.py)
   quant_format.yaml            the resolved ModelOpt config the amax belongs to
   trainer_state.pt             optimizer state, RNG states, data position, step (weights_only-loadable)
   trainer_state.rankR.pt       under torchrun, process R's own (its optimizer state is that of its shards)
@@ -37,6 +38,7 @@ from qarl.files import give_umask_modes
 from qarl.lora import load_adapter_state, read_lora_manifest
 from qarl.quant import QuantFormat
 from qarl.quant.formats import format_from_yaml
+from qarl.quant.state_file import QUANTIZER_STATE
 from qarl.run_dir import (CHECKPOINT_RUN, complete_checkpoints, prunable, read_identity, resolve_checkpoint,
                           write_manifest)
 
@@ -152,7 +154,7 @@ def load_policy_checkpoint(checkpoint: str | Path, cfg: PolicyConfig, trainable:
                           "set policy.lora.mode=none to load it")
     policy = build_policy(cfg, [], model_dir=model_dir, fmt=fmt, calibrate=False, trainable=trainable)
     if fmt is not None:
-        policy.load_quantizer_state(load_file(str(checkpoint / "quantizer_state.safetensors")))
+        policy.load_quantizer_state(load_file(str(checkpoint / QUANTIZER_STATE)))
     if policy.lora is not None:
         load_adapter_state(policy.model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
     return policy

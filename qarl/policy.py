@@ -19,7 +19,6 @@ from typing import TypeVar
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from qarl.calibration import calibration_batches, load_calibration_texts
@@ -28,8 +27,9 @@ from qarl.lora import AdapterDisabled, QuantNoise, pack_base, save_adapter, writ
 from qarl.models.checks import with_pad_token
 from qarl.models.resolve import resolve_model_dir
 from qarl.quant import QuantFormat, load_quantizer_state, pack_frozen_weights, quantizer_state, resolve_format
-from qarl.quant.formats import format_to_yaml, is_quantizer_key
+from qarl.quant.formats import is_quantizer_key
 from qarl.quant.rollout_view import RolloutView
+from qarl.quant.state_file import write_quant_state
 
 T = TypeVar("T")
 
@@ -121,8 +121,7 @@ class Policy:
             self.model.save_pretrained(policy_dir, state_dict=self.master_state_dict(), safe_serialization=True)
             self.tokenizer.save_pretrained(policy_dir)
         if self.format is not None:
-            save_file(quantizer_state(self.model), str(out_dir / "quantizer_state.safetensors"))
-            (out_dir / "quant_format.yaml").write_text(format_to_yaml(self.format))
+            write_quant_state(out_dir, quantizer_state(self.model), self.format, self.device)
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:
         """The amax `save` wrote, into a policy built with the same format and left uncalibrated (a qlora base

@@ -503,7 +503,7 @@ class MegatronModel(nn.Module):
         into a temporary directory, as checkpoints do."""
         from safetensors.torch import save_file
 
-        from qarl.quant.formats import format_to_yaml
+        from qarl.quant.state_file import write_quant_state
 
         writer = dist.get_rank() == 0
         weights = {}
@@ -522,8 +522,7 @@ class MegatronModel(nn.Module):
                 (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
             tokenizer.save_pretrained(out)
             if fmt is not None:
-                save_file(state, str(Path(out_dir) / "quantizer_state.safetensors"))
-                (Path(out_dir) / "quant_format.yaml").write_text(format_to_yaml(fmt))
+                write_quant_state(Path(out_dir), state, fmt, self.device)
         dist.barrier()
 
     def load_quantizer_state(self, state: dict[str, torch.Tensor]) -> None:

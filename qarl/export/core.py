@@ -32,7 +32,8 @@ from qarl.export.targets import ExportTarget, check_target_matches, load_target
 from qarl.files import give_umask_modes
 from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
-from qarl.quant.codes import FP8Weight, NVFP4Weight, encode_fp8, encode_nvfp4, fp8_kernel_scale
+from qarl.quant.codes import (FP8Weight, NVFP4Weight, device_kernel, encode_fp8, encode_nvfp4, fp8_fake_quant,
+                              fp8_kernel_scale)
 from qarl.quant.formats import is_quantizer_key, quantizer_settings
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 from qarl.run_dir import is_run_or_checkpoint
@@ -158,9 +159,10 @@ def _task_texts(cfg: PolicyConfig) -> list[str]:
 
 
 @torch.no_grad()
-def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
+def encoded_layers(model: torch.nn.Module, fp8_kernel: str) -> Iterator[QuantizedLayer]:
     """Every quantized weight (a linear layer's, each expert's gate, up and down: `quantized_weights`), encoded from
-    W_q = weight_quantizer(W) under its checkpoint layer name."""
+    W_q = weight_quantizer(W) under its checkpoint layer name; an FP8 weight as `fp8_kernel` (the one it trained
+    under) computes W_q, which on the other device's kernel can differ in the scale's last bit."""
     from qarl.quant.quantize import quantized_weights
 
     for found in quantized_weights(model):
@@ -182,22 +184,32 @@ def encoded_layers(model: torch.nn.Module) -> Iterator[QuantizedLayer]:
             if input_quantizer.amax is None:
                 raise ConfigError(f"{name}.input_quantizer has no amax: the quantizer state was not loaded")
             input_amax = input_quantizer.amax.detach().float().cpu().reshape(-1).amax().reshape(())
-        w_q = found.quantized().detach()  # encoded where it was computed (FP8's kernel)
+        w_q = trained_weight(found, fp8_kernel)
         weight = stored_codes(found.weight_quantizer)  # a packed frozen weight is stored already
         if weight is not None:
             weight = weight.rows(found.rows)  # an expert's gate or up half of its gate/up codes
         else:
             weight = (encode_nvfp4(w_q, found.weight.detach(), amax, name) if weight_kind == "nvfp4"
-                      else encode_fp8(w_q, amax, name))
+                      else encode_fp8(w_q, amax, name, fp8_kernel))
         weight = weight.to("cpu")
         yield QuantizedLayer(name, weight_kind, input_kind, weight, input_amax, w_q.dtype, w_q.numel())
 
 
 @torch.no_grad()
-def kv_cache_scales(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def trained_weight(found, fp8_kernel: str) -> torch.Tensor:
+    """W_q = weight_quantizer(W) of a `quantized_weights` entry as the run trained it: the quantizer's own, or, for an
+    FP8 weight trained under the other device's kernel, that kernel's arithmetic reproduced here."""
+    w_q = found.quantized().detach()
+    if fp8_kernel == device_kernel(w_q.device) or quantizer_kind(found.weight_quantizer, found.name) != "fp8":
+        return w_q
+    return fp8_fake_quant(found.weight.detach(), found.weight_quantizer.amax, fp8_kernel)
+
+
+@torch.no_grad()
+def kv_cache_scales(model: torch.nn.Module, fp8_kernel: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{attention module name: (k_scale, v_scale)} of every attention layer whose keys and values the policy
     quantizes (ModelOpt's k/v_bmm_quantizer): FP8 dequantization scales, fp32 scalars, the reciprocal of the
-    training kernel's 448 / amax (`fp8_kernel_scale`, the kernel of the device the amax is on). Unlike ModelOpt's
+    training kernel's 448 / amax (`fp8_kernel_scale` as `fp8_kernel` rounds it). Unlike ModelOpt's
     exporter, which clamps FP8 KV scales to at least 1, the trained scale is written: the one the rollout engine
     ran with."""
     from qarl.quant.ops import KV_CACHE_QUANTIZERS
@@ -213,7 +225,7 @@ def kv_cache_scales(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
                               "cache (keys and values both FP8 E4M3, per-tensor)")
         if any(q.amax is None for q in quantizers):
             raise ConfigError(f"{name}'s KV cache quantizers have no amax: the quantizer state was not loaded")
-        scales[name] = tuple(fp8_kernel_scale(q.amax, "cuda" if q.amax.is_cuda else "cpu") for q in quantizers)
+        scales[name] = tuple(fp8_kernel_scale(q.amax, fp8_kernel) for q in quantizers)
     return scales
 
 
@@ -331,11 +343,13 @@ def _bytes(files: list[Path]) -> int:
 
 
 def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path, *, source: str = "in-memory policy",
-                  source_dir: Path | None = None, overwrite: bool = False) -> dict[str, Any]:
+                  source_dir: Path | None = None, overwrite: bool = False, fp8_kernel: str | None = None
+                  ) -> dict[str, Any]:
     """Write the quantized `policy` (a qarl Policy) in the target's on-disk format; returns a summary.
 
     `source_dir`, when given, is the Hugging Face directory the policy was loaded from: its tokenizer
-    and generation config are copied (else they are saved from the policy).
+    and generation config are copied (else they are saved from the policy). `fp8_kernel`: the FP8 kernel the
+    policy trained under (a checkpoint records it), when not the one of the device it is on now.
 
     A LoRA policy is exported in its deployed form (`qarl.lora.deployable_model`): `merged` as one
     quantized model of the merged weights; `qlora` as the quantized base plus a PEFT adapter directory
@@ -359,12 +373,13 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     fmt_module = format_module(target.disk_format)
 
     model = policy.model
+    fp8_kernel = fp8_kernel or device_kernel(policy.device)
     master = master_tensors(model)
     tensors = dict(master)
     layers: dict[str, QuantizedLayer] = {}
     layer_stats: dict[str, dict[str, Any]] = {}
     count = sum(1 for _ in quantized_weights(model))
-    for layer in progress_bar(encoded_layers(model), desc=f"encoding {scheme} layers", total=count, unit="layer"):
+    for layer in progress_bar(encoded_layers(model, fp8_kernel), desc=f"encoding {scheme} layers", total=count, unit="layer"):
         if layer.scheme != scheme:
             raise ConfigError(f"{layer.name} is quantized as {layer.scheme}, target {target.name} writes {scheme}: "
                               "the model's quantizers are not uniform")
@@ -385,7 +400,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
                                    "bytes": sum(t.numel() * t.element_size() for t in on_disk.values()),
                                    "tensors": sorted(on_disk)}
 
-    kv_cache = kv_cache_scales(model)
+    kv_cache = kv_cache_scales(model, fp8_kernel)
     for attention, (key_scale, value_scale) in kv_cache.items():
         tensors.update(fmt_module.kv_cache_tensors(attention, key_scale, value_scale))
 
@@ -420,6 +435,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "out_dir": str(out_dir),
         "quantized_layers": len(layers),
         "kv_cache": {"dtype": "fp8", "attention_layers": len(kv_cache)} if kv_cache else None,
+        "fp8_kernel": fp8_kernel,
         "fused_groups_sharing_scales": groups,
         "quantized_params": q_params,
         "quantized_bytes": q_bytes,
@@ -454,6 +470,7 @@ def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: st
     with fresh calibration on `calib_data` ("task": the embedded task's prompts); it warns, because the
     result was never trained in that format.
     """
+    from qarl.quant.state_file import trained_fp8_kernel
     from qarl.policy import Policy
 
     target = target if isinstance(target, ExportTarget) else load_target(target)
@@ -462,6 +479,6 @@ def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: st
         return export_policy(checkpoint, target, out_dir, overwrite=overwrite)
     policy, source = load_source(checkpoint, target, calibrate, calib_data)
     summary = export_policy(policy, target, out_dir, source=source, source_dir=Path(policy.model_dir),
-                            overwrite=overwrite)
+                            overwrite=overwrite, fp8_kernel=trained_fp8_kernel(Path(source)))
     summary["ptq"] = calibrate
     return summary

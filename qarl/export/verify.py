@@ -40,9 +40,9 @@ from safetensors.torch import load_file
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
 from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, format_module, kv_cache_scales,
-                              master_tensors)
+                              master_tensors, trained_weight)
 from qarl.models.experts import has_experts, split_expert_weights
-from qarl.quant.codes import same_bits
+from qarl.quant.codes import device_kernel, same_bits
 from qarl.quant.packed import unpack_frozen_weights
 from qarl.quant import FUSED_SIBLINGS
 
@@ -119,8 +119,10 @@ def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_module) -> dict[str, Any]:
-    """Decode every quantized layer from the file tensors and compare with the policy, bit for bit."""
+def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_module, fp8_kernel: str
+                  ) -> dict[str, Any]:
+    """Decode every quantized layer from the file tensors and compare with the policy as it trained (under
+    `fp8_kernel`, `trained_weight`), bit for bit."""
     weights = _quantized_weights(policy.model)
     stored = fmt_module.read_weights(tensors, config)
     if set(stored) != set(weights):
@@ -128,7 +130,7 @@ def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_mo
                           "the policy's quantized layers")
     per_layer = {}
     for name, found in progress_bar(weights.items(), desc="checking the quantized layers", unit="layer"):
-        w_q = found.quantized().detach()
+        w_q = trained_weight(found, fp8_kernel)
         per_layer[name] = _compare(fmt_module.dequantize(stored[name], w_q.dtype), w_q)
     quantized = _sum(list(per_layer.values()))
     master = master_tensors(policy.model)
@@ -145,9 +147,9 @@ def check_weights(tensors: dict[str, torch.Tensor], config: dict, policy, fmt_mo
                             "missing": missing, "unexpected": sorted(set(others) - set(master))}}
 
 
-def check_kv_cache(tensors: dict[str, torch.Tensor], policy, fmt_module) -> dict[str, Any]:
+def check_kv_cache(tensors: dict[str, torch.Tensor], policy, fmt_module, fp8_kernel: str) -> dict[str, Any]:
     """The FP8 KV cache scales on disk against the policy's (`kv_cache_scales`), bit for bit, and none beside them."""
-    wanted = {name: tensor for attention, (key, value) in kv_cache_scales(policy.model).items()
+    wanted = {name: tensor for attention, (key, value) in kv_cache_scales(policy.model, fp8_kernel).items()
               for name, tensor in fmt_module.kv_cache_tensors(attention, key, value).items()}
     found = {k: v for k, v in tensors.items() if k.endswith(KV_CACHE_SCALE_SUFFIXES)}
     differing = sorted(k for k in set(wanted) & set(found) if not torch.equal(found[k], wanted[k]))
@@ -260,7 +262,8 @@ def _nvfp4_unpack_dtype(dtype: torch.dtype):
 
 
 @torch.no_grad()
-def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: torch.dtype | None) -> dict[str, Any]:
+def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: torch.dtype | None,
+                  fp8_kernel: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -273,7 +276,7 @@ def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: 
         loaded = split_expert_weights(model, model.state_dict())
         dtypes = set()
         for name, found in _quantized_weights(policy.model).items():
-            w_q = found.quantized().detach()
+            w_q = trained_weight(found, fp8_kernel)
             dtypes.add(str(loaded[f"{name}.weight"].dtype).replace("torch.", ""))
             weights.append(_compare(loaded[f"{name}.weight"].detach(), w_q))
         result = {"status": "ok", "decompressed_weight_dtype": sorted(dtypes), "weights": _sum(weights)}
@@ -344,11 +347,12 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     tensors = _load_tensors(export_dir)
     manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
     scheme = manifest.get("scheme") or _scheme(config)
+    fp8_kernel = manifest.get("fp8_kernel") or device_kernel(policy.device)  # the kernel the export reproduces
     report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
-                              "reference": reference_name}
-    report["weights"] = check_weights(tensors, config, policy, fmt_module)
+                              "reference": reference_name, "fp8_kernel": fp8_kernel}
+    report["weights"] = check_weights(tensors, config, policy, fmt_module, fp8_kernel)
     report["fused_scales"] = check_fused_scales(tensors)
-    report["kv_cache"] = check_kv_cache(tensors, policy, fmt_module)
+    report["kv_cache"] = check_kv_cache(tensors, policy, fmt_module, fp8_kernel)
 
     from transformers import AutoTokenizer
 
@@ -368,12 +372,13 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
             "unexpected), so it decompresses the experts wrongly"}
     elif disk_format == "compressed_tensors":
         with timed("transformers+compressed-tensors: loading the export"):
-            loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference, None)
+            loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference,
+                                                                       None, fp8_kernel)
         if scheme.startswith("nvfp4"):
             dtype = next(policy.model.parameters()).dtype
             with timed(f"transformers+compressed-tensors: loading the export, {str(dtype)[6:]} decompression"):
                 loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
-                    export_dir, policy, ids, mask, reference, dtype)
+                    export_dir, policy, ids, mask, reference, dtype, fp8_kernel)
     else:
         loaders["transformers"] = {"status": "unsupported", "why": "transformers has no loader for "
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}

@@ -225,6 +225,18 @@ def fp8_kernel_scale(amax: torch.Tensor, kernel: str) -> torch.Tensor:
     return torch.reciprocal(fp8_kernel_multiplier(amax.detach().cpu().reshape(()), kernel))
 
 
+def device_kernel(device: torch.device) -> str:
+    """Which of ModelOpt's FP8 kernels fake-quantizes on `device` (see `fp8_kernel_scale`): "cuda" or "cpu"."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor, kernel: str) -> torch.Tensor:
+    """ModelOpt's FP8 fake quant of `x` as `kernel` computes it, on any device: what a run on that kernel's device
+    trained with, reproduced on another (an export on the CPU of a model trained on a GPU)."""
+    multiplier = fp8_kernel_multiplier(amax.to(x.device), kernel)
+    return decode_fp8_codes(fp8_codes(x, multiplier), torch.reciprocal(multiplier), x.dtype)
+
+
 def fp8_kernel_multiplier(amax: torch.Tensor, kernel: str) -> torch.Tensor:
     """`scale` of ModelOpt's FP8 fake quant, 448 / amax (fp32, zero amax -> 1) as `kernel` rounds it (see
     `fp8_kernel_scale`), elementwise and on amax's device."""
@@ -246,13 +258,14 @@ def decode_fp8_codes(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (codes.float() * scale).to(dtype)
 
 
-def encode_fp8(w_q: torch.Tensor, amax: torch.Tensor, name: str) -> FP8Weight:
+def encode_fp8(w_q: torch.Tensor, amax: torch.Tensor, name: str, kernel: str | None = None) -> FP8Weight:
     """Encode `w_q` (= weight_quantizer(W), E4M3 code * inv_scale) back into its E4M3 codes.
 
-    The kernel of the device that computed `w_q` is tried first, then the other one. Whichever
-    decodes to `w_q` exactly is stored.
+    `kernel` (default: the one of the device that computed `w_q`) is tried first, then the other one. Whichever
+    decodes to `w_q` exactly is stored (where both do, the scale is the same).
     """
-    kernels = ("cuda", "cpu") if w_q.is_cuda else ("cpu", "cuda")
+    first = kernel or device_kernel(w_q.device)
+    kernels = (first, "cpu" if first == "cuda" else "cuda")
     for kernel in kernels:
         inv = fp8_kernel_scale(amax, kernel)
         inv = inv.to(w_q.device)

@@ -314,6 +314,37 @@ def test_fp8_encode_follows_the_kernel_that_quantized():
         assert torch.equal(bits(encoded.codes.float() * encoded.scale), bits(w_q))
 
 
+def test_an_export_reproduces_the_fp8_kernel_its_checkpoint_trained_under(runs, tmp_path):
+    """A run on a GPU trains under ModelOpt's CUDA FP8 kernel (448 / amax a true division); exported on a CPU, whose
+    kernel multiplies by the reciprocal, the weights and scales written are still the CUDA kernel's: the checkpoint
+    records its kernel (`trained_fp8_kernel`). The record of a GPU run is written here by hand (CI has no GPU), on a
+    layer whose amax the two kernels round differently."""
+    from safetensors.torch import save_file
+
+    from qarl.quant.state_file import FP8_KERNEL, QUANTIZER_STATE, trained_fp8_kernel
+    from qarl.quant.codes import fp8_kernel_scale
+    from qarl.run_dir import latest_checkpoint, write_manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["fp8_w8a8"][0], run)
+    checkpoint = latest_checkpoint(run)
+    assert trained_fp8_kernel(checkpoint) == "cpu"  # saved on this CPU
+    state = load_file(str(checkpoint / QUANTIZER_STATE))
+    name = next(k for k in state if k.endswith("mlp.down_proj.weight_quantizer"))
+    amax = next(a for a in torch.linspace(0.5, 2.0, 300).tolist()
+                if fp8_kernel_scale(torch.tensor(a), "cpu") != fp8_kernel_scale(torch.tensor(a), "cuda"))
+    state[name] = torch.full_like(state[name], amax)
+    save_file(state, str(checkpoint / QUANTIZER_STATE), metadata={FP8_KERNEL: "cuda"})
+    write_manifest(checkpoint)
+    summary = export_checkpoint(run, "export/fp8_w8a8_modelopt.yaml", tmp_path / "out")
+    assert summary["fp8_kernel"] == "cuda"
+    layer = name.removesuffix(".weight_quantizer")
+    assert torch.equal(tensors(tmp_path / "out")[f"{layer}.weight_scale"], fp8_kernel_scale(torch.tensor(amax), "cuda"))
+    report = verify_export(tmp_path / "out", run)  # decoded against the CUDA kernel's W_q, bit for bit
+    assert report["ok"] and report["fp8_kernel"] == "cuda", report["weights"]
+    assert report["weights"]["quantized"]["bit_identical"] == report["weights"]["quantized"]["params"]
+
+
 def test_sharded_export_loads(runs, tmp_path):
     target = tmp_path / "fp8_small_shards.yaml"
     target.write_text("name: fp8_small_shards\nquant_format: fp8_w8a8\ndisk_format: compressed_tensors\n"
