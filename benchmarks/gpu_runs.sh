@@ -260,6 +260,18 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/gpu_rollout.py --model "$shape_dir" --batches 256 --tokens 1024 --repeats 2 --memory 0.25 \
       --no-plain --formats nvfp4_w4a4 --exact --out "$out/rollout_user_shape_exact.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
     ;;
+  kv_cache_user_shape)  # issue 73 item 5: the FP8 KV cache at the user shape, 256 tokens decoded after prompts that
+    # fill 1k, 4k and 16k-token contexts: each engine's cache in tokens and sequences, tokens/s, bf16 cache against
+    # FP8, plain vLLM beside qarl's engine (each a fifth of the GPU)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    for context in "1024 256" "4096 64" "16384 16 32"; do
+      set -- $context
+      length="$1"; shift
+      python3 benchmarks/gpu_rollout.py --model "$shape_dir" --prompt-tokens $((length - 256)) --tokens 256 \
+        --batches "$@" --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
+        --out "$out/kv_cache_user_shape_$length.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
+    done
+    ;;
   parity_graphs)
     for eager in false true; do
       qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "policy.generation.enforce_eager=$eager" --json \

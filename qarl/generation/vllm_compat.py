@@ -62,6 +62,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
     # the scheduler's limits
     "scheduler_config", "max_num_batched_tokens",
+    # the KV cache's size
+    "cache_config", "num_gpu_blocks",
     # model loading and layers
     "register_model_loader", "DefaultModelLoader", "LinearBase",
     # the exact forward's kernels and settings
@@ -291,10 +293,20 @@ def attend_cpu_requests(attend: Attend) -> None:
 KV_CACHE_DTYPE = "fp8"  # vLLM's FP8 E4M3 KV cache (`kv_cache_dtype`: "fp8" is "fp8_e4m3")
 
 
+def kv_cache_tokens(llm: Any) -> int:
+    """How many tokens an engine's KV cache holds: its blocks times their size, as vLLM sized them at start-up
+    (`llm.llm_engine.vllm_config.cache_config`: `num_gpu_blocks`, on CPU too, and `block_size`). Checked: 0.32.0
+    (CPU)."""
+    check_version()
+    cache = llm.llm_engine.vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size
+
+
 def attention_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{Hugging Face name of an attention module (`model.layers.0.self_attn`): the engine's attention layer that
     holds its KV cache}: vLLM's `Attention` layers (each with its `_k_scale` buffer and `kv_cache_dtype`), which
-    vLLM's models name `<attention module>.attn`. Checked: 0.32.0 (CPU); not yet run on a GPU."""
+    vLLM's models name `<attention module>.attn`. Checked: 0.32.0 (CPU), 0.26.0 (GPU: an H200,
+    tests/integration/test_gpu_kv_cache.py)."""
     check_version()
     return {name.removesuffix(".attn"): module for name, module in model.named_modules()
             if isinstance(getattr(module, "_k_scale", None), torch.Tensor) and hasattr(module, "kv_cache_dtype")}
@@ -317,7 +329,7 @@ def detach_kv_cache_scales(module: nn.Module) -> None:
 
 
 def kv_cache_scale_device(layer: nn.Module) -> torch.device:
-    """Where a vLLM attention layer keeps its KV scales (`_k_scale`). Checked: 0.32.0 (CPU); not yet run on a GPU."""
+    """Where a vLLM attention layer keeps its KV scales (`_k_scale`). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     return layer._k_scale.device
 
 
@@ -328,8 +340,8 @@ def write_kv_cache_scales(layer: nn.Module, scale: torch.Tensor) -> None:
     once, which is why a GPU engine refuses the cache by default: vllm_engine.check_kv_cache) and host tensors
     `_k_scale_cpu`, `_v_scale_cpu` (vllm/model_executor/layers/attention/attention.py
     `set_default_quant_scales`). vLLM stores fp8(k / k_scale) and reads fp8 x k_scale. The query's and the
-    probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU); not yet run on a
-    GPU (tests/integration/test_gpu_kv_cache.py)."""
+    probabilities' scales (`_q_scale`, `_prob_scale`) stay as vLLM set them. Checked: 0.32.0 (CPU), 0.26.0 (GPU: an
+    H200, tests/integration/test_gpu_kv_cache.py: the refit's scales read back equal under CUDA graphs)."""
     check_version()
     layer._k_scale.copy_(scale[0])
     layer._v_scale.copy_(scale[1])

@@ -9,6 +9,7 @@ import torch
 
 from qarl.config import GenerationConfig
 from qarl.generation import VLLMEngine, vllm_compat
+from qarl.memory import GiB, ModelShape, kv_cache_token_bytes
 from qarl.parity import measure
 from qarl.quant.codes import fp8_kernel_scale
 from tests.conftest import tiny_policy
@@ -27,6 +28,11 @@ def test_fp8_kv_cache_synced_to_the_bit_and_unsynced_worse(task, tiny_dir):
             wanted = torch.stack([fp8_kernel_scale(attention.k_bmm_quantizer.amax, "cpu"),
                                   fp8_kernel_scale(attention.v_bmm_quantizer.amax, "cpu")])
             assert torch.equal(vllm_compat.kv_cache_scales(layer).scale, wanted), name
+        # the memory plan's count of the one-byte cache is what vLLM sized (to within one block)
+        planned = GenerationConfig().cpu_kv_cache_gib * GiB // kv_cache_token_bytes(ModelShape.of(tiny_dir),
+                                                                                    "float32", fp8=True)
+        held = vllm_compat.kv_cache_tokens(engine.llm)
+        assert 0 <= planned - held < 128, (planned, held)
         prompts = [policy.tokenizer(p.prompt).input_ids for p in task.eval[:16]]
         synced = measure(engine, policy, prompts, 24, seed=0)
         assert synced.tokens > 200 and synced.mean_abs == 0.0 and synced.flipped_tokens == 0, synced
