@@ -36,7 +36,8 @@ def check(cfg: PolicyConfig) -> None:
 
 def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
     """The model in `dtype`; a Mixture-of-Experts model's experts one by one (transformers' eager experts, the order
-    ModelOpt's quantized experts and the engine's CPU experts compute in), whether quantized or not."""
+    ModelOpt's quantized experts and the engine's CPU experts compute in), whether quantized or not; on CPU its MoE
+    blocks compute as the CPU engine's (qarl/models/cpu_moe.py)."""
     config = load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code)
     experts = {"experts_implementation": "eager"} if config_has_experts(config) else {}
     model = AutoModelForCausalLM.from_pretrained(
