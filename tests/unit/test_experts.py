@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from qarl.config import ConfigError
 from qarl.models.block_attention import ATTENTION as BLOCKS
 from qarl.models.block_attention import enable_block_attention
+from qarl.models.cpu_moe import enable_cpu_moe
 from qarl.models.experts import CHECKPOINT_NAMES, check_experts, expert_weights, fuse_expert_weights, is_fused_experts
 from qarl.models.resolve import resolve_model_dir
 from tests.conftest import W4A16, answer_loss, tiny_policy
@@ -53,8 +54,9 @@ def test_the_fold_is_what_the_quantized_forward_computes_with(task, moe_dir):
     folded = dict(folded_weights(policy.model))
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in folded and not any(k.endswith("gate_up_proj") for k in folded)
     plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32, experts_implementation="eager")
-    if policy.model.config._attn_implementation == BLOCKS:  # the attention a CPU policy computes with
+    if policy.model.config._attn_implementation == BLOCKS:  # the attention (and MoE blocks) a CPU policy computes with
         enable_block_attention(plain)
+        enable_cpu_moe(plain)
     unquantized = {k: v.clone() for k, v in plain.state_dict().items()}
     missing, unexpected = plain.load_state_dict(fuse_expert_weights(folded, "qwen3_moe"), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -149,8 +151,9 @@ def test_the_dequantized_export_is_the_policy(task, moe_dir, tmp_path):
     assert any(".experts.3.down_proj.weight" in k for k in load_file(str(tmp_path / "plain" / "model.safetensors")))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32,
                                                   experts_implementation="eager")
-    if policy.model.config._attn_implementation == BLOCKS:  # the attention a CPU policy computes with
+    if policy.model.config._attn_implementation == BLOCKS:  # the attention (and MoE blocks) a CPU policy computes with
         enable_block_attention(loaded)
+        enable_cpu_moe(loaded)
     ids = torch.tensor([policy.tokenizer(p.prompt).input_ids for p in task.eval[:4]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, policy.model(ids).logits)
