@@ -1,6 +1,6 @@
 """LoRA end to end (QA-GRPO with policy.lora, tests/loops.py's few steps, real vLLM in subprocesses): adapter-only
-refits and small checkpoints tied to their base, exact resume after SIGKILL, and the qlora export (base + PEFT
-adapter)."""
+refits and small checkpoints tied to their base, exact resume after SIGKILL (`-m slow`), and the qlora export (base +
+PEFT adapter)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def test_lora_run_refits_only_adapters_and_keeps_small_checkpoints(lora_run):
     assert weights < 0.25 * (base / "model.safetensors").stat().st_size
 
 
+@pytest.mark.slow  # exact resume after SIGKILL: tests/e2e/test_loops.py; a LoRA checkpoint loads: the tests below
 def test_lora_resume_after_sigkill_is_exact(lora_run, tmp_path):
     run_dir = tmp_path / "killed"
     kill_after_first_checkpoint(_train_cmd(run_dir), run_dir)

@@ -1,7 +1,7 @@
 """The Megatron backend in the training loops (`policy.backend=megatron`), end to end on the embedded default with
 real megatron-core, ModelOpt, vLLM and torch.distributed: QA-GRPO at TP=2 (two processes under torchrun, gloo,
-vLLM's external launcher) follows the HF backend's run and resumes exactly after SIGKILL; checkpoints are Hugging
-Face ones with fp32 master weights; QAD runs on it."""
+vLLM's external launcher) follows the HF backend's run and resumes exactly after SIGKILL (`-m slow`, as does
+the data-parallel layout); checkpoints are Hugging Face ones with fp32 master weights; QAD runs on it."""
 
 from __future__ import annotations
 
@@ -37,20 +37,35 @@ def run(command: list[str]) -> None:
     subprocess.run(command, check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+class RunsOnDemand:
+    """Named runs, each made on first use and kept for the module: a run only a `-m slow` test reads is not made in
+    the default suite."""
+
+    def __init__(self, commands: dict[str, tuple[Path, list[str]]]):
+        self._commands, self._made = commands, set()
+
+    def __getitem__(self, name: str) -> Path:
+        run_dir, command = self._commands[name]
+        if name not in self._made:
+            run(command)
+            self._made.add(name)
+        return run_dir
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory) -> RunsOnDemand:
     """The same QA-GRPO run (fp32) on the HF backend and, on the Megatron backend, at TP=2 and data parallel (two
     processes at TP=1), and a mixed-precision Megatron run (bf16 compute, fp32 masters)."""
     root = tmp_path_factory.mktemp("megatron_train")
-    out = {"hf": root / "hf", "tp2": root / "tp2", "dp2": root / "dp2", "mixed": root / "mixed"}
-    run(GRPO.command(out["hf"], *BETA))
-    run(two_processes(out["tp2"]))
-    run(two_processes(out["dp2"], 1))
-    run(GRPO.command(out["mixed"], *MEGATRON, "policy.dtype=bfloat16"))
-    return out
+    return RunsOnDemand({"hf": (root / "hf", GRPO.command(root / "hf", *BETA)),
+                         "tp2": (root / "tp2", two_processes(root / "tp2")),
+                         "dp2": (root / "dp2", two_processes(root / "dp2", 1)),
+                         "mixed": (root / "mixed", GRPO.command(root / "mixed", *MEGATRON, "policy.dtype=bfloat16"))})
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+# dp2 with -m slow: the data-parallel gradients equal the HF backend's in tests/integration/test_megatron.py
+# (test_megatron_data_parallel_gradients); a DP=2 Megatron QA-GRPO run trains in tests/e2e/test_megatron_multinode.py
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("dp2", marks=pytest.mark.slow)])
 def test_megatron_qa_grpo_in_two_processes_follows_the_hf_backend(runs, layout):
     """fp32: the Megatron policy in two processes (TP=2, or two data-parallel ranks, each backpropagating its share
     of the micro-batches) and its engine spanning both sample what the HF backend's run samples (the same
@@ -83,6 +98,7 @@ def test_megatron_tp2_checkpoint_is_a_hugging_face_one(runs):
         load_trainer_state(checkpoint)
 
 
+@pytest.mark.slow  # exact resume after SIGKILL: tests/e2e/test_loops.py (both loops) in the default suite
 def test_megatron_tp2_resume_after_sigkill_reproduces_the_uninterrupted_run(runs, tmp_path):
     """Killed after its step-2 checkpoint and resumed at TP=2: the uninterrupted run's metrics, every value. It keeps
     one checkpoint of every step, so the resumed policy's own source directory is gone before its last save."""
