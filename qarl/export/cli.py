@@ -112,9 +112,10 @@ def _export(args: argparse.Namespace) -> dict[str, Any]:
     from qarl.export.targets import load_target
 
     target = load_target(args.target)
-    policy, source = load_source(args.checkpoint, target, args.calibrate, args.calib_data)
+    policy, source, fp8_kernel = load_source(args.checkpoint, target, args.calibrate, args.calib_data)
     result: dict[str, Any] = {"export": export_policy(policy, target, args.out, source=source,
-                                                      source_dir=Path(policy.model_dir), overwrite=args.overwrite)}
+                                                      source_dir=Path(policy.model_dir), overwrite=args.overwrite,
+                                                      fp8_kernel=fp8_kernel)}
     result["export"]["ptq"] = bool(args.calibrate)
     if args.calibrate:
         result["warnings"] = [ptq_warning(source, target.resolved_format().source, args.calib_data)]

@@ -96,14 +96,15 @@ def target_scheme(target: ExportTarget) -> str:
 def load_source(source: str | Path, target: ExportTarget, calibrate: bool = False, calib_data: str = "task"):
     """Check a checkpoint (or, with calibrate, any model) cheaply, then load the quantized policy.
 
-    Returns (policy, source label). With `calibrate`, the policy is quantized now (PTQ) and a
-    warning says so.
+    Returns (policy, source label, the FP8 kernel a trained checkpoint recorded: `trained_fp8_kernel`, None for
+    PTQ and older checkpoints). With `calibrate`, the policy is quantized now (PTQ) and a warning says so.
     """
     from qarl.checkpoint import (checkpoint_format, checkpoint_model_dir, load_policy_checkpoint, model_dir_dtype,
                                  trained_dtype)
     from qarl.run_dir import resolve_checkpoint
     from qarl.models.resolve import resolve_model_dir
     from qarl.policy import build_policy
+    from qarl.quant.state_file import trained_fp8_kernel
 
     path = Path(str(source)).expanduser()
     is_checkpoint = is_run_or_checkpoint(path)
@@ -127,7 +128,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
             check_target_matches(trained, target)
             cfg = PolicyConfig(model_name=str(model_dir), dtype=trained_dtype(checkpoint))
             with timed(f"loading {checkpoint}"):  # (the first load imports ModelOpt: tens of seconds on a CPU)
-                return load_policy_checkpoint(checkpoint, cfg), str(checkpoint)
+                return load_policy_checkpoint(checkpoint, cfg), str(checkpoint), trained_fp8_kernel(checkpoint)
         if not calibrate:
             raise ConfigError(f"checkpoint {checkpoint} has no quantizer state (trained unquantized, "
                               "policy.quant_cfg=none). Export it with --calibrate for post-training quantization "
@@ -140,7 +141,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
     warnings.warn(ptq_warning(source_label, fmt.source, calib_data), UserWarning, stacklevel=2)
     cfg = PolicyConfig(model_name=str(model_dir), dtype=model_dir_dtype(model_dir), quant_calib_data=calib_data)
     texts = _task_texts(cfg) if calib_data == "task" else []
-    return build_policy(cfg, texts, model_dir=str(model_dir), fmt=fmt, calibrate=True), source_label
+    return build_policy(cfg, texts, model_dir=str(model_dir), fmt=fmt, calibrate=True), source_label, None
 
 
 def ptq_warning(source: str, fmt_source: str, calib_data: str) -> str:
@@ -470,15 +471,14 @@ def export_checkpoint(checkpoint, target: ExportTarget | str | Path, out_dir: st
     with fresh calibration on `calib_data` ("task": the embedded task's prompts); it warns, because the
     result was never trained in that format.
     """
-    from qarl.quant.state_file import trained_fp8_kernel
     from qarl.policy import Policy
 
     target = target if isinstance(target, ExportTarget) else load_target(target)
     check_out_dir(Path(out_dir), overwrite)
     if isinstance(checkpoint, Policy):
         return export_policy(checkpoint, target, out_dir, overwrite=overwrite)
-    policy, source = load_source(checkpoint, target, calibrate, calib_data)
+    policy, source, fp8_kernel = load_source(checkpoint, target, calibrate, calib_data)
     summary = export_policy(policy, target, out_dir, source=source, source_dir=Path(policy.model_dir),
-                            overwrite=overwrite, fp8_kernel=trained_fp8_kernel(Path(source)))
+                            overwrite=overwrite, fp8_kernel=fp8_kernel)
     summary["ptq"] = calibrate
     return summary

@@ -314,7 +314,7 @@ def test_fp8_encode_follows_the_kernel_that_quantized():
         assert torch.equal(bits(encoded.codes.float() * encoded.scale), bits(w_q))
 
 
-def test_an_export_reproduces_the_fp8_kernel_its_checkpoint_trained_under(runs, tmp_path):
+def test_an_export_reproduces_the_fp8_kernel_its_checkpoint_trained_under(runs, tmp_path, capsys):
     """A run on a GPU trains under ModelOpt's CUDA FP8 kernel (448 / amax a true division); exported on a CPU, whose
     kernel multiplies by the reciprocal, the weights and scales written are still the CUDA kernel's: the checkpoint
     records its kernel (`trained_fp8_kernel`). The record of a GPU run is written here by hand (CI has no GPU), on a
@@ -343,6 +343,9 @@ def test_an_export_reproduces_the_fp8_kernel_its_checkpoint_trained_under(runs, 
     report = verify_export(tmp_path / "out", run)  # decoded against the CUDA kernel's W_q, bit for bit
     assert report["ok"] and report["fp8_kernel"] == "cuda", report["weights"]
     assert report["weights"]["quantized"]["bit_identical"] == report["weights"]["quantized"]["params"]
+    code, result = _cli([str(run), "--target", "export/fp8_w8a8_modelopt.yaml", "--out", str(tmp_path / "cli"),
+                         "--then-verify"], capsys)  # `qarl export` takes the same path
+    assert code == 0 and result["export"]["fp8_kernel"] == "cuda" and result["verify"]["ok"]
 
 
 def test_sharded_export_loads(runs, tmp_path):
