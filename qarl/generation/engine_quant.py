@@ -26,7 +26,7 @@ from qarl.config import ConfigError
 from qarl.generation import exact, vllm_compat
 from qarl.quant.kernels import install as install_kernels
 from qarl.quant.mixins import with_mixin, without_mixin
-from qarl.quant.codes import decode_fp8_codes, device_kernel, fp8_codes, fp8_kernel_multiplier
+from qarl.quant.codes import decode_fp8_codes, fp8_codes, fp8_kv_cache_multipliers
 from qarl.quant.ops import (EXPERT_INPUT_QUANTIZERS, KV_CACHE, InputQuant, expert_input_key, fake_quant_input,
                             is_expert_input, is_kv_cache, kv_cache_key)
 
@@ -75,8 +75,7 @@ class KVCacheScales(nn.Module):
     def load_amax(self, key_amax: torch.Tensor, value_amax: torch.Tensor) -> None:
         """The scales of the policy's key and value amax, in place, as the kernel of the policy's device rounds them
         (`fp8_kernel_multiplier`: ModelOpt's CPU path multiplies by the reciprocal, its CUDA extension divides)."""
-        amax = torch.stack([key_amax.reshape(()), value_amax.reshape(())]).to(self.multiplier.device)
-        self.multiplier.copy_(fp8_kernel_multiplier(amax, device_kernel(key_amax.device)))
+        self.multiplier.copy_(fp8_kv_cache_multipliers(key_amax, value_amax, self.multiplier.device))
         self.scale.copy_(torch.reciprocal(self.multiplier))
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

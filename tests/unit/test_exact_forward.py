@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from qarl.backends.exact_forward import (EngineOp, _add_norm_gradient, _norm_gradient, _reference_attention,
-                                         _reference_norm, _reference_rotary, _reference_silu_and_mul,
-                                         _silu_and_mul_gradient, autograd_of)
+                                         _reference_fp8_attention, _reference_norm, _reference_rotary,
+                                         _reference_silu_and_mul, _silu_and_mul_gradient, autograd_of,
+                                         kv_cache_quantizers, kv_cache_scale)
 from qarl.config import ConfigError, PolicyConfig, load_recipe
 
 
@@ -115,6 +116,48 @@ def test_the_attention_reference_is_causal_attention_within_each_sequence():
     index = (torch.arange(width) < torch.tensor(lengths)[:, None]).flatten().nonzero().squeeze(1)
     torch.testing.assert_close(_reference_attention(q, k, v, index, (len(lengths), width), scale), torch.cat(rows),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_fp8_cache_reference_attends_with_the_engines_fp8_values_and_passes_gradients_straight_through():
+    """The FP8-cache attention's gradient reference (`_reference_fp8_attention`): its forward is attention of the
+    values the engine's cache holds (keys and values as E4M3 at their scales, queries at scale 1), and its gradient is
+    attention's gradient at those values, handed to the unrounded inputs unchanged (the straight-through estimator)."""
+    lengths, scale, kv_scale = [5, 12], 0.125, torch.tensor([0.02, 0.005])
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(17, heads, 16, generator=generator) for heads in (4, 2, 2))
+    index = (torch.arange(12) < torch.tensor(lengths)[:, None]).flatten().nonzero().squeeze(1)
+    reference = partial(_reference_attention, index=index, grid=(2, 12), scale=scale)
+    as_cached = [(t / s).to(torch.float8_e4m3fn).float() * s for t, s in zip((q, k, v), (1.0, *kv_scale.tolist()))]
+    assert all(not torch.equal(a, t) for a, t in zip(as_cached, (q, k, v)))  # the rounding is there to see
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _reference_fp8_attention(reference, *inputs, kv_scale=kv_scale)
+    rounded = [t.clone().requires_grad_() for t in as_cached]
+    want = reference(*rounded)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    want.backward(grad)
+    for got, expected in zip(inputs, rounded):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_the_exact_forwards_kv_scales_are_the_ones_a_refit_writes(task, tiny_dir):
+    """The exact forward attends with the very scales the engine's refit writes into k_scale and v_scale (one rule,
+    `fp8_kv_cache_multipliers`); keys quantized without values are refused."""
+    from qarl.generation.engine_quant import KVCacheScales
+
+    from tests.conftest import tiny_policy
+
+    policy = tiny_policy(task, tiny_dir, "nvfp4_a16_kv_fp8")
+    attention = policy.model.model.layers[1].self_attn
+    attention.__dict__["_qarl_kv_quantizers"] = kv_cache_quantizers(attention)
+    engine = KVCacheScales("model.layers.1.self_attn", torch.device("cpu"))
+    engine.load_amax(attention.k_bmm_quantizer.amax, attention.v_bmm_quantizer.amax)
+    assert torch.equal(kv_cache_scale(attention), engine.scale)
+    assert kv_cache_scale(tiny_policy(task, tiny_dir, "nvfp4_a16").model.model.layers[1].self_attn) is None
+    attention.v_bmm_quantizer.disable()
+    with pytest.raises(ConfigError, match="FP8_KV_CFG"):
+        kv_cache_quantizers(attention)
 
 
 def test_engine_op_backward_is_the_gradient_of_its_reference():
