@@ -38,6 +38,12 @@
 #             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled; FORMAT:
 #             a quant config other than NVFP4 W4A4, e.g. quant_configs/fp8_w8a8.yaml, profiled into user_shape_NAME)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
+#   kv_cache_exact  the FP8 KV cache's GPU tests (refits in place under graphs; the exact forward's parity with the
+#             cache), then `qarl parity` of the 0.5B model with the cache, exact forward on and off (issue 73 item 2)
+#   kv_cache_user_shape  the FP8 KV cache at the user shape: cache capacity and decode tokens/s after 1k/4k/16k-token
+#             contexts, bf16 cache against FP8, plain vLLM beside qarl's engine (issue 73 item 5); for QA-GRPO with
+#             and without the cache: exact_grpo OUT nvfp4_a16_kv_fp8 true|false (false needs
+#             policy.generation.allow_quant_mismatch=true: EXTRA)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   fast_settings [K]  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
@@ -315,6 +321,18 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
   exact_tests)
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30
     ;;
+  kv_cache_exact)
+    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_kv_cache.py tests/integration/test_gpu_exact.py \
+      -k "kv_cache or fp8 or kernel" 2>&1 | grep -E "FP8|bf16 cache|kv_fp8|^E |passed|failed" | head -40
+    kv_formats="[quant_configs/nvfp4_a16_kv_fp8.yaml,quant_configs/fp8_w8a8_kv_fp8.yaml]"
+    for exact in true false; do
+      name="parity_kv_cache_exact_$exact"
+      qarl parity recipes/parity_0p5b_gpu.yaml policy.dtype=bfloat16 "policy.exact_forward=$exact" \
+        "policy.generation.allow_quant_mismatch=$([ $exact = true ] && echo false || echo true)" \
+        "parity.formats=$kv_formats" --json > "$out/$name.json" 2> "$out/$name.log"
+      echo "== FP8 KV cache, exact forward $exact"; tail -3 "$out/$name.log"; show_parity "$out/$name.json"
+    done
+    ;;
   megatron)
     gpus=$(nvidia-smi -L | wc -l)
     torchrun --standalone --nproc_per_node "$gpus" benchmarks/megatron_parity.py --model embedded:0.5b \
@@ -373,7 +391,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     name="qa_grpo_0p5b_$3_exact_$4${SEED:+_seed$SEED}"
     qarl train recipes/qa_grpo_0p5b_gpu.yaml "policy.quant_cfg=quant_configs/$3.yaml" "policy.exact_forward=$4" \
       "run.dir=runs/$name" checkpoint.every=1000 "warm_start.steps=${WARM_START_STEPS:-80}" "trainer.steps=${STEPS:-100}" \
-      "run.seed=${SEED:-0}" warm_start.seed=0 task.seed=0 2>&1 | grep -v -i "warn\|it/s\]" | tail -3
+      "run.seed=${SEED:-0}" warm_start.seed=0 task.seed=0 ${EXTRA:-} 2>&1 | grep -v -i "warn\|it/s\]" | tail -3
     keep "runs/$name" "$name"
     show_steps "runs/$name" "$3 exact_forward=$4"
     ;;
