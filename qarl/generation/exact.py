@@ -221,7 +221,7 @@ def _paged(q: torch.Tensor, caches: list[torch.Tensor], layout: PagedLayout, sca
     heads] as vLLM passes them."""
 
     def run(queries: Queries) -> torch.Tensor:
-        rows = q if queries.rows is None else q[queries.rows]
+        rows = q if queries.rows is None else _pick_rows(q, queries.rows)
         fp8 = {}
         if descales is not None:
             shape = (queries.cu_seqlens_q.shape[0] - 1, caches[0].shape[2])
@@ -239,6 +239,13 @@ def _paged(q: torch.Tensor, caches: list[torch.Tensor], layout: PagedLayout, sca
     out[layout.prefill.rows] = run(layout.prefill)
     out[layout.decode.rows] = run(layout.decode)
     return out
+
+
+def _pick_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`t[rows]`; FP8 rows picked as their bytes (an indexing kernel need not take FP8 dtypes)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)[rows].view(t.dtype)
+    return t[rows]
 
 
 @functools.lru_cache(maxsize=None)
