@@ -18,7 +18,8 @@ LABELS = {"grpo_bf16": "GRPO (bf16)", "qa_grpo_w4a16": "QA-GRPO NVFP4 W4A16", "q
           "qad_base_w4a4": "QAD NVFP4 W4A4 from the base (stage 1)",
           "qad_then_qa_grpo_w4a4": "QAD, then QA-GRPO NVFP4 W4A4 (stage 2, exact)",
           "qad_base_w4a16": "QAD NVFP4 W4A16 from the base (stage 1)",
-          "qad_then_qa_grpo_w4a16": "QAD, then QA-GRPO NVFP4 W4A16 (stage 2)"}
+          "qad_then_qa_grpo_w4a16": "QAD, then QA-GRPO NVFP4 W4A16 (stage 2)",
+          "qad_grpo_then_qa_grpo_w4a4": "GRPO, QAD, then QA-GRPO NVFP4 W4A4 (stage 3, exact)"}
 
 
 def curves(folder: Path) -> dict[str, list[list[tuple[int, float]]]]:

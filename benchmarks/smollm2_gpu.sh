@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M-Instruct results (docs/results/smollm2.md): GRPO in bf16 and QA-GRPO in NVFP4 W4A16, FP8 and NVFP4
-# W4A4, three seeds each, QAD W4A4 from the GRPO model, the two-stage recipes (QAD from the base, then QA-GRPO), then
-# `qarl matrix` over them, on the GPUs of one machine (a 135M model leaves an H200 mostly idle: the runs share the
-# GPUs, at most MAX_RUNS_PER_GPU training runs on each at a time).
+# W4A4, three seeds each, QAD W4A4 from the GRPO model, the two-stage recipes (QAD from the base, then QA-GRPO), the
+# three stages (GRPO, QAD from it, then QA-GRPO W4A4), then `qarl matrix` over them, on the GPUs of one machine (a
+# 135M model leaves an H200 mostly idle: the runs share the GPUs, at most MAX_RUNS_PER_GPU training runs on each at a
+# time).
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
 # Runs, logs and tables go under WORKDIR/runs/smollm2/ (WORKDIR: a copy of the checkout that `start` makes, default
 # /tmp/qarl_smollm2, so that a machine which lays the checkout afresh at each call keeps the pipeline's files);
@@ -13,23 +14,48 @@
 #             elsewhere `pip install -e '.[smollm2]'` does it)
 #   start     copies the checkout to WORKDIR and starts the whole pipeline below there, in a process session of its
 #             own (it outlives the call; `wait` follows it)
-#   pipeline  the training runs of RUNS x SEEDS in RUNS' order (QAD once GRPO's seed 0, its teacher, is done), each
-#             on the GPU with the fewest runs once it has a free slot; each `qarl matrix` whose runs are all in RUNS
+#   pipeline  the training runs of RUNS x SEEDS in RUNS' order, each on the GPU with the fewest runs once it has a
+#             free slot and the run it starts from is done (FROM below); each `qarl matrix` whose runs are all in RUNS
 #             with SEEDS as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and
 #             its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4).
-#             Two-stage kinds (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from the run of their first
-#             stage's kind (qad_base_w4a16, qad_base_w4a4) of the same seed once it is done: list both in RUNS.
+#             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
+#             seed (else the pipeline stops at once, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
+#             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
+#             the QAD from the base of their seed (qad_base_w4a16, qad_base_w4a4); the third stage of GRPO, QAD, then
+#             QA-GRPO W4A4 (qad_grpo_then_qa_grpo_w4a4) from qad_w4a4's.
 #             A kind in RUNS may name its own seeds, KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5: more seeds of a row;
-#             the matrices name seeds 0-2, so a kind given other seeds makes no table)
+#             the matrices name seeds 0-2, so a kind given other seeds makes no table).
+#             ARGS_KIND="key=value ..." adds recipe overrides to every run of KIND (e.g. ARGS_qad_base_w4a4=
+#             "trainer.steps=80": a longer stage 1); the runs' config.yaml (in `keep`) records them.
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
-#   keep TAR  every run's metrics.jsonl and config, the logs, the three tables and the learning curves, as one tar
-#             (unpack it into benchmarks/results/gpu/)
+#   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the three tables and the learning curves, as one
+#             tar (unpack it into benchmarks/results/gpu/)
 # Runs sharing a GPU do not let their engines sleep (a sleeping engine frees memory, which a neighbour's start-up
 # would see), update in micro-batches of 8 (memory), and each engine takes a fixed KV cache of KV_GIB (with it vLLM
 # skips its start-up memory profile, which fails when a neighbour frees memory meanwhile).
 # A part of the pipeline: e.g. RUNS="grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4" (GRPO is QAD's teacher and the PTQ rows, so
 # every table needs it). One H200 runs nine at a time (MAX_RUNS_PER_GPU=9: ~10 s a step each).
+#
+# Wall time on one H200 (2026-12-05, benchmarks/results/gpu/smollm2/two_stage/: pipeline.log's starts, each log's
+# last timestamp), from a run's launch to its end, start-up (1-2.5 min) and evaluations included: GRPO bf16, 60
+# steps, six runs sharing the GPU: 5.8-6.0 min (3.1-3.4 s a step); QAD from the base, 40 steps, two engines, six
+# then three sharing: 8.9-9.0 min (5.5 s a step); QA-GRPO W4A4 with the exact forward, 60 steps, three sharing:
+# 11.8-12.0 min (9.6-9.9 s a step, 8.6 s of it the update, whatever the answers' length). QAD from the GRPO model,
+# 100 steps (2026-11-29, more_seeds/): ~10 min (4.0 s a step: its answers are short). The seeds run side by side, so
+# a chain of kinds costs the sum of its stages whatever the number of seeds:
+#   GRPO, QAD, then QA-GRPO W4A4 as shipped (60 + 100 + 60 steps): 6 + 10 + 12 = ~28 min: no fit in a ~20-minute
+#     session. With QAD at 50 steps and the third stage at 40 (6 + 6.5 + 8 = ~20.5 min), the three seeds fit; the
+#     next GPU session's command (not yet measured; `wait 600` until it is done, then `keep`):
+#       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" ARGS_qad_w4a4="trainer.steps=50" \
+#         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40" bash benchmarks/smollm2_gpu.sh start
+#     (matrix_smollm2_qad.yaml runs beside the third stage, ~4 min; the whole chain as shipped: the same without the
+#     ARGS_, ~28 min.)
+#   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first steps (80 + 60
+#     steps: ~11.5 + 12 = ~24 min, another session):
+#       RUNS="qad_base_w4a4 qad_then_qa_grpo_w4a4" ARGS_qad_base_w4a4="trainer.steps=80 eval.every=40" \
+#         ARGS_qad_then_qa_grpo_w4a4="trainer.soft_overlong_start_step=10" bash benchmarks/smollm2_gpu.sh start
+#   On a machine of two GPUs both in one `start` (their RUNS and ARGS_ together) take the longer one's ~24 min.
 set -uo pipefail
 stage="$1"
 WORKDIR="${WORKDIR:-/tmp/qarl_smollm2}"
@@ -50,16 +76,21 @@ NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 [ "$NGPU" -ge 1 ] || NGPU=1
 ENGINE=(policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")  # runs, matrices
 SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8 "${ENGINE[@]}")
-# each kind of run: its command and recipe; QAD's teacher is GRPO's seed 0
+# each kind of run: its command and recipe
 declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a16]="train recipes/qa_grpo_smollm2.yaml"
                 [qa_grpo_fp8]="train recipes/qa_grpo_smollm2_fp8.yaml" [qa_grpo_w4a4]="train recipes/qa_grpo_smollm2_w4a4.yaml"
-                [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml teacher.model_name=runs/smollm2/grpo_bf16_s0"
+                [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml"
                 [qad_base_w4a16]="distill recipes/qad_smollm2_w4a16_from_base.yaml"
                 [qad_then_qa_grpo_w4a16]="train recipes/qad_then_qa_grpo_smollm2.yaml"
                 [qad_base_w4a4]="distill recipes/qad_smollm2_w4a4_from_base.yaml"
-                [qad_then_qa_grpo_w4a4]="train recipes/qad_then_qa_grpo_smollm2_w4a4.yaml")
-# the two-stage kinds: the first stage's kind, whose run of the same seed the second starts from (policy.model_name)
-declare -A FROM=([qad_then_qa_grpo_w4a16]=qad_base_w4a16 [qad_then_qa_grpo_w4a4]=qad_base_w4a4)
+                [qad_then_qa_grpo_w4a4]="train recipes/qad_then_qa_grpo_smollm2_w4a4.yaml"
+                [qad_grpo_then_qa_grpo_w4a4]="train recipes/qad_grpo_then_qa_grpo_smollm2_w4a4.yaml")
+# the kinds that start from another kind's run of the same seed, as KEY=KIND: the recipe key that names that run
+# (QAD's teacher, a later stage's start) and the kind; the run waits until that one is done
+declare -A FROM=([qad_w4a4]=teacher.model_name=grpo_bf16
+                 [qad_then_qa_grpo_w4a16]=policy.model_name=qad_base_w4a16
+                 [qad_then_qa_grpo_w4a4]=policy.model_name=qad_base_w4a4
+                 [qad_grpo_then_qa_grpo_w4a4]=policy.model_name=qad_w4a4)
 
 run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
   local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
@@ -94,18 +125,22 @@ free_gpu() { # the GPU with the fewest runs, if one has a free slot
   echo "$best"
 }
 
-ready() { # KIND SEED: whether a run of KIND can start (QAD needs its teacher, a second stage its first)
-  [ "$1" != qad_w4a4 ] || finished grpo_bf16_s0 || return 1
-  [ -z "${FROM[$1]:-}" ] || finished "${FROM[$1]}_s$2"
+before() { # KIND SEED: the run that KIND's run of SEED starts from (FROM), if any
+  [ -z "${FROM[$1]:-}" ] || echo "${FROM[$1]#*=}_s$2"
+}
+
+ready() { # KIND SEED: whether a run of KIND can start (QAD needs its teacher, a later stage its start)
+  local first; first="$(before "$1" "$2")"
+  [ -z "$first" ] || finished "$first"
 }
 
 launch() { # KIND SEED GPU: run_one in the background
-  local name="$1_s$2"
+  local name="$1_s$2" extra="ARGS_$1" start=() args=()
   touch "runs/smollm2/$name.gpu$3"
-  # shellcheck disable=SC2086  # RUN holds the command, the recipe and any fixed overrides, as words
-  local start=()
-  [ -z "${FROM[$1]:-}" ] || start=("policy.model_name=runs/smollm2/${FROM[$1]}_s$2")
-  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" "${start[@]}" &
+  [ -z "${FROM[$1]:-}" ] || start=("${FROM[$1]%%=*}=runs/smollm2/$(before "$1" "$2")")
+  read -ra args <<< "${!extra:-}"
+  # shellcheck disable=SC2086  # RUN holds the command and the recipe, as words
+  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" "${start[@]}" "${args[@]}" &
   echo "started $name on GPU $3: $(date)"
   sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
@@ -144,15 +179,22 @@ case "$stage" in
       [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
         || { echo "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)" >&2; exit 2; }
     done
+    pending=() names=" "
+    for entry in $RUNS; do  # KIND, or KIND:S,S,...
+      seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
+      for seed in $seeds; do pending+=("${entry%%:*} $seed"); names+="${entry%%:*}_s$seed "; done
+    done
+    for run in "${pending[@]}"; do  # a run whose start is not in RUNS would wait for it forever
+      read -r kind seed <<< "$run"
+      first="$(before "$kind" "$seed")"
+      [ -z "$first" ] || [[ "$names" == *" $first "* ]] || {
+        echo "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS" >&2
+        exit 2; }
+    done
     last=$((NGPU - 1))
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
-    pending=()
-    for entry in $RUNS; do  # KIND, or KIND:S,S,...
-      seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
-      for seed in $seeds; do pending+=("${entry%%:*} $seed"); done
-    done
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do
@@ -179,6 +221,7 @@ case "$stage" in
     for run in runs/smollm2/*/; do
       name="$(basename "$run")"
       [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "/tmp/$keep/$name.metrics.jsonl"
+      [ -f "$run/config.yaml" ] && cp "$run/config.yaml" "/tmp/$keep/$name.config.yaml"
       [ -f "$run/matrix.md" ] && cp "$run"/matrix.{md,json,png} "/tmp/$keep/" 2>/dev/null \
         && for f in md json png; do mv "/tmp/$keep/matrix.$f" "/tmp/$keep/$name.$f"; done
     done

@@ -465,6 +465,11 @@ class TrainerConfig:
     # With mask_truncated_completions a truncated completion's punishment lowers its group's baseline but gets no loss
     soft_overlong_tokens: int = knob(0, ge=0)
     soft_overlong_penalty: float = knob(1.0, ge=0)  # the punishment at the limit (DAPO: 1)
+    # The first step whose rewards get the overlong punishment; the steps before it learn from the task reward alone
+    # (a start with many truncated answers and almost no task reward, where the punishment would be the whole
+    # signal). A delay, not a ramp: a group whose rewards differ only by the punishment gets the same advantages at
+    # any weight above 0 once scaled by its std. 0: from the first step.
+    soft_overlong_start_step: int = knob(0, ge=0)
     num_iterations: int = knob(1, ge=1)  # updates on each rollout (PPO epochs)
     # Weight each token by the policy/engine probability ratio (truncated at the cap), correcting what is left of
     # the rollout/train mismatch.
@@ -706,14 +711,24 @@ def check_grpo_recipe(cfg: RecipeConfig) -> None:
         raise ConfigError(f"trainer.soft_overlong_tokens={cfg.trainer.soft_overlong_tokens} must be below "
                           f"policy.generation.max_new_tokens={limit}: the punishment falls over the last tokens before "
                           "the limit (DAPO: 4,096 of 20,480)")
+    start = cfg.trainer.soft_overlong_start_step
+    if start and not cfg.trainer.soft_overlong_tokens:
+        raise ConfigError(f"trainer.soft_overlong_start_step={start} delays the overlong punishment, which is off "
+                          "(trainer.soft_overlong_tokens=0): set trainer.soft_overlong_tokens (e.g. 64) or "
+                          "trainer.soft_overlong_start_step=0")
+    if start >= cfg.trainer.steps:
+        raise ConfigError(f"trainer.soft_overlong_start_step={start} is not below trainer.steps={cfg.trainer.steps}: "
+                          "the punishment would never apply; start it earlier, or turn it off with "
+                          "trainer.soft_overlong_tokens=0")
 
 
 def check_qad_recipe(cfg: RecipeConfig) -> None:
     """What on-policy QAD (`qarl distill`) needs of its settings together; checked as it loads."""
     _check_groups(cfg.trainer)
-    if cfg.trainer.soft_overlong_tokens:
-        raise ConfigError("trainer.soft_overlong_tokens shapes GRPO's reward; QAD learns from its teacher's KL, not "
-                          "from rewards: set trainer.soft_overlong_tokens=0")
+    for key in ("soft_overlong_tokens", "soft_overlong_start_step"):
+        if getattr(cfg.trainer, key):
+            raise ConfigError(f"trainer.{key} shapes GRPO's reward; QAD learns from its teacher's KL, not from "
+                              f"rewards: set trainer.{key}=0")
     if cfg.trainer.no_signal_watch == "stop":
         raise ConfigError("trainer.no_signal_watch=stop judges GRPO's reward groups; QAD learns from its teacher's KL "
                           "at every token and is not watched: set trainer.no_signal_watch=warn or off")

@@ -264,7 +264,7 @@ class QADSteps:
                 "eval/teacher_kl": teacher_kl(self.engine, self.run.prompts, student, teacher,
                                               self.eval_splits["test"], self.run.cfg)}
 
-    def judge(self, batch: Rollout) -> dict[str, float]:
+    def judge(self, step: int, batch: Rollout) -> dict[str, float]:
         values, parts = self.run.rewards(batch.texts, batch.answers)  # rewards[0] is the verifier
         return {"reward/mean": sum(values) / len(values), **parts}
 

@@ -46,6 +46,18 @@ def soft_overlong_penalty(lengths: torch.Tensor, truncated: torch.Tensor, max_to
     return torch.where(truncated, torch.full_like(penalty, -1.0), penalty)
 
 
+def overlong_punishment(lengths: torch.Tensor, truncated: torch.Tensor, max_tokens: int, step: int,
+                        t: TrainerConfig) -> torch.Tensor:
+    """What the loop adds to each completion's reward at `step`: DAPO's punishment scaled by
+    trainer.soft_overlong_penalty, from trainer.soft_overlong_start_step on, and 0 before it, so that a start with many
+    truncated answers and almost no task reward learns from the task first. A delay, not a ramp of the weight: a group
+    whose rewards differ only by the punishment gets the same advantages at any weight above 0 once scaled by its std
+    (scale_rewards=group), so only a weight of 0 keeps the punishment from being such a group's whole signal."""
+    if step < t.soft_overlong_start_step:
+        return torch.zeros(len(lengths))
+    return t.soft_overlong_penalty * soft_overlong_penalty(lengths, truncated, max_tokens, t.soft_overlong_tokens)
+
+
 def sequence_weights(mask: torch.Tensor, loss_type: str, batch_size: int, max_completion_length: int,
                      total_tokens: int, num_micro_batches: int) -> torch.Tensor:
     """Per-sequence factor w_i so that loss = sum_i w_i * sum_t mask_it * loss_it, summed over micro-batches,

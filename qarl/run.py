@@ -629,8 +629,9 @@ class Steps(Protocol):
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics (every eval.every steps and at the end)."""
 
-    def judge(self, batch: Rollout) -> dict[str, float]:
-        """The rollout's rewards (and what the update needs of them), before the engine sleeps; their metrics."""
+    def judge(self, step: int, batch: Rollout) -> dict[str, float]:
+        """The step's rollout's rewards (and what the update needs of them), before the engine sleeps; their
+        metrics."""
 
     def update(self, step: int, batch: Rollout) -> dict[str, float]:
         """The optimizer step(s) on the rollout; their metrics."""
@@ -687,7 +688,7 @@ def run_steps(run: Run, engine: VLLMEngine, steps: Steps, first_row: dict[str, f
 
                 problems = step_problems(run.task, step, prompts_per_step, cfg.run.seed)
                 batch = rollout(engine, run.prompts, problems, t.num_generations, seed=rollout_seed(cfg, step))
-                judged = steps.judge(batch)
+                judged = steps.judge(step, batch)
 
                 rollout_memory = device_memory_gib("rollout", driver_peak=driver_peak)
                 train_start = time.perf_counter()

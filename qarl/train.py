@@ -17,7 +17,7 @@ import torch
 
 from qarl.config import RecipeConfig, check_grpo_recipe
 from qarl.evaluate import evaluate_splits, split_metrics
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty, zero_std_share
+from qarl.grpo import group_advantages, grpo_loss, overlong_punishment, sequence_weights, zero_std_share
 from qarl.learning_signal import Alarm, NoSignalWatch, Settings
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
@@ -68,15 +68,14 @@ class GRPOSteps:
     def evaluate(self) -> dict[str, float]:
         return split_metrics(evaluate_splits(self.engine, self.run.prompts, self.eval_splits, self.run.rewards))
 
-    def judge(self, batch: Rollout) -> dict[str, float]:
+    def judge(self, step: int, batch: Rollout) -> dict[str, float]:
         t = self.run.cfg.trainer
         values, parts = self.run.rewards(batch.texts, batch.answers)
         rewards = torch.tensor(values, dtype=torch.float32)
         if t.soft_overlong_tokens:  # a reward term of token counts, which the reward functions (text in) cannot see
-            penalty = t.soft_overlong_penalty * soft_overlong_penalty(
-                torch.tensor([len(c.token_ids) for c in batch.completions]),
-                torch.tensor([c.truncated for c in batch.completions]),
-                self.run.cfg.policy.generation.max_new_tokens, t.soft_overlong_tokens)
+            penalty = overlong_punishment(torch.tensor([len(c.token_ids) for c in batch.completions]),
+                                          torch.tensor([c.truncated for c in batch.completions]),
+                                          self.run.cfg.policy.generation.max_new_tokens, step, t)
             # the task's own signal, which the penalty's spread of lengths hides from reward/frac_zero_std
             parts["reward/frac_zero_std_task"] = zero_std_share(rewards, t.num_generations)
             rewards += penalty

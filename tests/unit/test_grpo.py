@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from qarl.config import ConfigError, TrainerConfig, check_grpo_recipe, check_qad_recipe, load_recipe
-from qarl.grpo import group_advantages, grpo_loss, sequence_weights, soft_overlong_penalty, zero_std_share
+from qarl.grpo import (group_advantages, grpo_loss, overlong_punishment, sequence_weights, soft_overlong_penalty,
+                       zero_std_share)
 
 
 def test_group_advantages():
@@ -106,15 +107,21 @@ def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
                                              (["trainer.scale_rewards=std"], "scale_rewards"),
                                              (["trainer.importance_sampling_level=seq"], "importance_sampling_level"),
                                              (["trainer.soft_overlong_tokens=64", "policy.generation.max_new_tokens=64"],
-                                              "soft_overlong_tokens=64 must be below policy.generation.max_new_tokens")])
+                                              "soft_overlong_tokens=64 must be below policy.generation.max_new_tok"),
+                                             (["trainer.soft_overlong_start_step=5"],
+                                              "which is off .*set trainer.soft_overlong_tokens"),
+                                             (["trainer.soft_overlong_tokens=4", "trainer.steps=3",
+                                               "trainer.soft_overlong_start_step=3"],
+                                              "soft_overlong_start_step=3 is not below trainer.steps=3")])
 def test_bad_trainer_settings_are_named(changes, needle):
     with pytest.raises(ConfigError, match=needle):
         check_grpo_recipe(load_recipe("recipes/qa_grpo_tiny.yaml", changes))
 
 
-def test_qad_refuses_the_overlong_punishment_it_would_not_use():
-    with pytest.raises(ConfigError, match="QAD learns from its teacher's KL.*soft_overlong_tokens=0"):
-        check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", ["trainer.soft_overlong_tokens=8"]))
+@pytest.mark.parametrize("key", ["soft_overlong_tokens", "soft_overlong_start_step"])
+def test_qad_refuses_the_overlong_punishment_it_would_not_use(key):
+    with pytest.raises(ConfigError, match=f"QAD learns from its teacher's KL.*{key}=0"):
+        check_qad_recipe(load_recipe("recipes/qa_distillation_tiny.yaml", [f"trainer.{key}=8"]))
 
 
 def test_soft_overlong_penalty_values():
@@ -125,6 +132,30 @@ def test_soft_overlong_penalty_values():
     penalty = soft_overlong_penalty(lengths, truncated, max_tokens=256, cache_tokens=64)
     assert penalty.tolist() == pytest.approx([0.0, 0.0, 0.0, -1 / 64, -0.5, -63 / 64, -1.0, -1.0])
     assert soft_overlong_penalty(torch.tensor([256]), torch.tensor([False]), 256, 64).item() == -1.0  # EOS at the limit
+
+
+def test_the_punishment_starts_at_its_start_step():
+    """trainer.soft_overlong_start_step=10: no punishment at steps 0, 5 and 9 (a truncated completion scores like any
+    other wrong one), the whole of it, scaled by soft_overlong_penalty, from step 10 on."""
+    t = TrainerConfig(soft_overlong_tokens=64, soft_overlong_penalty=0.5, soft_overlong_start_step=10)
+    lengths, truncated = torch.tensor([40, 224, 256]), torch.tensor([False, False, True])
+    for step in (0, 5, 9):
+        assert overlong_punishment(lengths, truncated, 256, step, t).tolist() == [0.0, 0.0, 0.0]
+    for step in (10, 11, 59):
+        assert overlong_punishment(lengths, truncated, 256, step, t).tolist() == pytest.approx([0.0, -0.25, -0.5])
+    t.soft_overlong_start_step = 0  # the default: from the first step, as before the knob
+    assert overlong_punishment(lengths, truncated, 256, 0, t).tolist() == pytest.approx([0.0, -0.25, -0.5])
+
+
+def test_a_smaller_punishment_weight_does_not_quiet_a_group_without_task_signal():
+    """Why the start is a delay, not a ramp of the weight: a group all wrong whose rewards differ only by the
+    punishment gets the same group-scaled advantages at a tenth of the weight as at the whole; only 0 silences it."""
+    lengths, truncated = torch.tensor([40, 224, 40, 256]), torch.tensor([False, False, False, True])
+    penalty = soft_overlong_penalty(lengths, truncated, 256, 64)
+    whole, _ = group_advantages(penalty, 4, "group")
+    tenth, _ = group_advantages(0.1 * penalty, 4, "group")
+    assert tenth.tolist() == pytest.approx(whole.tolist(), rel=0.01)  # the std's +1e-4 differs a little
+    assert group_advantages(0.0 * penalty, 4, "group")[0].abs().max().item() == 0.0
 
 
 def test_the_punishment_orders_a_group_before_truncated_completions_are_masked():
