@@ -340,7 +340,8 @@ def plan_matrix(cfg: RecipeConfig) -> Plan:
             check_format_fits(base_dir, precision.format, trust)
             engine_plan = input_quant_plan(base_dir, precision.format, trust)  # what the engine can serve
             check_expert_inputs(engine_plan, precision.format)
-            check_kv_cache(base_dir, engine_plan, precision.format, False, cfg.policy.generation.allow_quant_mismatch)
+            check_kv_cache(base_dir, engine_plan, precision.format, False, cfg.policy.dtype,
+                           allow_mismatch=cfg.policy.generation.allow_quant_mismatch)
     prompts = model_prompt_format(base_dir, cfg.task, trust)
     check_prompt_lengths(prompts, splits, cfg.policy.generation)  # before any model loads
     if warm:

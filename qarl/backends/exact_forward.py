@@ -185,6 +185,9 @@ def kv_cache_scale(attention: nn.Module) -> torch.Tensor | None:
     quantizers = attention.__dict__.get("_qarl_kv_quantizers")  # kv_cache_quantizers, found by enable_exact_forward
     if quantizers is None:
         return None
+    if quantizers[0].amax is None or quantizers[1].amax is None:
+        raise RuntimeError("policy.exact_forward: the KV cache's key or value quantizer holds no amax (calibrate the "
+                           "policy or load its quantizer state before its first forward)")
     return torch.reciprocal(fp8_kv_cache_multipliers(quantizers[0].amax, quantizers[1].amax))
 
 

