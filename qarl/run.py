@@ -46,7 +46,7 @@ from qarl.models.experts import fused_parameter
 from qarl.models.resolve import cache_dir, default_device, resolve_model_dir
 from qarl.optim import NonFiniteGuard, PolicyOptimizer
 from qarl.policy import attach_rollout_view, build_policy, check_backend, check_precision, Policy
-from qarl.quant import QuantFormat, check_generation_matches, resolve_format
+from qarl.quant import QuantFormat, check_generation_matches, resolve_format, w4a4_share
 from qarl.quant.formats import same_format
 from qarl.quant.quantize import check_trainable_format
 from qarl.rewards import WeightedRewards
@@ -469,6 +469,10 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     run_dir, t, checkpoint = plan.path, cfg.trainer, plan.checkpoint
     torch.manual_seed(cfg.run.seed)
     policy = resumed_policy(checkpoint, cfg, task, resolved) if checkpoint else initial_policy(cfg, task, True, resolved)
+    share = w4a4_share(policy.model)
+    if share is not None and share < 1:  # mixed formats: the share is what a W4A4 result covers
+        print(f"NVFP4 W4A4 on {share:.0%} of the quantized linear layers' multiply-adds ({policy.format.source}; the "
+              "rest keep their inputs unquantized)")
     companion = frozen(cfg, policy, task)
     policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts),

@@ -109,12 +109,28 @@ def parse_size(size: str | int) -> int:
     raise ConfigError(f"max_shard_size {size!r}: expected a size like 5GB, 500MB or a byte count")
 
 
+def _bits(settings: dict | None) -> str:
+    """A quantizer's settings (`quantizer_settings`) in a word: NVFP4, FP8, or unquantized."""
+    if settings is None:
+        return "unquantized"
+    return {"[2, 1]": "NVFP4", "[4, 3]": "FP8"}.get(str(settings.get("num_bits")), str(settings.get("num_bits")))
+
+
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
     """The export writes the format the model was trained in, or stops and names both."""
-    from qarl.quant.formats import quantizer_settings
+    from qarl.quant.formats import MIXED, quantizer_settings
 
     expected = target.resolved_format()
     have, want = quantizer_settings(trained), quantizer_settings(expected)
+    if MIXED in have:
+        kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
+                 for layer, s in have[MIXED].items()}
+        raise ConfigError(
+            f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
+            f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); export targets write one format for every "
+            "layer, so this model is a "
+            "training-time result: evaluate it as trained (`qarl eval`, the fake-quantized policy and qarl's engine), "
+            "or train with a uniform format to export")
     if have != want:
         fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]
         raise ConfigError(

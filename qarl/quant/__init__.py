@@ -18,6 +18,7 @@ from qarl.quant.quantize import (
     load_quantizer_state,
     quantize_policy,
     quantizer_state,
+    w4a4_share,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "resolve_format",
     "swaps_functions_in_forward",
     "traced_quantized_modules",
+    "w4a4_share",
 ]

@@ -248,12 +248,24 @@ def _comparable(value: Any) -> Any:
     return value
 
 
+# the linear layers of a decoder layer, by the names transformers' Llama-style families give them
+DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
+MIXED = "mixed"  # quantizer_settings' key for a format that quantizes a decoder's linear layers differently
+
+
 def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
-    """{'weight': settings or None, 'input': settings or None} of a decoder linear layer under `fmt`, read from
-    the config without quantizing anything (the export's target check, the memory plan)."""
+    """{'weight': settings or None, 'input': settings or None} of the decoder's linear layers under `fmt`, read from
+    the config without quantizing anything (the export's target check, the packed base, the memory plan). A format
+    that quantizes some of them otherwise (mixed formats: down_proj's input kept unquantized) gives {MIXED: {layer:
+    its settings}}, which equals no uniform format's."""
     if fmt is None:
         return {"weight": None, "input": None}
-    return {"weight": _probe(fmt, "weight_quantizer"), "input": _probe(fmt, "input_quantizer")}
+    by_layer = {layer: {"weight": _probe(fmt, "weight_quantizer", f"model.layers.0.{layer}"),
+                        "input": _probe(fmt, "input_quantizer", f"model.layers.0.{layer}")}
+                for layer in DECODER_LINEARS}
+    first = by_layer[DECODER_LINEARS[0]]
+    return first if all(settings == first for settings in by_layer.values()) else {MIXED: by_layer}
 
 
 def quantizes_kv_cache(fmt: QuantFormat | None) -> bool:

@@ -161,7 +161,7 @@ FP8_SETTINGS = {"num_bits": [4, 3]}
 def packed_bytes_per_weight(fmt: QuantFormat | None) -> float | None:
     """Bytes a linear layer's weight takes a parameter once packed under `fmt`, read from its config (the memory
     plan, before anything loads); None where the format's weights have no packed form."""
-    settings = quantizer_settings(fmt)["weight"]
+    settings = quantizer_settings(fmt).get("weight")  # (mixed formats: none packed)
     if settings == NVFP4_SETTINGS:
         return 0.5 + 1 / 16  # two E2M1 codes a byte, one E4M3 scale per 16
     if settings == FP8_SETTINGS:

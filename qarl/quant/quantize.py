@@ -289,6 +289,27 @@ def share_fused_smoothing(model: nn.Module) -> int:
     return changed
 
 
+NVFP4_BITS = (2, 1)  # ModelOpt's num_bits of E2M1
+
+
+def w4a4_share(model: nn.Module) -> float | None:
+    """The share of the quantized linear layers' multiply-adds (each layer's in x out a token) whose weights and
+    inputs are both NVFP4: how much of a mixed-format model (`quant_configs/nvfp4_w4a4_down_a16.yaml`) runs W4A4, 1.0
+    in plain W4A4; None where no layer's inputs are NVFP4."""
+    total = four_bit = 0
+    for module in model.modules():
+        weight_quantizer = module._modules.get("weight_quantizer")
+        input_quantizer = module._modules.get("input_quantizer")
+        weight = module._parameters.get("weight")
+        if weight_quantizer is None or not weight_quantizer.is_enabled or weight is None or weight.dim() != 2:
+            continue
+        total += weight.numel()
+        if weight_quantizer.num_bits == NVFP4_BITS and input_quantizer is not None and input_quantizer.is_enabled \
+                and input_quantizer.num_bits == NVFP4_BITS:
+            four_bit += weight.numel()
+    return four_bit / total if four_bit else None
+
+
 def _enabled_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     quantizer_cls = _quantizer_modules()
     for name, module in model.named_modules():
