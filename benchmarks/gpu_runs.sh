@@ -322,8 +322,9 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30
     ;;
   kv_cache_exact)
-    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_kv_cache.py tests/integration/test_gpu_exact.py \
-      -k "kv_cache or fp8 or kernel" 2>&1 | grep -E "FP8|bf16 cache|kv_fp8|^E |passed|failed" | head -40
+    python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_kv_cache.py \
+      tests/integration/test_gpu_exact.py \
+      -k "kv_cache or fp8 or gradient_reference" 2>&1 | grep -E "FP8|bf16 cache|kv_fp8|^E |passed|failed" | head -40
     kv_formats="[quant_configs/nvfp4_a16_kv_fp8.yaml,quant_configs/fp8_w8a8_kv_fp8.yaml]"
     for exact in true false; do
       name="parity_kv_cache_exact_$exact"

@@ -54,7 +54,7 @@ def overlong_punishment(lengths: torch.Tensor, truncated: torch.Tensor, max_toke
     whose rewards differ only by the punishment gets the same advantages at any weight above 0 once scaled by its std
     (scale_rewards=group), so only a weight of 0 keeps the punishment from being such a group's whole signal."""
     if step < t.soft_overlong_start_step:
-        return torch.zeros(len(lengths))
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
     return t.soft_overlong_penalty * soft_overlong_penalty(lengths, truncated, max_tokens, t.soft_overlong_tokens)
 
 

@@ -47,10 +47,10 @@ from torch import nn
 
 from qarl.config import ConfigError
 from qarl.generation import exact as kernels
+from qarl.quant.codes import decode_fp8_codes, fp8_codes, fp8_kv_cache_multipliers
 from qarl.quant.fastpath.lean_forward import linear_weight, quantized_input, quantized_weight
 from qarl.quant.fastpath.weight_cache import derived
 from qarl.quant.mixins import mix_in
-from qarl.quant.codes import decode_fp8_codes, fp8_codes, fp8_kv_cache_multipliers
 from qarl.quant.modelopt_compat import pre_quant_scale
 from qarl.quant.ops import FP8, KV_CACHE_QUANTIZERS, InputQuant, plain_spec
 from qarl.scoring import compiled_once
@@ -98,7 +98,7 @@ def enable_exact_forward(model: nn.Module) -> None:
             if quantizer is not None and quantizer.is_enabled:
                 raise ConfigError(f"policy.exact_forward: {name}.{role} is enabled; the engine quantizes only linear "
                                   "layers' inputs and weights, and keys and values as its FP8 KV cache")
-        kv_quantizers = kv_cache_quantizers(module)
+        kv_quantizers = kv_cache_quantizers(name, module)
         if kv_quantizers is not None:
             module.__dict__["_qarl_kv_quantizers"] = kv_quantizers  # not a submodule: ModelOpt's attention holds them
             fp8_cache = True
@@ -166,16 +166,17 @@ class ExactCausalLM:
         return picked.reshape(targets.shape)
 
 
-def kv_cache_quantizers(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def kv_cache_quantizers(name: str, attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """An attention module's key and value quantizers when they quantize as an engine's FP8 KV cache stores (both on,
-    FP8 E4M3 per tensor: ModelOpt's FP8_KV_CFG), None when both are off; anything else refused."""
+    FP8 E4M3 per tensor: ModelOpt's FP8_KV_CFG), None when both are off; anything else refused (the engine's plan,
+    `ops.kv_cache_plan`, refuses it too, from the config: this is the policy's own guard, on its modules)."""
     found = [attention._modules.get(role) for role in KV_CACHE_QUANTIZERS]
     enabled = [q is not None and q.is_enabled for q in found]
     if not any(enabled):
         return None
     if not all(enabled) or any(plain_spec(q) != InputQuant(FP8) for q in found):
-        raise ConfigError("policy.exact_forward: an attention module's keys and values are quantized otherwise than an "
-                          "FP8 KV cache stores them (both, FP8 E4M3, one amax each); use ModelOpt's FP8_KV_CFG entry")
+        raise ConfigError(f"policy.exact_forward: {name} quantizes its keys and values otherwise than an FP8 KV cache "
+                          "stores them (both, FP8 E4M3, one amax each); use ModelOpt's FP8_KV_CFG entry")
     return found[0], found[1]
 
 

@@ -821,8 +821,7 @@ def quantize_query_fp8(query: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    per_tensor = GroupShape.PER_TENSOR
-    return ops.scaled_fp8_quant(query, scale, group_shape=(per_tensor.row, per_tensor.col))[0]
+    return ops.scaled_fp8_quant(query, scale, group_shape=tuple(GroupShape.PER_TENSOR))[0]  # as QuantFP8 passes it
 
 
 def query_quantizers(model: nn.Module) -> dict[str, tuple[nn.Module | None, torch.Tensor]]:
@@ -836,8 +835,8 @@ def static_per_tensor_fp8(quantizer: nn.Module) -> bool:
     """Whether a vLLM `QuantFP8` quantizes with one static scale per tensor (what `quantize_query_fp8` computes)."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    return bool(getattr(quantizer, "static", False)) and getattr(quantizer, "group_shape", None) == \
-        GroupShape.PER_TENSOR
+    return (bool(getattr(quantizer, "static", False))
+            and getattr(quantizer, "group_shape", None) == GroupShape.PER_TENSOR)
 
 
 def paged_flash_attention(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -145,14 +145,14 @@ def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat
     refuses it on (`vllm_compat.cpu_fp8_kv_cache_refusal`), and on a GPU without the exact forward unless a mismatch
     is allowed: there vLLM's FP8-cache attention kernels also round the queries (FlashAttention 3, Triton) or read the
     scales once (FlashInfer), which the policy's fake quant does not do. The exact forward computes the engine's own
-    FP8-cache attention (`exact.fp8_cache_attention`). On a GPU only in bfloat16: FlashAttention 3's FP8 path writes
-    bfloat16 outputs only."""
+    FP8-cache attention (`exact.fp8_cache_attention`). On a GPU only in bfloat16, the one dtype qarl has run it in
+    (FlashAttention 3's FP8 path, Hopper's, writes bfloat16 outputs only; fp32 it does not take)."""
     if not holds_kv_cache_scales(plan):
         return
     if torch.cuda.is_available() and dtype != "bfloat16":
-        raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine computes with FlashAttention 3's FP8 "
-                          f"path, whose outputs are bfloat16 only; the engine runs {dtype}: set policy.dtype=bfloat16, "
-                          "or drop the k/v_bmm_quantizer entries")
+        raise ConfigError(f"{fmt.source} quantizes the KV cache, which qarl runs on a GPU in bfloat16 only (on Hopper "
+                          f"FlashAttention 3's FP8 path writes bfloat16 outputs only); the engine runs {dtype}: set "
+                          "policy.dtype=bfloat16, or drop the k/v_bmm_quantizer entries")
     if torch.cuda.is_available() and not exact and not allow_mismatch:
         raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not do as the policy's fake "
                           "quant does: vLLM's FP8-cache attention kernels round the queries to FP8 too "
@@ -325,8 +325,8 @@ class VLLMEngine:
             exact_kernels.check_engine(self.model, config, getattr(torch, self.dtype), fp8_cache)
             self._decode_steps = not exact_kernels.decode_matches_prefill(
                 config.num_attention_heads, config.num_key_value_heads, exact_kernels.head_size(config),
-                getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()),
-                fp8_cache)  # (the policy's key)
+                getattr(torch, self.dtype), torch.device("cuda", torch.cuda.current_device()),  # (the policy's key)
+                fp8_cache)
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._kv_links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held_from: weakref.ref | None = None  # the policy model the engine's weights came from

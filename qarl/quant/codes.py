@@ -248,7 +248,7 @@ def fp8_kernel_multiplier(amax: torch.Tensor, kernel: str) -> torch.Tensor:
 def fp8_kv_cache_multipliers(key_amax: torch.Tensor, value_amax: torch.Tensor,
                              device: torch.device | None = None) -> torch.Tensor:
     """[key's, value's] `fp8_kernel_multiplier` of an FP8 KV cache, computed on `device` (default: the amax's) with
-    the kernel of the device the amax was calibrated on. Their reciprocals are the dequantization scales the cache
+    the kernel of the device the amax lives on (the policy's). Their reciprocals are the dequantization scales the cache
     holds (vLLM's k_scale, v_scale): one rule for the engine's refit and the exact forward's attention."""
     amax = torch.stack([key_amax.reshape(()), value_amax.reshape(())]).to(device or key_amax.device)
     return fp8_kernel_multiplier(amax, device_kernel(key_amax.device))

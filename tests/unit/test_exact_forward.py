@@ -150,14 +150,14 @@ def test_the_exact_forwards_kv_scales_are_the_ones_a_refit_writes(task, tiny_dir
 
     policy = tiny_policy(task, tiny_dir, "nvfp4_a16_kv_fp8")
     attention = policy.model.model.layers[1].self_attn
-    attention.__dict__["_qarl_kv_quantizers"] = kv_cache_quantizers(attention)
+    attention.__dict__["_qarl_kv_quantizers"] = kv_cache_quantizers("model.layers.1.self_attn", attention)
     engine = KVCacheScales("model.layers.1.self_attn", torch.device("cpu"))
     engine.load_amax(attention.k_bmm_quantizer.amax, attention.v_bmm_quantizer.amax)
     assert torch.equal(kv_cache_scale(attention), engine.scale)
     assert kv_cache_scale(tiny_policy(task, tiny_dir, "nvfp4_a16").model.model.layers[1].self_attn) is None
     attention.v_bmm_quantizer.disable()
-    with pytest.raises(ConfigError, match="FP8_KV_CFG"):
-        kv_cache_quantizers(attention)
+    with pytest.raises(ConfigError, match="model.layers.1.self_attn quantizes its keys and values otherwise"):
+        kv_cache_quantizers("model.layers.1.self_attn", attention)
 
 
 def test_engine_op_backward_is_the_gradient_of_its_reference():
