@@ -38,6 +38,9 @@
 #             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled; FORMAT:
 #             a quant config other than NVFP4 W4A4, e.g. quant_configs/fp8_w8a8.yaml, profiled into user_shape_NAME)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
+#   graph_probe  one user-shape micro-batch of the update (W4A4 exact forward, then W4A16 default) against a CUDA
+#             graph: its host synchronizations by qarl frame, one capture and, if it holds, replay against eager bits
+#             and time (benchmarks/graph_probe.py; issue 74's first measurement)
 #   kv_cache_exact  the FP8 KV cache's GPU tests (refits in place under graphs; the exact forward's parity with the
 #             cache), then `qarl parity` of the 0.5B model with the cache, exact forward on and off (issue 73 item 2)
 #   kv_cache_user_shape  the FP8 KV cache at the user shape: cache capacity and decode tokens/s after 1k/4k/16k-token
@@ -320,6 +323,13 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   exact_tests)
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30
+    ;;
+  graph_probe)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    python3 benchmarks/graph_probe.py --model "$shape_dir" --exact --out "$out/graph_probe_w4a4_exact.json" 2>&1 \
+      | grep -v -i "warn\|it/s\]" | tail -25
+    python3 benchmarks/graph_probe.py --model "$shape_dir" --format quant_configs/nvfp4_a16.yaml \
+      --out "$out/graph_probe_w4a16_default.json" 2>&1 | grep -v -i "warn\|it/s\]" | tail -25
     ;;
   kv_cache_exact)
     python3 -m pytest -q -s -p no:cacheprovider tests/integration/test_gpu_kv_cache.py \
