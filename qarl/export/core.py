@@ -34,7 +34,7 @@ from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import (FP8Weight, NVFP4Weight, device_kernel, encode_fp8, encode_nvfp4, fp8_fake_quant,
                               fp8_kernel_scale)
-from qarl.quant.formats import is_quantizer_key, quantizer_settings
+from qarl.quant.formats import FP8, NVFP4, bits_format, is_quantizer_key, quantizer_settings
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 from qarl.run_dir import is_run_or_checkpoint
 
@@ -66,23 +66,21 @@ def quantizer_kind(quantizer: Any, where: str) -> str | None:
     """'nvfp4', 'fp8' or None (absent/disabled); any other ModelOpt setting is not exportable here."""
     if quantizer is None or not quantizer.is_enabled:
         return None
-    bits = tuple(quantizer.num_bits) if isinstance(quantizer.num_bits, (list, tuple)) else quantizer.num_bits
-    blocks = quantizer.block_sizes or {}
-    scale_bits = blocks.get("scale_bits")
-    nvfp4_blocks = blocks.get(-1) == 16 and blocks.get("type") == "dynamic" and tuple(scale_bits or ()) == (4, 3)
-    if bits == (2, 1) and nvfp4_blocks:
-        return "nvfp4"
-    if bits == (4, 3) and not blocks and quantizer.axis is None:
-        return "fp8"
-    raise ConfigError(f"{where}: quantizer num_bits={bits} block_sizes={blocks} axis={quantizer.axis} is not "
-                      "NVFP4 (E2M1, E4M3 block-16 scales) or per-tensor FP8 E4M3: no export format for it")
+    kind, blocks = bits_format(quantizer.num_bits), quantizer.block_sizes or {}
+    nvfp4_blocks = (blocks.get(-1) == 16 and blocks.get("type") == "dynamic"
+                    and bits_format(blocks.get("scale_bits", ())) == FP8)
+    if kind == NVFP4 and nvfp4_blocks:
+        return NVFP4
+    if kind == FP8 and not blocks and quantizer.axis is None:
+        return FP8
+    raise ConfigError(f"{where}: quantizer num_bits={quantizer.num_bits} block_sizes={blocks} axis={quantizer.axis} "
+                      "is not NVFP4 (E2M1, E4M3 block-16 scales) or per-tensor FP8 E4M3: no export format for it")
 
 
 def target_scheme(target: ExportTarget) -> str:
     """The scheme a target's quant format gives linear layers (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8)."""
-    kinds = {(2, 1): "nvfp4", (4, 3): "fp8"}
     settings = quantizer_settings(target.resolved_format())
-    weight, inputs = (kinds.get(tuple(s["num_bits"])) if s else None for s in (settings["weight"], settings["input"]))
+    weight, inputs = (bits_format(s["num_bits"]) if s else None for s in (settings["weight"], settings["input"]))
     scheme = SCHEMES.get((weight, inputs))
     if scheme is None:
         raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear layers "

@@ -111,9 +111,11 @@ def parse_size(size: str | int) -> int:
 
 def _bits(settings: dict | None) -> str:
     """A quantizer's settings (`quantizer_settings`) in a word: NVFP4, FP8, or unquantized."""
+    from qarl.quant.formats import bits_format
+
     if settings is None:
         return "unquantized"
-    return {"[2, 1]": "NVFP4", "[4, 3]": "FP8"}.get(str(settings.get("num_bits")), str(settings.get("num_bits")))
+    return (bits_format(settings.get("num_bits")) or str(settings.get("num_bits"))).upper()
 
 
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
@@ -128,8 +130,7 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
         raise ConfigError(
             f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
             f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); export targets write one format for every "
-            "layer, so this model is a "
-            "training-time result: evaluate it as trained (`qarl eval`, the fake-quantized policy and qarl's engine), "
+            "layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the fake-quantized policy and qarl's engine), "
             "or train with a uniform format to export")
     if have != want:
         fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]

@@ -248,6 +248,16 @@ def _comparable(value: Any) -> Any:
     return value
 
 
+NVFP4, FP8 = "nvfp4", "fp8"
+FORMAT_OF_BITS = {(2, 1): NVFP4, (4, 3): FP8}  # ModelOpt's num_bits (E2M1, E4M3) -> the format it quantizes in
+
+
+def bits_format(num_bits: Any) -> str | None:
+    """NVFP4, FP8 or None (another width) for a quantizer's `num_bits`, as ModelOpt holds it or as a settings dict
+    (`quantizer_settings`) lists it."""
+    return FORMAT_OF_BITS.get(tuple(num_bits) if isinstance(num_bits, (list, tuple)) else num_bits)
+
+
 # the linear layers of a decoder layer, by the names transformers' Llama-style families give them
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                    "mlp.up_proj", "mlp.down_proj")

@@ -25,12 +25,10 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
-from qarl.quant.formats import SMOOTHING_ALGORITHMS, QuantFormat, quantized_meta_model
+from qarl.quant.formats import FP8, NVFP4, SMOOTHING_ALGORITHMS, QuantFormat, quantized_meta_model
 from qarl.quant.kernels import gpu
 from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, amax_buffer, dynamic_block_quantize, is_dynamic, scaled_quantize,
                                         uses_constant_amax)
-
-NVFP4, FP8 = "nvfp4", "fp8"
 
 
 @dataclass(frozen=True)
