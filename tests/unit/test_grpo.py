@@ -107,7 +107,8 @@ def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
                                              (["trainer.scale_rewards=std"], "scale_rewards"),
                                              (["trainer.importance_sampling_level=seq"], "importance_sampling_level"),
                                              (["trainer.soft_overlong_tokens=64", "policy.generation.max_new_tokens=64"],
-                                              "soft_overlong_tokens=64 must be below policy.generation.max_new_tok"),
+                                              "soft_overlong_tokens=64 must be below "
+                                              "policy.generation.max_new_tokens=64"),
                                              (["trainer.soft_overlong_start_step=5"],
                                               "which is off .*set trainer.soft_overlong_tokens"),
                                              (["trainer.soft_overlong_tokens=4", "trainer.steps=3",
