@@ -254,7 +254,8 @@ class PolicyConfig:
     quant_weight_cache: bool = True
     # Run the policy's forward with the rollout engine's own kernels, in its order and layout (GPU: Hopper,
     # bf16/fp16 (bf16 with an FP8 KV cache), Llama/Qwen2/Qwen3): the engine's log-prob of every sampled token then
-    # equals the policy's bit for bit, in every format. The engine runs vLLM's batch-invariant mode. See qarl/backends/exact_forward.py.
+    # equals the policy's bit for bit, in every format. The engine runs vLLM's batch-invariant mode. See
+    # qarl/backends/exact_forward.py.
     exact_forward: bool = False
     # Log-probs, entropy and the QAD KL come from the final hidden states this many completion tokens at a time (the
     # head, the log-softmax, the KL), each chunk recomputed in the backward: a [tokens, vocabulary] fp32 tensor
