@@ -14,47 +14,13 @@ allocation outside its pool): its error and the qarl frame it came from are the 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_time import _timed  # noqa: E402
-
-
-def qarl_frame(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame in qarl's code (else the innermost of all), as FILE:LINE function."""
-    frames = [f for f in stack if "/qarl/" in f.filename] or stack
-    frame = frames[-1]
-    return f"{frame.filename.split('/qarl/')[-1]}:{frame.lineno} {frame.name}"
-
-
-def synchronizations(step) -> collections.Counter:
-    """Where `step()` synchronizes with the GPU: torch's sync debug mode warns at each one, counted by qarl frame."""
-    import torch
-
-    found: collections.Counter = collections.Counter()
-    shown = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            found[qarl_frame(traceback.extract_stack()[:-1])] += 1
-        else:
-            shown(message, category, filename, lineno, file, line)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return found
 
 
 def main() -> None:
@@ -75,6 +41,7 @@ def main() -> None:
     from qarl.policy import build_policy
     from qarl.scoring import score_completions
     from qarl.tasks import ArithmeticTask
+    from qarl.transfer import host_waits, qarl_frame
 
     task = ArithmeticTask(num_train=400, num_eval=32, seed=0)
     cfg = PolicyConfig(model_name=args.model, quant_cfg=args.format, dtype="bfloat16", exact_forward=args.exact)
@@ -86,7 +53,7 @@ def main() -> None:
     params = [p for p in policy.model.parameters() if p.requires_grad]
 
     def step() -> torch.Tensor:
-        logprobs = score_completions(policy.model, prompts, completions, 0).logprobs
+        logprobs = score_completions(policy.model, prompts, completions, 0, pack=not args.exact).logprobs
         logprobs.sum().backward()
         return logprobs
 
@@ -104,7 +71,7 @@ def main() -> None:
     eager = step().detach().clone()
     eager_grads = [p.grad.clone() for p in params]
     report["eager_ms"] = 1e3 * _timed(lambda: (zero_grads(), step()))
-    syncs = synchronizations(lambda: (zero_grads(), step()))
+    syncs = host_waits(lambda: (zero_grads(), step()))
     report["synchronizations"] = {"count": sum(syncs.values()), "by_frame": dict(syncs.most_common())}
     print(f"eager {report['eager_ms']:.1f} ms; {sum(syncs.values())} synchronizations:")
     for frame, count in syncs.most_common():

@@ -43,11 +43,12 @@ from qarl.models.resolve import resolve_model_dir
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import build_policy, Policy
 from qarl.quant import resolve_format
-from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatch_sums, on_host, run_steps,
-                      start_engine, start_run)
+from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatch_sums, run_steps, start_engine,
+                      start_run)
 from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, eval_splits
+from qarl.transfer import on_host
 
 DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]

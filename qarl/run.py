@@ -592,19 +592,9 @@ def rollout(engine: VLLMEngine, prompts: PromptFormat, problems: list[Problem], 
     return Rollout(problems, completions, texts, time.perf_counter() - start)
 
 
-def on_host(keys: tuple[str, ...], rows: list[list[torch.Tensor | None]]) -> dict[str, list[float]]:
-    """Per-micro-batch scalars (None: NaN) as {key: [value per row]}, copied to the host in one transfer at the end of
-    an update rather than one sync after each micro-batch's backward."""
-    if not rows:
-        return {key: [] for key in keys}
-    nan = torch.full((), float("nan"), dtype=torch.float32, device=rows[0][0].device)
-    table = torch.stack([torch.stack([nan if v is None else v.detach().float() for v in row]) for row in rows])
-    return dict(zip(keys, table.T.tolist()))
-
-
 def mismatch_sums(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """The rollout/train mismatch of one micro-batch's sampled tokens, policy against engine log-probs: [the largest
-    |difference|, the sum of the k3 KL estimate exp(d) - d - 1], for `on_host`."""
+    |difference|, the sum of the k3 KL estimate exp(d) - d - 1], for `qarl.transfer.on_host`."""
     delta = (logprobs.detach() - engine_logprobs) * mask
     return [delta.abs().max(), ((torch.exp(delta) - delta - 1) * mask).sum()]
 

@@ -27,6 +27,7 @@ from qarl.config import ConfigError
 from qarl.generation import Completion
 from qarl.models.varlen_attention import packed_attention_kwargs
 from qarl.quant import linear_weight
+from qarl.transfer import to_device
 
 FUSED_SCORES = "qarl_fused_scores"  # set True on a linear head: its chunks scored by compiled kernels (compile_scores)
 CHUNK_TOKENS = 512  # policy.logprob_chunk_tokens' default: at a 152k vocabulary, ~1.5 GB of fp32 [chunk, vocab] tensors
@@ -50,7 +51,8 @@ class MicroBatch:
     def engine_logprobs(self, device: torch.device) -> torch.Tensor:
         """The engine's log-prob of each sampled token, [rows, longest completion], 0 past a completion's end."""
         width = max(len(c.token_ids) for c in self.completions)
-        return torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in self.completions], device=device)
+        rows = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in self.completions])
+        return to_device([rows], device)[0]
 
 
 def micro_batches(completions: list[Completion], rows: list[int], size: int, max_tokens: int = 0) -> list[MicroBatch]:
@@ -84,13 +86,19 @@ class TeacherForced:
     the index of the state (logit) that predicts completion token j of row i; `targets` the tokens, `mask` 0/1.
     Packed (`position_ids` set): one row of every sequence back to back, no padding, positions restarting at 0 for
     each sequence (the attention then stays within each sequence); `positions` index that row, and `attention_kwargs`
-    are the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py)."""
+    are the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py).
+    The same places flat, for the completion tokens alone (row-major): `picks`, each one's predicting state among the
+    decoder's [rows x width] states, `slots`, its place in the [batch x longest completion] grid, and `picked`, the
+    token: built on the host, so that gathering and scattering never ask the GPU how many tokens there are."""
 
     ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
     attention: torch.Tensor | None  # [batch, width]; None packed
     positions: torch.Tensor  # [batch, longest completion]
     targets: torch.Tensor  # [batch, longest completion]
     mask: torch.Tensor  # [batch, longest completion]
+    picks: torch.Tensor  # [completion tokens]
+    slots: torch.Tensor  # [completion tokens]
+    picked: torch.Tensor  # [completion tokens]
     position_ids: torch.Tensor | None = None  # [1, total tokens] packed
     attention_kwargs: dict | None = None  # packed
 
@@ -100,42 +108,39 @@ class TeacherForced:
         return {"input_ids": self.ids, "attention_mask": self.attention}
 
 
-def packed(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device) -> TeacherForced:
-    """The sequences back to back in one row (no padding), each with positions from 0."""
-    longest = max(len(c) for c in completions)
+def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device,
+                   pack: bool = False) -> TeacherForced:
+    """The rows, right-padded, or with `pack` the sequences back to back in one row (no padding), each with positions
+    from 0. Every index is computed on the host and reaches the device in one copy (`qarl.transfer.to_device`)."""
     sequences = [p + c for p, c in zip(prompts, completions)]
-    attention_kwargs = packed_attention_kwargs([len(q) for q in sequences], device)
-    starts = attention_kwargs["cu_seq_lens_q"][:-1].long()
-    ids = torch.tensor([t for q in sequences for t in q], device=device)[None]
-    position_ids = torch.cat([torch.arange(len(q), device=device) for q in sequences])[None]
-    j = torch.arange(longest, device=device)
-    lengths = torch.tensor([len(c) for c in completions], device=device)
-    mask = (j[None] < lengths[:, None]).float()
-    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
-    positions = (starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=ids.shape[1] - 1)
-    targets = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
-    for i, c in enumerate(completions):
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    return TeacherForced(ids, None, positions, targets, mask, position_ids, attention_kwargs)
-
-
-def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
-                   device: torch.device) -> TeacherForced:
-    batch, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
-    longest = max(len(c) for c in completions)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros_like(ids)
-    # index of the logit that predicts completion token j of row i: len(prompt_i) - 1 + j
-    positions = torch.zeros((batch, longest), dtype=torch.long, device=device)
-    mask = torch.zeros((batch, longest), device=device)
-    targets = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c, device=device)
-        attention[i, : len(p) + len(c)] = 1
-        positions[i] = (len(p) - 1 + torch.arange(longest, device=device)).clamp(max=width - 1)
-        mask[i, : len(c)] = 1
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-    return TeacherForced(ids, attention, positions, targets, mask)
+    lengths = torch.tensor([len(q) for q in sequences])
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    completion_lengths = torch.tensor([len(c) for c in completions])
+    longest, width = int(completion_lengths.max()), int(lengths.max())
+    j = torch.arange(longest)
+    mask = j[None] < completion_lengths[:, None]
+    targets = torch.tensor([c + [pad_id] * (longest - len(c)) for c in completions], dtype=torch.long)
+    starts = F.pad(lengths.cumsum(0), (1, 0))
+    if pack:
+        ids = torch.tensor([t for q in sequences for t in q])[None]
+        position_ids = (torch.arange(ids.shape[1]) - starts[:-1].repeat_interleave(lengths))[None]
+        row_starts, row_width = starts[:-1], ids.shape[1]
+        host = [ids, position_ids, starts]
+    else:
+        ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in sequences], dtype=torch.long)
+        attention = (torch.arange(width)[None] < lengths[:, None]).long()
+        row_starts, row_width = torch.zeros_like(lengths), width
+        host = [ids, attention]
+    positions = (row_starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=row_width - 1)
+    picks = positions if pack else positions + torch.arange(len(sequences))[:, None] * width
+    parts = to_device([*host, positions, targets, mask.long(), picks[mask], mask.flatten().nonzero().squeeze(1),
+                       targets[mask]], device)
+    positions, targets, mask, picks, slots, picked = parts[-6:]
+    rows = dict(positions=positions, targets=targets, mask=mask.float(), picks=picks, slots=slots, picked=picked)
+    if pack:
+        attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), int(lengths.max()))
+        return TeacherForced(parts[0], None, **rows, position_ids=parts[1], attention_kwargs=attention_kwargs)
+    return TeacherForced(parts[0], parts[1], **rows)
 
 
 def completion_logits(
@@ -145,14 +150,18 @@ def completion_logits(
     vocabulary in memory: for models without hidden states and for small checks), with the completion tokens and a
     0/1 mask of the same [batch, longest completion] shape."""
     rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
-    logits = model(input_ids=rows.ids, attention_mask=rows.attention, **engine_steps(model, prompts)).logits
+    logits = model(input_ids=rows.ids, attention_mask=rows.attention, **engine_steps(model, prompts, completions)).logits
     return logits.gather(1, rows.positions[..., None].expand(-1, -1, logits.shape[-1])), rows.targets, rows.mask
 
 
-def engine_steps(model: torch.nn.Module, prompts: list[list[int]]) -> dict[str, list[int]]:
+def engine_steps(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]
+                 ) -> dict[str, list[int]]:
     """For the exact forward: each row's prompt length, the tokens the engine computed as a prefill before it
-    decoded the completion (qarl/backends/exact_forward.py); nothing for other models."""
-    return {"prompt_lengths": [len(p) for p in prompts]} if hasattr(model, "qarl_token_logprobs") else {}
+    decoded the completion, and each row's length, so that it lays out its rows without reading the attention mask
+    back from the GPU (qarl/backends/exact_forward.py); nothing for other models."""
+    if not hasattr(model, "qarl_token_logprobs"):
+        return {}
+    return {"prompt_lengths": [len(p) for p in prompts], "lengths": [len(p) + len(c) for p, c in zip(prompts, completions)]}
 
 
 @dataclass
@@ -164,10 +173,11 @@ class CompletionStates:
     head: Callable[[torch.Tensor], torch.Tensor]
     targets: torch.Tensor  # [tokens]
     mask: torch.Tensor  # [batch, longest completion]
+    slots: torch.Tensor  # [tokens]: each token's place in the flattened mask
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[tokens] -> [batch, longest completion], 0 at padding (with grad)."""
-        return values.new_zeros(self.mask.shape).masked_scatter(self.mask.bool(), values)
+        return values.new_zeros(self.mask.numel()).index_copy(0, self.slots, values).view(self.mask.shape)
 
 
 def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -202,14 +212,11 @@ def completion_states(model: torch.nn.Module, prompts: list[list[int]], completi
     decoder, head = parts
     device = next(model.parameters()).device
     pack = pack and not hasattr(model, "qarl_body_and_head")
-    rows = (packed if pack else teacher_forced)(prompts, completions, pad_id, device)
-    hidden = decoder(**rows.decoder_inputs(), **engine_steps(model, prompts), use_cache=False).last_hidden_state
-    keep = rows.mask.bool()
-    if pack:
-        states = hidden[0][rows.positions[keep]]
-    else:
-        states = hidden.gather(1, rows.positions[..., None].expand(-1, -1, hidden.shape[-1]))[keep]
-    return CompletionStates(states, head, rows.targets[keep], rows.mask)
+    rows = teacher_forced(prompts, completions, pad_id, device, pack)
+    hidden = decoder(**rows.decoder_inputs(), **engine_steps(model, prompts, completions),
+                     use_cache=False).last_hidden_state
+    states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.picks)
+    return CompletionStates(states, head, rows.picked, rows.mask, rows.slots)
 
 
 def in_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], chunk_tokens: int, *tokens: torch.Tensor

@@ -24,9 +24,10 @@ from qarl.quant import resolve_format
 from qarl.metrics import PLOTTED, read_metrics
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
-from qarl.run import Rollout, Run, initial_policy, mismatch_sums, on_host, run_steps, start_engine, start_run
+from qarl.run import Rollout, Run, initial_policy, mismatch_sums, run_steps, start_engine, start_run
 from qarl.scoring import MicroBatch, TokenScores, micro_batches, score_completions
 from qarl.tasks import Task, eval_splits
+from qarl.transfer import on_host, to_device
 
 
 def train(cfg: RecipeConfig) -> Path:
@@ -126,6 +127,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
 
     # the rollout-time log-probs: the engine's, the reference's, and (later passes compare with it) the policy's own
     engine_lp = [mb.engine_logprobs(policy.device) for mb in mine]
+    advantage = to_device([advantages[mb.rows] for mb in mine], policy.device)
     with torch.no_grad():
         ref_lp = [score(reference, mb).logprobs if reference is not None else None for mb in mine]
         old: list[TokenScores | None] = [score(policy.model, mb) if t.num_iterations > 1 else None for mb in mine]
@@ -140,8 +142,8 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             if old[k] is None:  # one pass: the policy has not moved since rollout, old = current
                 old[k] = TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
             weights = sequence_weights(old[k].mask, t.loss_type, len(trained), longest, total_tokens, len(every))
-            terms = grpo_loss(scores.logprobs, old[k].logprobs, engine_lp[k], ref_lp[k],
-                              advantages[mb.rows].to(policy.device), old[k].mask, weights, t)
+            terms = grpo_loss(scores.logprobs, old[k].logprobs, engine_lp[k], ref_lp[k], advantage[k], old[k].mask,
+                              weights, t)
             optimizer.backward(terms.loss)
             losses.append([terms.loss.detach(), terms.clip_fraction, terms.kl, terms.is_weight_mean])
         results.append(optimizer.step())

@@ -54,6 +54,7 @@ from qarl.quant.mixins import mix_in
 from qarl.quant.modelopt_compat import pre_quant_scale
 from qarl.quant.ops import FP8, KV_CACHE_QUANTIZERS, InputQuant, plain_spec
 from qarl.scoring import compiled_once
+from qarl.transfer import to_device
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -126,22 +127,25 @@ class ExactCausalLM:
     _qarl_decode_steps: bool  # FlashAttention decodes this attention shape with other bits than it prefills
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                prompt_lengths: list[int] | None = None, **unused):
-        """`prompt_lengths`: the tokens of each row the engine prefilled (the rest it decoded); None: all."""
+                prompt_lengths: list[int] | None = None, lengths: list[int] | None = None, **unused):
+        """`prompt_lengths`: the tokens of each row the engine prefilled (the rest it decoded); None: all.
+        `lengths`: each row's tokens, as the attention mask has them (None: read from the mask, a host sync)."""
         from transformers.modeling_outputs import CausalLMOutput
 
         extra = sorted(k for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict"))
         if extra:
             raise TypeError(f"the exact forward computes logits only; it takes no {extra}")
-        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask, prompt_lengths))
+        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask, prompt_lengths, lengths))
 
     def qarl_body_and_head(self) -> tuple[Callable, Callable]:
         """The decoder and the head apart, both with the engine's kernels, for scoring in chunks (qarl/scoring.py)."""
         from transformers.modeling_outputs import BaseModelOutput
 
         def body(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 prompt_lengths: list[int] | None = None, **unused) -> BaseModelOutput:
-            return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask, prompt_lengths))
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
+                 **unused) -> BaseModelOutput:
+            return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask, prompt_lengths,
+                                                                  lengths))
 
         return body, partial(exact_head, self)
 
@@ -193,18 +197,18 @@ def kv_cache_scale(attention: nn.Module) -> torch.Tensor | None:
 
 
 def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None) -> torch.Tensor:
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None) -> torch.Tensor:
     """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
-    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths)
     logits = exact_head(model, states)
     rows, width = input_ids.shape
     return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
 
 
 def exact_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None) -> torch.Tensor:
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None) -> torch.Tensor:
     """[rows, width, hidden] final hidden states (after the last norm) of right-padded rows, 0 at padding."""
-    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths)
     rows, width = input_ids.shape
     return states.new_zeros(rows * width, states.shape[-1]).index_copy(0, index, states).view(rows, width, -1)
 
@@ -216,22 +220,22 @@ def exact_head(model: nn.Module, states: torch.Tensor) -> torch.Tensor:
 
 
 def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
     computes them (each row's first `prompt_lengths` tokens as its prefill, the others as decode steps where that
-    differs: `kernels.PagedLayout`), and each packed token's place in the [rows * width] grid."""
+    differs: `kernels.PagedLayout`), and each packed token's place in the [rows * width] grid. `lengths`: each row's
+    valid tokens, from a caller that built the mask from them (scoring: the layout is then made on the host alone);
+    None: read from the mask, and the mask checked."""
     rows, width = input_ids.shape
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    lengths = valid.sum(1)
-    columns = torch.arange(width, device=input_ids.device)
-    sizes = [int(n) for n in lengths.tolist()]
-    if not torch.equal(valid, columns < lengths[:, None]) or min(sizes) == 0:
-        raise ValueError("the exact forward takes right-padded, non-empty rows (each row's attention mask: ones, "
-                         "then zeros)")
-    index = valid.flatten().nonzero().squeeze(1)  # each packed token's place in the [rows * width] grid
-    positions = columns.repeat(rows)[index]
+    sizes = lengths if lengths is not None else right_padded_lengths(input_ids, attention_mask)
+    if len(sizes) != rows or min(sizes) == 0 or max(sizes) > width:
+        raise ValueError(f"the exact forward takes {rows} non-empty rows of at most {width} tokens; got lengths {sizes}")
     if prompt_lengths is not None and len(prompt_lengths) != rows:
         raise ValueError(f"the exact forward got {len(prompt_lengths)} prompt lengths for {rows} rows")
+    # each packed token's place in the [rows * width] grid, and its position in its row
+    index, positions = to_device([torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)]),
+                                  torch.cat([torch.arange(n) for n in sizes])], input_ids.device)
     prefilled = sizes if prompt_lengths is None or not model._qarl_decode_steps else [
         min(p, n) for p, n in zip(prompt_lengths, sizes)]
     layout = kernels.PagedLayout.build(sizes, prefilled, input_ids.device)
@@ -270,6 +274,17 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         hidden = fused_linear([mlp["down_proj"]], activated)
     x, _ = add_norm(hidden, residual, inner._modules["norm"])
     return x, index
+
+
+def right_padded_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Each row's tokens, read from an attention mask that must be ones then zeros (a host sync: for callers that
+    hold only the mask)."""
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    lengths = valid.sum(1)
+    if not torch.equal(valid, torch.arange(valid.shape[1], device=valid.device) < lengths[:, None]):
+        raise ValueError("the exact forward takes right-padded, non-empty rows (each row's attention mask: ones, "
+                         "then zeros)")
+    return [int(n) for n in lengths.tolist()]
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -43,6 +43,7 @@ from torch import nn
 
 from qarl.generation import vllm_compat
 from qarl.generation.vllm_compat import ROTARY_TYPES
+from qarl.transfer import to_device
 
 BLOCK_SIZE = 16  # tokens per KV-cache block, the engine's and the policy's attention layout
 EXACT_KEY = "qarl_exact_forward"  # vLLM additional_config key: the engine runs the exact kernels
@@ -153,27 +154,31 @@ class PagedLayout:
     @classmethod
     def build(cls, lengths: list[int], prefill_lengths: list[int], device: torch.device) -> PagedLayout:
         """`lengths` tokens a sequence, the first `prefill_lengths` of each computed as its prefill, each one after
-        them as a decode step."""
+        them as a decode step. Laid out on the host and sent in one copy (`qarl.transfer.to_device`): nothing here
+        waits for the GPU."""
         per_sequence = [-(-n // BLOCK_SIZE) for n in lengths]
-        first_block = torch.tensor([0] + per_sequence[:-1], device=device).cumsum(0)
-        keys = torch.tensor(lengths, device=device)
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), keys)
+        first_block = torch.tensor([0] + per_sequence[:-1]).cumsum(0)
+        keys = torch.tensor(lengths)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths)), keys)
         starts = F.pad(keys.cumsum(0), (1, 0))[:-1]
-        position = torch.arange(int(sum(lengths)), device=device) - starts[sequence]
-        table = (first_block[:, None] + torch.arange(max(per_sequence), device=device)).clamp(max=sum(per_sequence) - 1)
-        table = table.to(torch.int32)
-        prefilled = torch.tensor(prefill_lengths, device=device)
-        int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        position = torch.arange(int(sum(lengths))) - starts[sequence]
+        table = (first_block[:, None] + torch.arange(max(per_sequence))).clamp(max=sum(per_sequence) - 1)
+        prefilled = torch.tensor(prefill_lengths)
+        host = {"slots": first_block[sequence] * BLOCK_SIZE + position, "table": table,
+                "prefill_cu": F.pad(prefilled.cumsum(0), (1, 0)), "prefilled": prefilled}
         all_prefill = list(prefill_lengths) == list(lengths)
-        prefill = Queries(None if all_prefill else (position < prefilled[sequence]).nonzero().squeeze(1),
-                          F.pad(prefilled.cumsum(0), (1, 0)).to(torch.int32), int32(prefill_lengths), table,
-                          max(prefill_lengths), max(prefill_lengths))
-        decode = None
         if not all_prefill:
             rows = (position >= prefilled[sequence]).nonzero().squeeze(1)
-            decode = Queries(rows, torch.arange(rows.numel() + 1, dtype=torch.int32, device=device),
-                             (position[rows] + 1).to(torch.int32), table[sequence[rows]], 1, max(lengths))
-        return cls(prefill, decode, first_block[sequence] * BLOCK_SIZE + position, sum(per_sequence))
+            host.update(prefill_rows=(position < prefilled[sequence]).nonzero().squeeze(1), decode_rows=rows,
+                        decode_cu=torch.arange(rows.numel() + 1), decode_used=position[rows] + 1,
+                        decode_table=table[sequence[rows]])
+        moved = dict(zip(host, to_device(list(host.values()), device)))
+        int32 = lambda name: moved[name].to(torch.int32)  # noqa: E731
+        prefill = Queries(moved.get("prefill_rows"), int32("prefill_cu"), int32("prefilled"), int32("table"),
+                          max(prefill_lengths), max(prefill_lengths))
+        decode = None if all_prefill else Queries(moved["decode_rows"], int32("decode_cu"), int32("decode_used"),
+                                                  int32("decode_table"), 1, max(lengths))
+        return cls(prefill, decode, moved["slots"], sum(per_sequence))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float,

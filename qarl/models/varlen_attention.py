@@ -111,11 +111,10 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out[None], None
 
 
-def packed_attention_kwargs(lengths: list[int], device: torch.device) -> dict:
-    """The boundaries of sequences of these lengths packed back to back, as the attention function reads them."""
-    cu_seqlens = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
-    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": max(lengths), "max_length_k": max(lengths)}
+def packed_attention_kwargs(cu_seqlens: torch.Tensor, longest: int) -> dict:
+    """The boundaries of sequences packed back to back (their cumulative lengths from 0, int32, on the model's
+    device) and the longest one's length, as the attention function reads them."""
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest, "max_length_k": longest}
 
 
 def enable_varlen_attention(model: PreTrainedModel) -> bool:

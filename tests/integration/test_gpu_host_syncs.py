@@ -1,0 +1,60 @@
+"""One micro-batch of the policy update queues its kernels without waiting for the GPU. An update is host-bound
+(issue 74), so each wait leaves the GPU idle while the host catches up: the micro-batch's inputs (ids, positions,
+engine log-probs, advantages), its scoring, the GRPO loss and the backward make no host synchronization in qarl's
+code, packed (the default path on a GPU) and with the exact forward (rows as the engine computed them). The one left
+is transformers' own look for packed sequences in the position ids, which a CUDA-graph capture skips. Skipped
+without a GPU (the exact forward: without a Hopper GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.config import TrainerConfig
+
+from tests.conftest import tiny_policy
+
+gpu = torch.cuda.is_available()
+hopper = gpu and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu, reason="needs a CUDA GPU")]
+
+MODEL = "embedded:20m"  # head size 64: FlashAttention 3 serves the exact forward
+TRANSFORMERS_PACKED_LOOK = "transformers/masking_utils.py"  # find_packed_sequence_indices: `if (...).all()`
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["packed", "exact"])
+def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
+    if exact and not hopper:
+        pytest.skip("the exact forward needs a Hopper GPU (FlashAttention 3)")
+    from qarl.generation import Completion
+    from qarl.grpo import grpo_loss, sequence_weights
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.scoring import MicroBatch, score_completions
+    from qarl.transfer import host_waits, to_device
+
+    fmt = "quant_configs/nvfp4_w4a4.yaml" if exact else "quant_configs/nvfp4_a16.yaml"
+    policy = tiny_policy(task, resolve_model_dir(MODEL), fmt, trainable=True, model_name=MODEL, dtype="bfloat16",
+                         exact_forward=exact)
+    g = torch.Generator().manual_seed(0)
+    lengths = [(12, 40), (30, 7), (5, 64), (20, 33)]  # (prompt, completion) tokens: ragged, as rollouts are
+    mb = MicroBatch(list(range(len(lengths))), [
+        Completion(torch.randint(3, 200, (p,), generator=g).tolist(), torch.randint(3, 200, (c,), generator=g).tolist(),
+                   (-torch.rand(c, generator=g)).tolist(), "stop") for p, c in lengths])
+    advantages = torch.randn(len(lengths), generator=g)
+    cfg = TrainerConfig()
+    pad_id = policy.tokenizer.pad_token_id
+    policy.model.train()
+
+    def update() -> None:
+        engine_lp = mb.engine_logprobs(policy.device)
+        [advantage] = to_device([advantages[mb.rows]], policy.device)
+        scores = score_completions(policy.model, mb.prompts, mb.tokens, pad_id, pack=not exact)
+        weights = sequence_weights(scores.mask, cfg.loss_type, len(lengths), 64, sum(c for _, c in lengths), 1)
+        terms = grpo_loss(scores.logprobs, scores.logprobs.detach(), engine_lp, None, advantage, scores.mask, weights,
+                          cfg)
+        terms.loss.backward()
+
+    update()  # first: allocators, compiled kernels, the quantizers' one-off checks
+    waits = host_waits(update)
+    assert all(TRANSFORMERS_PACKED_LOOK in place for place in waits), dict(waits)
+    assert sum(waits.values()) <= (0 if exact else 1), dict(waits)
