@@ -59,9 +59,10 @@ def overlong_punishment(lengths: torch.Tensor, truncated: torch.Tensor, max_toke
 
 
 def sequence_weights(mask: torch.Tensor, loss_type: str, batch_size: int, max_completion_length: int,
-                     total_tokens: int, num_micro_batches: int) -> torch.Tensor:
+                     total_tokens: int, num_micro_batches: int, micro_batch_tokens: int) -> torch.Tensor:
     """Per-sequence factor w_i so that loss = sum_i w_i * sum_t mask_it * loss_it, summed over micro-batches,
-    reproduces each loss type's normalization over the whole step batch."""
+    reproduces each loss type's normalization over the whole step batch. The token counts come from the host (the
+    mask's own sum would make the host wait for the GPU)."""
     lengths = mask.sum(dim=1)
     if loss_type == "grpo":  # mean over each sequence's tokens, then over sequences
         return 1.0 / (batch_size * lengths.clamp(min=1))
@@ -70,7 +71,7 @@ def sequence_weights(mask: torch.Tensor, loss_type: str, batch_size: int, max_co
     if loss_type == "dapo":  # token mean over the whole batch
         return torch.full_like(lengths, 1.0 / max(total_tokens, 1))
     # bnpo: token mean within each micro-batch, averaged over micro-batches
-    return torch.full_like(lengths, 1.0 / (max(lengths.sum().item(), 1) * num_micro_batches))
+    return torch.full_like(lengths, 1.0 / (max(micro_batch_tokens, 1) * num_micro_batches))
 
 
 @dataclass

@@ -150,7 +150,8 @@ def completion_logits(
     vocabulary in memory: for models without hidden states and for small checks), with the completion tokens and a
     0/1 mask of the same [batch, longest completion] shape."""
     rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device)
-    logits = model(input_ids=rows.ids, attention_mask=rows.attention, **engine_steps(model, prompts, completions)).logits
+    steps = engine_steps(model, prompts, completions)
+    logits = model(input_ids=rows.ids, attention_mask=rows.attention, **steps).logits
     return logits.gather(1, rows.positions[..., None].expand(-1, -1, logits.shape[-1])), rows.targets, rows.mask
 
 
@@ -161,7 +162,8 @@ def engine_steps(model: torch.nn.Module, prompts: list[list[int]], completions: 
     back from the GPU (qarl/backends/exact_forward.py); nothing for other models."""
     if not hasattr(model, "qarl_token_logprobs"):
         return {}
-    return {"prompt_lengths": [len(p) for p in prompts], "lengths": [len(p) + len(c) for p, c in zip(prompts, completions)]}
+    return {"prompt_lengths": [len(p) for p in prompts],
+            "lengths": [len(p) + len(c) for p, c in zip(prompts, completions)]}
 
 
 @dataclass

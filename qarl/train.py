@@ -141,7 +141,8 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             scores = score(policy.model, mb)
             if old[k] is None:  # one pass: the policy has not moved since rollout, old = current
                 old[k] = TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
-            weights = sequence_weights(old[k].mask, t.loss_type, len(trained), longest, total_tokens, len(every))
+            weights = sequence_weights(old[k].mask, t.loss_type, len(trained), longest, total_tokens, len(every),
+                                       sum(len(tokens) for tokens in mb.tokens))
             terms = grpo_loss(scores.logprobs, old[k].logprobs, engine_lp[k], ref_lp[k], advantage[k], old[k].mask,
                               weights, t)
             optimizer.backward(terms.loss)

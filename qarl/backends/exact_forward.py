@@ -230,7 +230,8 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     rows, width = input_ids.shape
     sizes = lengths if lengths is not None else right_padded_lengths(input_ids, attention_mask)
     if len(sizes) != rows or min(sizes) == 0 or max(sizes) > width:
-        raise ValueError(f"the exact forward takes {rows} non-empty rows of at most {width} tokens; got lengths {sizes}")
+        raise ValueError(f"the exact forward takes {rows} non-empty rows of at most {width} tokens; got lengths "
+                         f"{sizes}")
     if prompt_lengths is not None and len(prompt_lengths) != rows:
         raise ValueError(f"the exact forward got {len(prompt_lengths)} prompt lengths for {rows} rows")
     # each packed token's place in the [rows * width] grid, and its position in its row

@@ -49,7 +49,8 @@ def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
         engine_lp = mb.engine_logprobs(policy.device)
         [advantage] = to_device([advantages[mb.rows]], policy.device)
         scores = score_completions(policy.model, mb.prompts, mb.tokens, pad_id, pack=not exact)
-        weights = sequence_weights(scores.mask, cfg.loss_type, len(lengths), 64, sum(c for _, c in lengths), 1)
+        tokens = sum(c for _, c in lengths)
+        weights = sequence_weights(scores.mask, cfg.loss_type, len(lengths), 64, tokens, 1, tokens)
         terms = grpo_loss(scores.logprobs, scores.logprobs.detach(), engine_lp, None, advantage, scores.mask, weights,
                           cfg)
         terms.loss.backward()

@@ -66,7 +66,7 @@ def test_loss_matches_direct_computation(loss_type, level, beta, tis):
     eng = old + 0.2 * torch.randn(3, 4, dtype=torch.float64)
     ref = old + 0.1 * torch.randn(3, 4, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
-    weights = sequence_weights(mask, loss_type, 3, 4, int(mask.sum()), 1)
+    weights = sequence_weights(mask, loss_type, 3, 4, int(mask.sum()), 1, int(mask.sum()))
     terms = grpo_loss(lp, old * mask, eng, ref, adv, mask, weights, cfg)
     expected = _direct_loss(lp.tolist(), (old * mask).tolist(), eng.tolist(), ref.tolist(), adv.tolist(), mask, cfg)
     assert terms.loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -83,9 +83,10 @@ def test_micro_batches_sum_to_the_full_batch_loss():
     for loss_type in ["grpo", "dr_grpo", "dapo"]:
         cfg.loss_type = loss_type
         total = int(mask.sum())
-        full = grpo_loss(lp, old, old, None, adv, mask, sequence_weights(mask, loss_type, 6, 5, total, 1), cfg).loss
+        weights = sequence_weights(mask, loss_type, 6, 5, total, 1, total)
+        full = grpo_loss(lp, old, old, None, adv, mask, weights, cfg).loss
         parts = sum(grpo_loss(lp[s], old[s], old[s], None, adv[s], mask[s],
-                              sequence_weights(mask[s], loss_type, 6, 5, total, 2), cfg).loss
+                              sequence_weights(mask[s], loss_type, 6, 5, total, 2, int(mask[s].sum())), cfg).loss
                     for s in (slice(0, 3), slice(3, 6)))
         assert parts.item() == pytest.approx(full.item(), rel=1e-5)
 
@@ -97,7 +98,7 @@ def test_gradient_of_loss_is_policy_gradient_at_ratio_one():
     old = -torch.rand(2, 3)
     lp = old.clone().requires_grad_(True)
     adv = torch.tensor([1.0, -2.0])
-    grpo_loss(lp, old, old, None, adv, mask, sequence_weights(mask, "dapo", 2, 3, 6, 1), cfg).loss.backward()
+    grpo_loss(lp, old, old, None, adv, mask, sequence_weights(mask, "dapo", 2, 3, 6, 1, 6), cfg).loss.backward()
     assert torch.allclose(lp.grad, -adv[:, None].expand(2, 3) / 6)
 
 

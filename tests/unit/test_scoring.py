@@ -272,7 +272,7 @@ def test_packed_sequences_give_the_padded_loss_and_gradients(task, tiny_dir, los
         scores = score_completions(policy.model, prompts, completions, pad, 0.7, chunk_tokens=6, pack=pack)
         old = scores.logprobs.detach() + 0.01  # a policy that moved since the rollout: ratios away from 1
         lengths = [len(c) for c in completions]
-        weights = sequence_weights(scores.mask, loss_type, len(prompts), max(lengths), sum(lengths), 1)
+        weights = sequence_weights(scores.mask, loss_type, len(prompts), max(lengths), sum(lengths), 1, sum(lengths))
         terms = grpo_loss(scores.logprobs, old, old, None, advantages, scores.mask, weights, cfg)
         terms.loss.backward()
         losses[pack], grads[pack] = terms.loss.detach(), _grads(policy.model)
