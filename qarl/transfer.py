@@ -20,10 +20,16 @@ import torch
 
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors of one dtype on `device`, in one copy: to a GPU through pinned memory, asynchronously (torch's
-    pinned-memory cache keeps the buffer until the copy has run); on a CPU, the tensors themselves."""
+    pinned-memory cache keeps the buffer until the copy has run); on a CPU, the tensors themselves. Eager code only:
+    a CUDA graph captured around it would replay a copy from a pinned buffer that the cache has since handed out
+    again (graphed inputs need buffers of their own)."""
+    if len({t.dtype for t in tensors}) > 1:
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        raise ValueError(f"to_device sends tensors of one dtype in one copy; got {dtypes}")
     if device.type != "cuda" or not tensors:
         return [t.to(device) for t in tensors]
-    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+    torch.cat([t.reshape(-1) for t in tensors], out=flat)
     moved = flat.to(device, non_blocking=True)
     return [part.view(t.shape) for part, t in zip(moved.split([t.numel() for t in tensors]), tensors)]
 
@@ -54,25 +60,29 @@ def host_waits(step: Callable[[], object]) -> collections.Counter:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
+        before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     torch.cuda.synchronize()
     return found
 
 
+QARL_DIR = Path(__file__).resolve().parent  # the package: a checkout's tests and virtual environment are not qarl's
+
+
 def qarl_frame(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frame of `stack` in qarl's code (else the innermost of all), as FILE:LINE function."""
-    return frame_name(([f for f in stack if "/qarl/" in f.filename] or stack)[-1])
+    return frame_name(([f for f in stack if Path(f.filename).resolve().is_relative_to(QARL_DIR)] or stack)[-1])
 
 
 def frame_name(frame: traceback.FrameSummary) -> str:
     """FILE:LINE function, FILE from the package directory on (qarl/..., transformers/..., torch/...)."""
-    path = frame.filename
-    for root in ("/qarl/", "/site-packages/", "/dist-packages/"):
-        if root in path:
-            path = ("qarl/" if root == "/qarl/" else "") + path.rsplit(root, 1)[-1]
-            break
-    return f"{path}:{frame.lineno} {frame.name}"
+    path = Path(frame.filename).resolve()
+    if path.is_relative_to(QARL_DIR):
+        name = str(path.relative_to(QARL_DIR.parent))
+    else:
+        name = str(path).rsplit("-packages/", 1)[-1]
+    return f"{name}:{frame.lineno} {frame.name}"

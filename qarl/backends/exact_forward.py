@@ -225,8 +225,8 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
     computes them (each row's first `prompt_lengths` tokens as its prefill, the others as decode steps where that
     differs: `kernels.PagedLayout`), and each packed token's place in the [rows * width] grid. `lengths`: each row's
-    valid tokens, from a caller that built the mask from them (scoring: the layout is then made on the host alone);
-    None: read from the mask, and the mask checked."""
+    valid tokens, from a caller that built the mask from them (scoring): the layout is then made on the host alone and
+    the mask is not read; None: read from the mask, and the mask checked."""
     rows, width = input_ids.shape
     sizes = lengths if lengths is not None else right_padded_lengths(input_ids, attention_mask)
     if len(sizes) != rows or min(sizes) == 0 or max(sizes) > width:

@@ -1,9 +1,9 @@
 """One micro-batch of the policy update queues its kernels without waiting for the GPU. An update is host-bound
 (issue 74), so each wait leaves the GPU idle while the host catches up: the micro-batch's inputs (ids, positions,
-engine log-probs, advantages), its scoring, the GRPO loss and the backward make no host synchronization in qarl's
-code, packed (the default path on a GPU) and with the exact forward (rows as the engine computed them). The one left
-is transformers' own look for packed sequences in the position ids, which a CUDA-graph capture skips. Skipped
-without a GPU (the exact forward: without a Hopper GPU)."""
+engine log-probs, advantages), its scoring, the GRPO loss and the optimizer's backward make no host synchronization
+in qarl's code, packed (the default path on a GPU) and with the exact forward (rows as the engine computed them). The
+one left is transformers' own look for packed sequences in the position ids, which a CUDA-graph capture skips.
+Skipped without a GPU (the exact forward: without a Hopper GPU)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
     from qarl.generation import Completion
     from qarl.grpo import grpo_loss, sequence_weights
     from qarl.models.resolve import resolve_model_dir
+    from qarl.optim import PolicyOptimizer
     from qarl.scoring import MicroBatch, score_completions
     from qarl.transfer import host_waits, to_device
 
@@ -43,6 +44,7 @@ def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
     advantages = torch.randn(len(lengths), generator=g)
     cfg = TrainerConfig()
     pad_id = policy.tokenizer.pad_token_id
+    optimizer = PolicyOptimizer(policy, lr=1e-6, weight_decay=0.0, max_grad_norm=1.0)
     policy.model.train()
 
     def update() -> None:
@@ -53,7 +55,7 @@ def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
         weights = sequence_weights(scores.mask, cfg.loss_type, len(lengths), 64, tokens, 1, tokens)
         terms = grpo_loss(scores.logprobs, scores.logprobs.detach(), engine_lp, None, advantage, scores.mask, weights,
                           cfg)
-        terms.loss.backward()
+        optimizer.backward(terms.loss)
 
     update()  # first: allocators, compiled kernels, the quantizers' one-off checks
     waits = host_waits(update)
