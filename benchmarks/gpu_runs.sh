@@ -38,6 +38,8 @@
 #             (benchmarks/exact_step_time.py; user_shape: one micro-batch of the user shape's recipe, profiled; FORMAT:
 #             a quant config other than NVFP4 W4A4, e.g. quant_configs/fp8_w8a8.yaml, profiled into user_shape_NAME)
 #   exact_tests  the GPU tests of the exact forward (tests/integration/test_gpu_exact.py)
+#   host_waits_ab DIR  one user-shape micro-batch's forward + backward, exact and default, with an earlier qarl package
+#             (in DIR) against this checkout's: what the update's host waits cost (issue 74)
 #   graph_probe  one user-shape micro-batch of the update (W4A4 exact forward, then W4A16 default) against a CUDA
 #             graph: its host synchronizations by qarl frame, one capture and, if it holds, replay against eager bits
 #             and time (benchmarks/graph_probe.py; issue 74's first measurement)
@@ -320,6 +322,16 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   pytest)  # arguments: pytest's (test files, -k ...)
     python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | grep -E "^E |passed|failed|error" | tail -12
+    ;;
+  host_waits_ab)  # issue 74: one user-shape micro-batch's forward + backward (exact_step_time.py: the exact forward and
+    # the default path), with the qarl package of an earlier commit against this checkout's, one after the other:
+    # $3 a folder holding that package (made where git is: `git archive fe7a25c qarl | tar -x -C .ab/fe7a25c`, carried)
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    for side in "${3:?host_waits_ab OUT DIR (a folder holding an earlier qarl package)}" .; do
+      echo "== qarl from $side"
+      PYTHONPATH="$(realpath "$side"):$PYTHONPATH" python3 benchmarks/exact_step_time.py --model "$shape_dir" \
+        --completions 8 --prompt-tokens 100 --completion-tokens 1024 --repeats 5 2>&1 | grep -v -i warn | tail -3
+    done
     ;;
   exact_tests)
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_exact.py 2>&1 | tail -30

@@ -123,7 +123,7 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
     starts = F.pad(lengths.cumsum(0), (1, 0))
     if pack:
         ids = torch.tensor([t for q in sequences for t in q])[None]
-        position_ids = (torch.arange(ids.shape[1]) - starts[:-1].repeat_interleave(lengths))[None]
+        position_ids = torch.cat([torch.arange(len(q)) for q in sequences])[None]
         row_starts, row_width = starts[:-1], ids.shape[1]
         host = [ids, position_ids, starts]
     else:

@@ -158,10 +158,8 @@ class PagedLayout:
         waits for the GPU."""
         per_sequence = [-(-n // BLOCK_SIZE) for n in lengths]
         first_block = torch.tensor([0] + per_sequence[:-1]).cumsum(0)
-        keys = torch.tensor(lengths)
-        sequence = torch.repeat_interleave(torch.arange(len(lengths)), keys)
-        starts = F.pad(keys.cumsum(0), (1, 0))[:-1]
-        position = torch.arange(int(sum(lengths))) - starts[sequence]
+        sequence = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])  # (a CPU repeat_interleave: slower)
+        position = torch.cat([torch.arange(n) for n in lengths])
         table = (first_block[:, None] + torch.arange(max(per_sequence))).clamp(max=sum(per_sequence) - 1)
         prefilled = torch.tensor(prefill_lengths)
         host = {"slots": first_block[sequence] * BLOCK_SIZE + position, "table": table,
@@ -171,13 +169,15 @@ class PagedLayout:
             rows = (position >= prefilled[sequence]).nonzero().squeeze(1)
             host.update(prefill_rows=(position < prefilled[sequence]).nonzero().squeeze(1), decode_rows=rows,
                         decode_cu=torch.arange(rows.numel() + 1), decode_used=position[rows] + 1,
-                        decode_table=table[sequence[rows]])
+                        decode_sequence=sequence[rows])
         moved = dict(zip(host, to_device(list(host.values()), device)))
         int32 = lambda name: moved[name].to(torch.int32)  # noqa: E731
-        prefill = Queries(moved.get("prefill_rows"), int32("prefill_cu"), int32("prefilled"), int32("table"),
+        table = int32("table")
+        prefill = Queries(moved.get("prefill_rows"), int32("prefill_cu"), int32("prefilled"), table,
                           max(prefill_lengths), max(prefill_lengths))
-        decode = None if all_prefill else Queries(moved["decode_rows"], int32("decode_cu"), int32("decode_used"),
-                                                  int32("decode_table"), 1, max(lengths))
+        decode = None if all_prefill else Queries(  # each decode step's row of the block table, gathered on the GPU
+            moved["decode_rows"], int32("decode_cu"), int32("decode_used"), table[moved["decode_sequence"]], 1,
+            max(lengths))
         return cls(prefill, decode, moved["slots"], sum(per_sequence))
 
 
