@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -119,28 +120,37 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
     longest, width = int(completion_lengths.max()), int(lengths.max())
     j = torch.arange(longest)
     mask = j[None] < completion_lengths[:, None]
-    targets = torch.tensor([c + [pad_id] * (longest - len(c)) for c in completions], dtype=torch.long)
+    slots = mask.flatten().nonzero().squeeze(1)  # (indexing by a boolean mask is slow on the host)
+    targets = right_padded(completions, longest, pad_id)
     starts = F.pad(lengths.cumsum(0), (1, 0))
     if pack:
-        ids = torch.tensor([t for q in sequences for t in q])[None]
+        ids = torch.from_numpy(np.concatenate([np.asarray(q, dtype=np.int64) for q in sequences]))[None]
         position_ids = torch.cat([torch.arange(len(q)) for q in sequences])[None]
         row_starts, row_width = starts[:-1], ids.shape[1]
         host = [ids, position_ids, starts]
     else:
-        ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in sequences], dtype=torch.long)
+        ids = right_padded(sequences, width, pad_id)
         attention = (torch.arange(width)[None] < lengths[:, None]).long()
         row_starts, row_width = torch.zeros_like(lengths), width
         host = [ids, attention]
     positions = (row_starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=row_width - 1)
     picks = positions if pack else positions + torch.arange(len(sequences))[:, None] * width
-    parts = to_device([*host, positions, targets, mask.long(), picks[mask], mask.flatten().nonzero().squeeze(1),
-                       targets[mask]], device)
+    parts = to_device([*host, positions, targets, mask.long(), picks.flatten()[slots], slots,
+                       targets.flatten()[slots]], device)
     positions, targets, mask, picks, slots, picked = parts[-6:]
     rows = dict(positions=positions, targets=targets, mask=mask.float(), picks=picks, slots=slots, picked=picked)
     if pack:
         attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), int(lengths.max()))
         return TeacherForced(parts[0], None, **rows, position_ids=parts[1], attention_kwargs=attention_kwargs)
     return TeacherForced(parts[0], parts[1], **rows)
+
+
+def right_padded(rows: list[list[int]], width: int, pad_id: int) -> torch.Tensor:
+    """[rows, width] int64 on the host, each row's tokens then `pad_id`."""
+    out = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out)
 
 
 def completion_logits(
