@@ -52,8 +52,7 @@ class MicroBatch:
     def engine_logprobs(self, device: torch.device) -> torch.Tensor:
         """The engine's log-prob of each sampled token, [rows, longest completion], 0 past a completion's end."""
         width = max(len(c.token_ids) for c in self.completions)
-        rows = torch.tensor([c.logprobs + [0.0] * (width - len(c.logprobs)) for c in self.completions])
-        return to_device([rows], device)[0]
+        return to_device([right_padded([c.logprobs for c in self.completions], width, 0.0, np.float32)], device)[0]
 
 
 def micro_batches(completions: list[Completion], rows: list[int], size: int, max_tokens: int = 0) -> list[MicroBatch]:
@@ -145,9 +144,9 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
     return TeacherForced(parts[0], parts[1], **rows)
 
 
-def right_padded(rows: list[list[int]], width: int, pad_id: int) -> torch.Tensor:
-    """[rows, width] int64 on the host, each row's tokens then `pad_id`."""
-    out = np.full((len(rows), width), pad_id, dtype=np.int64)
+def right_padded(rows: list[list], width: int, pad: float, dtype: type = np.int64) -> torch.Tensor:
+    """[rows, width] on the host, each row's values then `pad` (token ids: int64)."""
+    out = np.full((len(rows), width), pad, dtype=dtype)
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return torch.from_numpy(out)
