@@ -326,8 +326,10 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
   host_waits_ab)  # issue 74: one user-shape micro-batch's forward + backward (exact_step_time.py: the exact forward and
     # the default path), with the qarl package of an earlier commit against this checkout's, one after the other:
     # $3 a folder holding that package (made where git is: `git archive fe7a25c qarl | tar -x -C .ab/fe7a25c`, carried)
+    [ -d "${3:-}/qarl" ] \
+      || { echo "host_waits_ab OUT DIR: DIR must hold an earlier qarl package (DIR/qarl; got '${3:-}')" >&2; exit 2; }
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
-    for side in "${3:?host_waits_ab OUT DIR (a folder holding an earlier qarl package)}" .; do
+    for side in "$3" .; do
       echo "== qarl from $side"
       PYTHONPATH="$(realpath "$side"):$PYTHONPATH" python3 benchmarks/exact_step_time.py --model "$shape_dir" \
         --completions 8 --prompt-tokens 100 --completion-tokens 1024 --repeats 5 2>&1 | grep -v -i warn | tail -3

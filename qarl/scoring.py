@@ -139,7 +139,7 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
     positions, targets, mask, picks, slots, picked = parts[-6:]
     rows = dict(positions=positions, targets=targets, mask=mask.float(), picks=picks, slots=slots, picked=picked)
     if pack:
-        attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), int(lengths.max()))
+        attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), width)
         return TeacherForced(parts[0], None, **rows, position_ids=parts[1], attention_kwargs=attention_kwargs)
     return TeacherForced(parts[0], parts[1], **rows)
 

@@ -130,8 +130,8 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
         raise ConfigError(
             f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
             f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); export targets write one format for every "
-            "layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the fake-quantized policy and qarl's engine), "
-            "or train with a uniform format to export")
+            "layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the fake-quantized "
+            "policy and qarl's engine), or train with a uniform format to export")
     if have != want:
         fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]
         raise ConfigError(
