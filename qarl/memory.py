@@ -254,9 +254,14 @@ def plan(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, checkpointin
     chunk = min(p.logprob_chunk_tokens, tokens) if p.logprob_chunk_tokens > 0 else tokens
     vocab_chunks = (2 if frozen is not None and frozen.name == "teacher" else 1) * chunk * shape.vocab * 4
     forward_backward = gradients + activations + VOCAB_CHUNK_TENSORS * vocab_chunks + tokens * shape.hidden * 4
-    update_parts = ({"gradients": gradients, "activations": activations,
-                     "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
-                    if forward_backward >= gradients + step else {"optimizer step": gradients + step})
+    if t.cuda_graphs == "on":  # the graphs' pool and the kept gradients stay through the optimizer step
+        update_parts = {"gradients": gradients, "CUDA graph pool": forward_backward - gradients,
+                        "optimizer step": gradients + step}
+    elif forward_backward >= gradients + step:
+        update_parts = {"gradients": gradients, "activations": activations,
+                        "vocabulary chunk": VOCAB_CHUNK_TENSORS * vocab_chunks}
+    else:
+        update_parts = {"optimizer step": gradients + step}
     engine, engine_knob = engine_bytes(cfg, shape)
     if not sleeps_between_rollouts(gen):  # awake during the update
         update_parts["engine (awake)"] = engine
@@ -272,6 +277,8 @@ def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
     it), and its plan; a ConfigError naming the knob when nothing fits."""
     mode = cfg.policy.gradient_checkpointing
     candidates = {"off": [False], "on": [True], "auto": [False, True]}[mode]
+    if cfg.trainer.cuda_graphs == "on":  # a captured micro-batch is not checkpointed (qarl/graphs.py refuses "on")
+        candidates = [False]
     for checkpointing in candidates:
         found = plan(cfg, shape, longest_prompt, checkpointing, frozen)
         check_kv_cache_holds_a_sequence(cfg, found)
@@ -317,6 +324,8 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
     else:
         hint = ("no micro-batch fits: lower policy.generation.max_new_tokens or policy.logprob_chunk_tokens, or "
                 "train adapters (policy.lora.mode=qlora)")
-    if not failed.checkpointing:
+    if cfg.trainer.cuda_graphs == "on":
+        hint += ", or set trainer.cuda_graphs=off (its pool holds a micro-batch's activations through the step)"
+    elif not failed.checkpointing:
         hint += ", or set policy.gradient_checkpointing=on (or auto)"
     return head + hint + "."

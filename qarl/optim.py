@@ -86,6 +86,7 @@ class PolicyOptimizer:
         # gradients pass through fp16 activations on their way back
         self.scaler = LossScaler() if self.params and policy.model.dtype == torch.float16 else None
         self._loss_finite: torch.Tensor | None = None
+        self._kept_gradients = False
         self._holders = weight_holders(policy.model) if self.masters is not self.params else {}
         self._copy_masters()
 
@@ -98,14 +99,32 @@ class PolicyOptimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+        if self._kept_gradients:
+            for p in self.params:
+                p.grad.zero_()
+        else:
+            self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_finite = None
 
+    def keep_gradients(self, keep: bool) -> None:
+        """The trainable parameters' gradients as tensors made once (zeros), zeroed in place after each step and
+        never replaced, so that a captured backward keeps adding into the memory it was captured with
+        (qarl/graphs.py); False frees them. Only beside master weights of another dtype (their own gradients)."""
+        if keep and self.masters is self.params:
+            raise ValueError("kept gradients need master weights of their own (policy.master_dtype != policy.dtype)")
+        self._kept_gradients = keep
+        for p in self.params:
+            p.grad = torch.zeros_like(p) if keep else None
+
     def backward(self, loss: torch.Tensor) -> None:
+        self.note_loss(loss)
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Count `loss` in the step's finite-loss check (`backward` does; a captured backward's caller calls it)."""
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        (loss * self.scaler.scale if self.scaler else loss).backward()
 
     def step(self) -> StepResult:
         """Apply the accumulated gradient, or skip it if the loss or the gradient is not finite."""
@@ -113,7 +132,8 @@ class PolicyOptimizer:
         if self.masters is not self.params:  # compute-dtype grads -> fp32 master grads
             for p, m in zip(self.params, self.masters):
                 m.grad = None if p.grad is None else p.grad.to(m.dtype)
-                p.grad = None
+                if not self._kept_gradients:
+                    p.grad = None
         if self.scaler:
             for m in self.masters:
                 if m.grad is not None:

@@ -37,6 +37,7 @@ from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, holds_kv_cache_scales,
                              merges_adapters, serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
+from qarl.graphs import check_cuda_graphs
 from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
@@ -426,10 +427,13 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
 def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, distilling: bool = False,
                        machine: Machine | None = None) -> RecipeConfig:
     """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once."""
-    fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
+    machine = machine or Machine.here()
+    fast = decide_fast_settings(cfg, machine, resolved.model_dir, resolved.policy_format,
                                 memory.tokens_per_micro_batch, distilling)
     print(fast.line())
-    return fast.applied(cfg)
+    decided = fast.applied(cfg)
+    check_cuda_graphs(decided, machine.device, distilling)
+    return decided
 
 
 def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], Any] = lambda cfg, policy, task: None,

@@ -49,10 +49,29 @@ class MicroBatch:
     def tokens(self) -> list[list[int]]:
         return [c.token_ids for c in self.completions]
 
-    def engine_logprobs(self, device: torch.device) -> torch.Tensor:
-        """The engine's log-prob of each sampled token, [rows, longest completion], 0 past a completion's end."""
+    def engine_logprobs(self, device: torch.device, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """The engine's log-prob of each sampled token, [rows, longest completion] (or on `grid`: `on_grid`), 0 past
+        a completion's end."""
         width = max(len(c.token_ids) for c in self.completions)
-        return to_device([right_padded([c.logprobs for c in self.completions], width, 0.0, np.float32)], device)[0]
+        logprobs = right_padded([c.logprobs for c in self.completions], width, 0.0, np.float32)
+        return to_device([on_grid(logprobs, grid)], device)[0]
+
+
+def on_grid(values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+    """A micro-batch's [rows, longest completion] (or [rows]) values zero-padded to a `StaticShape`'s [sequences,
+    completion] grid (qarl/graphs.py); as they are for None."""
+    if grid is None:
+        return values
+    if values.dim() == 1:
+        return F.pad(values, (0, grid[0] - values.shape[0]))
+    return F.pad(values, (0, grid[1] - values.shape[1], 0, grid[0] - values.shape[0]))
+
+
+def completion_mask(completions: list[list[int]], grid: tuple[int, int] | None = None) -> torch.Tensor:
+    """The 0/1 float mask of completion tokens, [rows, longest completion] (or on `grid`), on the host."""
+    lengths = torch.tensor([len(c) for c in completions])
+    mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).float()
+    return on_grid(mask, grid)
 
 
 def micro_batches(completions: list[Completion], rows: list[int], size: int, max_tokens: int = 0) -> list[MicroBatch]:
@@ -80,6 +99,20 @@ class TokenScores:
     mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StaticShape:
+    """A packed micro-batch's shape held fixed, so that a CUDA graph of its update replays for every micro-batch of
+    the step (qarl/graphs.py): `tokens` ids in the row (the token budget), `sequences` boundaries (slots past the
+    last sequence are empty), `longest` the attention's longest sequence, and the [sequences, completion] grid of
+    the loss. The slack is filled by padding sequences of at most `longest` tokens that no completion token is
+    picked from."""
+
+    tokens: int
+    sequences: int
+    longest: int
+    completion: int
+
+
 @dataclass
 class TeacherForced:
     """Right-padded rows of prompt + completion, and where each completion token is predicted: `positions[i, j]`,
@@ -89,7 +122,9 @@ class TeacherForced:
     are the sequences' cumulative lengths as the varlen attention reads them (qarl/models/varlen_attention.py).
     The same places flat, for the completion tokens alone (row-major): `picks`, each one's predicting state among the
     decoder's [rows x width] states, `slots`, its place in the [batch x longest completion] grid, and `picked`, the
-    token: built on the host, so that gathering and scattering never ask the GPU how many tokens there are."""
+    token: built on the host, so that gathering and scattering never ask the GPU how many tokens there are. In a
+    `StaticShape` the picks past the completion tokens read state 0 into the slot past the grid, which nothing
+    reads."""
 
     ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
     attention: torch.Tensor | None  # [batch, width]; None packed
@@ -107,12 +142,48 @@ class TeacherForced:
             return {"input_ids": self.ids, "position_ids": self.position_ids, **self.attention_kwargs}
         return {"input_ids": self.ids, "attention_mask": self.attention}
 
+    @classmethod
+    def from_parts(cls, parts: list[torch.Tensor], longest: int, pack: bool) -> TeacherForced:
+        """The rows from `HostRows.parts` on the model's device (views: a CUDA graph's input buffers)."""
+        positions, targets, mask, picks, slots, picked = parts[-6:]
+        rows = dict(positions=positions, targets=targets, mask=mask.float(), picks=picks, slots=slots, picked=picked)
+        if pack:
+            attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), longest)
+            return cls(parts[0], None, **rows, position_ids=parts[1], attention_kwargs=attention_kwargs)
+        return cls(parts[0], parts[1], **rows)
+
+
+@dataclass
+class HostRows:
+    """`TeacherForced`'s int64 tensors laid out on the host, in `TeacherForced.from_parts`' order, with the
+    attention's longest sequence."""
+
+    parts: list[torch.Tensor]
+    longest: int
+    pack: bool
+
+    def on(self, device: torch.device) -> TeacherForced:
+        """On `device`, in one copy (`qarl.transfer.to_device`)."""
+        return TeacherForced.from_parts(to_device(self.parts, device), self.longest, self.pack)
+
 
 def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device,
-                   pack: bool = False) -> TeacherForced:
+                   pack: bool = False, shape: StaticShape | None = None) -> TeacherForced:
     """The rows, right-padded, or with `pack` the sequences back to back in one row (no padding), each with positions
-    from 0. Every index is computed on the host and reaches the device in one copy (`qarl.transfer.to_device`)."""
+    from 0; packed into `shape` if given. Every index is computed on the host and reaches the device in one copy
+    (`qarl.transfer.to_device`)."""
+    return host_rows(prompts, completions, pad_id, pack, shape).on(device)
+
+
+def host_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int, pack: bool = False,
+              shape: StaticShape | None = None) -> HostRows:
+    """`teacher_forced`'s tensors on the host."""
+    if shape is not None and not pack:
+        raise ValueError("a static shape is a packed micro-batch's")
     sequences = [p + c for p, c in zip(prompts, completions)]
+    if shape is not None:
+        sequences += static_padding(sum(len(q) for q in sequences), len(sequences), max(len(c) for c in completions),
+                                    max(len(q) for q in sequences), pad_id, shape)
     lengths = torch.tensor([len(q) for q in sequences])
     prompt_lengths = torch.tensor([len(p) for p in prompts])
     completion_lengths = torch.tensor([len(c) for c in completions])
@@ -125,7 +196,7 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
     if pack:
         ids = torch.from_numpy(np.concatenate([np.asarray(q, dtype=np.int64) for q in sequences]))[None]
         position_ids = torch.cat([torch.arange(len(q)) for q in sequences])[None]
-        row_starts, row_width = starts[:-1], ids.shape[1]
+        row_starts, row_width = starts[: len(prompts)], ids.shape[1]
         host = [ids, position_ids, starts]
     else:
         ids = right_padded(sequences, width, pad_id)
@@ -134,14 +205,35 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
         host = [ids, attention]
     positions = (row_starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=row_width - 1)
     picks = positions if pack else positions + torch.arange(len(sequences))[:, None] * width
-    parts = to_device([*host, positions, targets, mask.long(), picks.flatten()[slots], slots,
-                       targets.flatten()[slots]], device)
-    positions, targets, mask, picks, slots, picked = parts[-6:]
-    rows = dict(positions=positions, targets=targets, mask=mask.float(), picks=picks, slots=slots, picked=picked)
-    if pack:
-        attention_kwargs = packed_attention_kwargs(parts[2].to(torch.int32), width)
-        return TeacherForced(parts[0], None, **rows, position_ids=parts[1], attention_kwargs=attention_kwargs)
-    return TeacherForced(parts[0], parts[1], **rows)
+    rows = [positions, targets, mask.long(), picks.flatten()[slots], slots, targets.flatten()[slots]]
+    if shape is None:
+        return HostRows([*host, *rows], width, pack)
+    return HostRows([*host[:2], F.pad(starts, (0, shape.sequences + 1 - len(starts)), value=int(starts[-1])),
+                     *static_grid(rows, shape)], shape.longest, pack)
+
+
+def static_padding(used: int, count: int, completion: int, longest: int, pad_id: int, shape: StaticShape
+                   ) -> list[list[int]]:
+    """The padding sequences that fill a micro-batch of `count` sequences, `used` tokens, to `shape`: `pad_id`
+    tokens, at most `shape.longest` each (the attention's longest sequence), attending only to themselves."""
+    left = shape.tokens - used
+    padding = [shape.longest] * (left // shape.longest) + ([left % shape.longest] if left % shape.longest else [])
+    if left < 0 or longest > shape.longest or completion > shape.completion or count + len(padding) > shape.sequences:
+        raise ValueError(f"a micro-batch of {count} sequences, {used} tokens (the longest {longest}, its longest "
+                         f"completion {completion}) does not fit {shape}")
+    return [[pad_id] * n for n in padding]
+
+
+def static_grid(rows: list[torch.Tensor], shape: StaticShape) -> list[torch.Tensor]:
+    """`host_rows`' [batch, longest completion] grids padded to [sequences, completion], and its per-token picks to
+    `shape.tokens` entries, those past the completion tokens reading state 0 into the slot past the grid."""
+    positions, targets, mask, picks, slots, picked = rows
+    grid = [on_grid(t, (shape.sequences, shape.completion)) for t in (positions, targets, mask)]
+    width, spare = mask.shape[1], shape.tokens - len(slots)
+    slots = (slots // width) * shape.completion + slots % width  # the same places in the wider grid
+    out = [F.pad(picks, (0, spare)), F.pad(slots, (0, spare), value=shape.sequences * shape.completion),
+           F.pad(picked, (0, spare))]
+    return [*grid, *out]
 
 
 def right_padded(rows: list[list], width: int, pad: float, dtype: type = np.int64) -> torch.Tensor:
@@ -187,8 +279,10 @@ class CompletionStates:
     slots: torch.Tensor  # [tokens]: each token's place in the flattened mask
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """[tokens] -> [batch, longest completion], 0 at padding (with grad)."""
-        return values.new_zeros(self.mask.numel()).index_copy(0, self.slots, values).view(self.mask.shape)
+        """[tokens] -> [batch, longest completion], 0 at padding (with grad); a static shape's spare tokens land in
+        the one slot past the grid, which is dropped."""
+        grid = values.new_zeros(self.mask.numel() + 1).index_copy(0, self.slots, values)
+        return grid[:-1].view(self.mask.shape)
 
 
 def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -217,15 +311,18 @@ def completion_states(model: torch.nn.Module, prompts: list[list[int]], completi
     """The decoder's final states at the positions that predict completion tokens; None where `body_and_head` is.
     `pack`: the sequences go through the decoder back to back without padding (not for the exact forward, which
     packs its rows itself)."""
-    parts = body_and_head(model)
-    if parts is None:
+    if body_and_head(model) is None:
         return None
-    decoder, head = parts
-    device = next(model.parameters()).device
     pack = pack and not hasattr(model, "qarl_body_and_head")
-    rows = teacher_forced(prompts, completions, pad_id, device, pack)
-    hidden = decoder(**rows.decoder_inputs(), **engine_steps(model, prompts, completions),
-                     use_cache=False).last_hidden_state
+    rows = teacher_forced(prompts, completions, pad_id, next(model.parameters()).device, pack)
+    return states_of(model, rows, engine_steps(model, prompts, completions))
+
+
+def states_of(model: torch.nn.Module, rows: TeacherForced, steps: dict[str, list[int]] | None = None
+              ) -> CompletionStates:
+    """`completion_states` of rows already on the device (`steps`: the exact forward's `engine_steps`)."""
+    decoder, head = body_and_head(model)
+    hidden = decoder(**rows.decoder_inputs(), **(steps or {}), use_cache=False).last_hidden_state
     states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.picks)
     return CompletionStates(states, head, rows.picked, rows.mask, rows.slots)
 
@@ -394,6 +491,12 @@ def score_completions(
         logits, targets, mask = completion_logits(model, prompts, completions, pad_id)
         picked, entropy = token_scores(logits, targets, temperature, getattr(model, "qarl_token_logprobs", None))
         return TokenScores(logprobs=picked * mask, entropy=entropy * mask, mask=mask)
+    return scored_states(model, found, temperature, chunk_tokens)
+
+
+def scored_states(model: torch.nn.Module, found: CompletionStates, temperature: float, chunk_tokens: int
+                  ) -> TokenScores:
+    """`score_completions` of the states that predict the completion tokens, `chunk_tokens` (> 0) at a time."""
     pick = getattr(model, "qarl_token_logprobs", None)
     if pick is None:
         weight, fused = linear_weight(found.head), getattr(found.head, FUSED_SCORES, False)

@@ -11,13 +11,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from qarl.config import RecipeConfig, check_grpo_recipe
 from qarl.evaluate import evaluate_splits, split_metrics
-from qarl.grpo import group_advantages, grpo_loss, overlong_punishment, sequence_weights, zero_std_share
+from qarl.graphs import CapturedCalls, static_shape
+from qarl.grpo import LossTerms, group_advantages, grpo_loss, overlong_punishment, sequence_weights, zero_std_share
 from qarl.learning_signal import Alarm, NoSignalWatch, Settings
 from qarl.memory import FrozenModel, ModelShape
 from qarl.quant import resolve_format
@@ -25,7 +27,8 @@ from qarl.metrics import PLOTTED, read_metrics
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
 from qarl.run import Rollout, Run, initial_policy, mismatch_sums, run_steps, start_engine, start_run
-from qarl.scoring import MicroBatch, TokenScores, micro_batches, score_completions
+from qarl.scoring import (MicroBatch, TeacherForced, TokenScores, completion_mask, host_rows, micro_batches, on_grid,
+                          score_completions, scored_states, states_of)
 from qarl.tasks import Task, eval_splits
 from qarl.transfer import on_host, to_device
 
@@ -108,7 +111,8 @@ def no_signal_watch(run: Run) -> NoSignalWatch | None:
 
 def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: PolicyOptimizer,
                   batch: Rollout, advantages: torch.Tensor, cfg: RecipeConfig) -> dict[str, float]:
-    """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches.
+    """`num_iterations` passes of the GRPO loss over the step's completions, in micro-batches (each one's scoring,
+    loss and backward replayed as a CUDA graph with `trainer.cuda_graphs=on`: `GraphedMicroBatches`).
     A pass whose loss or gradient is not finite is skipped (`train/skipped`)."""
     t = cfg.trainer
     comps = batch.completions
@@ -119,18 +123,39 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     total_tokens = sum(len(comps[i].token_ids) for i in trained)
     every = micro_batches(comps, trained, t.micro_batch_size, t.token_budget)
     mine = policy.local_share(every)  # this process's micro-batches (data parallel); each weighted for the whole step
+    graphed = GraphedMicroBatches(policy, optimizer, cfg, mine) if t.cuda_graphs == "on" else None
+    grids = graphed.grids if graphed else [None] * len(mine)  # the [rows, completion] every tensor of one is laid on
 
-    def score(model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
-        return score_completions(model, mb.prompts, mb.tokens, policy.tokenizer.pad_token_id,
-                                 cfg.policy.generation.temperature, cfg.policy.logprob_chunk_tokens,
-                                 pack=t.token_budget > 0)
+    def score(model: torch.nn.Module, mb: MicroBatch, grid: tuple[int, int] | None) -> TokenScores:
+        found = score_completions(model, mb.prompts, mb.tokens, policy.tokenizer.pad_token_id,
+                                  cfg.policy.generation.temperature, cfg.policy.logprob_chunk_tokens,
+                                  pack=t.token_budget > 0)
+        return found if grid is None else TokenScores(*(on_grid(x, grid) for x in (found.logprobs, found.entropy,
+                                                                                   found.mask)))
 
     # the rollout-time log-probs: the engine's, the reference's, and (later passes compare with it) the policy's own
-    engine_lp = [mb.engine_logprobs(policy.device) for mb in mine]
-    advantage = to_device([advantages[mb.rows] for mb in mine], policy.device)
+    engine_lp = [mb.engine_logprobs(policy.device, grid) for mb, grid in zip(mine, grids)]
+    weights = [sequence_weights(completion_mask(mb.tokens, grid), t.loss_type, len(trained), longest, total_tokens,
+                                len(every), sum(len(tokens) for tokens in mb.tokens)) for mb, grid in zip(mine, grids)]
+    moved = to_device([on_grid(advantages[mb.rows], grid) for mb, grid in zip(mine, grids)] + weights, policy.device)
+    advantage, weights = moved[: len(mine)], moved[len(mine):]
     with torch.no_grad():
-        ref_lp = [score(reference, mb).logprobs if reference is not None else None for mb in mine]
-        old: list[TokenScores | None] = [score(policy.model, mb) if t.num_iterations > 1 else None for mb in mine]
+        ref_lp = [score(reference, mb, grid).logprobs if reference is not None else None
+                  for mb, grid in zip(mine, grids)]
+        old: list[TokenScores | None] = [score(policy.model, mb, grid) if t.num_iterations > 1 else None
+                                         for mb, grid in zip(mine, grids)]
+
+    def eager(k: int, mb: MicroBatch) -> tuple[TokenScores, LossTerms]:
+        scores = score(policy.model, mb, None)
+        old_k = old[k] or TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
+        terms = grpo_loss(scores.logprobs, old_k.logprobs, engine_lp[k], ref_lp[k], advantage[k], old_k.mask,
+                          weights[k], t)
+        optimizer.backward(terms.loss)
+        return old_k, terms
+
+    def graph(k: int, mb: MicroBatch) -> tuple[TokenScores, LossTerms]:
+        return graphed(k, mb, engine_lp[k], advantage[k], weights[k], ref_lp[k], old[k])
+
     stats: dict[str, list[float]] = {"grad_norm": []}
     results = []
     losses: list[list[torch.Tensor | None]] = []  # per micro-batch, read to the host once at the end
@@ -138,17 +163,14 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     for _ in range(t.num_iterations):
         optimizer.zero_grad()
         for k, mb in enumerate(mine):
-            scores = score(policy.model, mb)
+            scored, terms = (graph if graphed else eager)(k, mb)
             if old[k] is None:  # one pass: the policy has not moved since rollout, old = current
-                old[k] = TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
-            weights = sequence_weights(old[k].mask, t.loss_type, len(trained), longest, total_tokens, len(every),
-                                       sum(len(tokens) for tokens in mb.tokens))
-            terms = grpo_loss(scores.logprobs, old[k].logprobs, engine_lp[k], ref_lp[k], advantage[k], old[k].mask,
-                              weights, t)
-            optimizer.backward(terms.loss)
+                old[k] = scored
             losses.append([terms.loss.detach(), terms.clip_fraction, terms.kl, terms.is_weight_mean])
         results.append(optimizer.step())
         stats["grad_norm"].append(results[-1].grad_norm)
+    if graphed:
+        graphed.release()
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     mismatch: list[list[torch.Tensor | None]] = []
@@ -167,3 +189,50 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             "train/policy_tokens": float(t.num_iterations * sum(len(comps[i].prompt_ids) + len(comps[i].token_ids)
                                                                 for i in trained)),
             **step_metrics(results)}
+
+
+class GraphedMicroBatches:
+    """Each micro-batch's scoring, GRPO loss and backward as one CUDA graph (`trainer.cuda_graphs=on`,
+    qarl/graphs.py): every micro-batch of the step packed into one `StaticShape`, its per-token tensors on that
+    shape's [sequences, completion] grid, the gradients kept in place for the update (released with the graphs)."""
+
+    def __init__(self, policy: Policy, optimizer: PolicyOptimizer, cfg: RecipeConfig, mine: list[MicroBatch]):
+        self.policy, self.optimizer, self.cfg = policy, optimizer, cfg
+        self.shape = static_shape(mine, cfg.trainer.token_budget, cfg.policy.generation.max_new_tokens)
+        self.grids = [(self.shape.sequences, self.shape.completion)] * len(mine)
+        self.calls = CapturedCalls(self.micro_batch, policy.device)
+        optimizer.keep_gradients(True)
+
+    def __call__(self, k: int, mb: MicroBatch, engine: torch.Tensor, advantage: torch.Tensor, weights: torch.Tensor,
+                 ref: torch.Tensor | None, old: TokenScores | None) -> tuple[TokenScores, LossTerms]:
+        inputs = self.inputs(mb, engine, advantage, weights, ref, old)
+        scored, terms = self.calls((self.shape, ref is None, old is None), inputs)
+        self.optimizer.note_loss(terms.loss)
+        # the next replay overwrites the graph's outputs: keep copies
+        copied = TokenScores(scored.logprobs.clone(), scored.entropy.clone(), scored.mask.clone())
+        values = (getattr(terms, field.name) for field in dataclasses.fields(terms))
+        return copied, LossTerms(*(None if x is None else x.detach().clone() for x in values))
+
+    def inputs(self, mb: MicroBatch, engine: torch.Tensor, advantage: torch.Tensor, weights: torch.Tensor,
+               ref: torch.Tensor | None, old: TokenScores | None) -> list[torch.Tensor | None]:
+        """`micro_batch`'s inputs for `mb`: its rows packed into the step's shape, then its per-token tensors."""
+        rows = host_rows(mb.prompts, mb.tokens, self.policy.tokenizer.pad_token_id, pack=True, shape=self.shape)
+        return [*to_device(rows.parts, self.policy.device), engine, advantage, weights, ref,
+                None if old is None else old.logprobs]
+
+    def micro_batch(self, *inputs: torch.Tensor | None) -> tuple[TokenScores, LossTerms]:
+        """What is captured: the scores of a `StaticShape`'s rows, the GRPO loss on its grid, the backward."""
+        parts, (engine, advantage, weights, ref, old) = list(inputs[:-5]), inputs[-5:]
+        p = self.cfg.policy
+        rows = TeacherForced.from_parts(parts, self.shape.longest, pack=True)
+        scores = scored_states(self.policy.model, states_of(self.policy.model, rows), p.generation.temperature,
+                               p.logprob_chunk_tokens)
+        current = scores.logprobs.detach()
+        terms = grpo_loss(scores.logprobs, current if old is None else old, engine, ref, advantage, scores.mask,
+                          weights, self.cfg.trainer)
+        terms.loss.backward()
+        return TokenScores(current, scores.entropy, scores.mask), terms
+
+    def release(self) -> None:
+        self.calls.release()
+        self.optimizer.keep_gradients(False)

@@ -246,3 +246,21 @@ def test_a_cpu_kv_cache_is_planned_in_the_whole_gib_vllm_cpu_takes(monkeypatch):
     cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, quant_cfg="nvfp4_a16", generation=gen))
     assert gen.cpu_kv_cache_gib == 1
     assert plan(cfg, QWEN3_1P7B, 100, True).kv_cache_tokens == GiB // (28 * 2 * 8 * 128 * 2)  # the recipe: bf16
+
+
+def test_cuda_graphs_plan_their_pool_through_the_step_and_never_checkpoint(monkeypatch):
+    """With trainer.cuda_graphs=on the graphs' pool (a micro-batch's transients) and the kept gradients stay through
+    the optimizer step: the planned update is their sum, above the eager plan's larger of the two; auto never turns
+    checkpointing on for it, and a run that does not fit is told to turn the graphs off."""
+    cfg = user_recipe(cuda_graphs="on")
+    monkeypatch.setattr("qarl.memory.engine_bytes", lambda cfg, shape: (0, "policy.generation.gpu_memory_utilization"))
+    eager, graphed = (plan(c, QWEN3_1P7B, 100, False) for c in (user_recipe(), cfg))
+    assert graphed.update > eager.update and "CUDA graph pool" in graphed.update_parts
+    parts = graphed.update_parts
+    assert parts["optimizer step"] > parts["gradients"] > 0 and parts["CUDA graph pool"] > eager.activations
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: graphed.update - GiB)  # fits only with checkpointing
+    with pytest.raises(ConfigError, match="trainer.cuda_graphs=off"):
+        plan_memory(cfg, QWEN3_1P7B, 100)
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: graphed.update + GiB)
+    decided, found = plan_memory(cfg, QWEN3_1P7B, 100)
+    assert decided.policy.gradient_checkpointing == "off" and not found.checkpointing

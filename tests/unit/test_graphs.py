@@ -1,0 +1,146 @@
+"""`trainer.cuda_graphs` on the CPU: what a CUDA graph of a micro-batch replays, run eagerly. Packed into the step's
+static shape (padding sequences, empty slots, the [sequences, completion] grid), a micro-batch gives the packed
+path's log-probs, loss and gradients within fp32 rounding; kept gradients step as freed ones do, bit for bit; the
+setting is refused where it cannot run, by name (its memory pool in the plan: tests/unit/test_memory.py). The capture
+and replay themselves: tests/integration/test_gpu_update_graphs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.config import ConfigError, RecipeConfig, TrainerConfig
+from qarl.generation import Completion
+from qarl.graphs import check_cuda_graphs, graph_refusal, static_shape
+from qarl.grpo import grpo_loss, sequence_weights
+from qarl.optim import PolicyOptimizer
+from qarl.scoring import StaticShape, completion_mask, host_rows, micro_batches, on_grid, score_completions
+from qarl.train import GraphedMicroBatches
+from tests.conftest import tiny_policy
+
+
+def _completions(policy, task, rows: int = 7) -> list[Completion]:
+    tok = policy.tokenizer
+    out = []
+    for i, p in enumerate(task.train[:rows]):
+        tokens = tok(p.answer).input_ids * (1 + i % 3)
+        out.append(Completion(tok(p.prompt).input_ids, tokens, [-0.5 - 0.01 * j for j in range(len(tokens))], "stop"))
+    return out
+
+
+def test_static_shape_holds_every_micro_batch_of_the_step():
+    comps = [Completion([1] * p, [2] * c, [0.0] * c, "stop") for p, c in ((5, 9), (3, 20), (8, 4), (2, 30), (6, 6))]
+    mbs = micro_batches(comps, list(range(len(comps))), size=8, max_tokens=40)
+    shape = static_shape(mbs, 40, 32)
+    assert shape.tokens == 40 and shape.completion == 32 and shape.longest == 40  # (256 capped at the budget)
+    assert shape.sequences & (shape.sequences - 1) == 0  # a power of two: few shapes over a run
+    for mb in mbs:  # every one packs into it, padding sequences of at most `longest` tokens filling the slack
+        rows = host_rows(mb.prompts, mb.tokens, 0, pack=True, shape=shape)
+        ids, positions, starts = rows.parts[:3]
+        assert ids.shape == (1, 40) and positions.shape == (1, 40) and starts.shape == (shape.sequences + 1,)
+        assert int(starts[-1]) == 40 and bool((starts.diff() <= shape.longest).all())
+        picks, slots, picked = rows.parts[-3:]
+        assert picks.shape == slots.shape == picked.shape == (40,)
+        real = sum(len(t) for t in mb.tokens)
+        assert bool((slots[real:] == shape.sequences * shape.completion).all())  # spare picks: the slot past the grid
+    with pytest.raises(ValueError, match="does not fit"):
+        host_rows(mbs[0].prompts, mbs[0].tokens, 0, pack=True, shape=StaticShape(8, 2, 8, 32))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_static_micro_batch_gives_the_packed_loss_and_gradients(task, tiny_dir, loss_type, level):
+    """`GraphedMicroBatches.micro_batch`, what the graph replays, run eagerly on the CPU against the packed eager
+    path: log-probs on the real tokens, 0 elsewhere on the grid, the loss and every gradient within fp32 rounding."""
+    policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_w4a4.yaml", calib_size=16, trainable=True,
+                         dtype="bfloat16")
+    cfg = RecipeConfig()
+    cfg.policy.logprob_chunk_tokens, cfg.policy.generation.max_new_tokens = 6, 32
+    cfg.trainer = TrainerConfig(loss_type=loss_type, importance_sampling_level=level, max_tokens_per_micro_batch=96)
+    comps = _completions(policy, task)
+    mine = micro_batches(comps, list(range(len(comps))), 8, cfg.trainer.token_budget)
+    assert len(mine) > 1
+    optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+    graphed = GraphedMicroBatches(policy, optimizer, cfg, mine)
+    pad, total = policy.tokenizer.pad_token_id, sum(len(c.token_ids) for c in comps)
+    advantages = torch.linspace(-1.0, 1.0, len(comps))
+    losses, grads, scores = {}, {}, {}
+    for static in (False, True):
+        optimizer.zero_grad()
+        losses[static], scores[static] = [], []
+        for mb in mine:
+            grid = graphed.grids[0] if static else None
+            engine = mb.engine_logprobs(policy.device, grid)
+            weights = sequence_weights(completion_mask(mb.tokens, grid), loss_type, len(comps), 32, total, len(mine),
+                                       sum(len(t) for t in mb.tokens))
+            advantage = on_grid(advantages[mb.rows], grid)
+            if static:
+                scored, terms = graphed.micro_batch(*graphed.inputs(mb, engine, advantage, weights, None, None))
+            else:
+                scored = score_completions(policy.model, mb.prompts, mb.tokens, pad, 1.0, 6, pack=True)
+                terms = grpo_loss(scored.logprobs, scored.logprobs.detach(), engine, None, advantage, scored.mask,
+                                  weights, cfg.trainer)
+                terms.loss.backward()
+            losses[static].append(terms.loss.detach())
+            scores[static].append(scored.logprobs.detach())
+        grads[static] = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    for eager, static, mb in zip(scores[False], scores[True], mine):
+        rows, width = eager.shape
+        torch.testing.assert_close(static[:rows, :width], eager, rtol=0, atol=5e-6)
+        assert not static[rows:].any() and not static[:, width:].any()
+    torch.testing.assert_close(torch.stack(losses[True]), torch.stack(losses[False]), rtol=1e-5, atol=1e-7)
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    graphed.release()
+    assert all(p.grad is None for p in optimizer.params)
+
+
+def test_kept_gradients_step_as_freed_ones(task, tiny_dir):
+    """Two passes with gradients kept in place (zeroed, never replaced) step the masters to the same bits as with
+    gradients freed after each step."""
+    results = {}
+    for keep in (False, True):
+        policy = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_a16.yaml", calib_size=16, trainable=True,
+                             dtype="bfloat16")
+        optimizer = PolicyOptimizer(policy, 1e-3, 0.0, 1.0)
+        optimizer.keep_gradients(keep)
+        kept = [p.grad for p in optimizer.params]
+        comps = _completions(policy, task)
+        for _ in range(2):
+            optimizer.zero_grad()
+            scored = score_completions(policy.model, [c.prompt_ids for c in comps], [c.token_ids for c in comps],
+                                       policy.tokenizer.pad_token_id)
+            optimizer.backward(-scored.logprobs.sum())
+            assert optimizer.step().applied
+        if keep:
+            assert all(p.grad is k and not p.grad.any() for p, k in zip(optimizer.params, kept))
+        results[keep] = [m.detach().clone() for m in optimizer.masters]
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run():
+    def recipe(**changes) -> RecipeConfig:
+        cfg = RecipeConfig()
+        cfg.policy.dtype, cfg.policy.master_dtype = "bfloat16", "float32"
+        cfg.trainer.cuda_graphs, cfg.trainer.max_tokens_per_micro_batch = "on", 8192
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return cfg
+
+    assert graph_refusal(recipe(), "cuda") == ""
+    cases = {"cpu": (recipe(), "has none"),
+             "exact": (recipe(policy__exact_forward=True), "exact forward"),
+             "rows": (recipe(trainer__max_tokens_per_micro_batch=0), "trainer.max_tokens_per_micro_batch"),
+             "fp16": (recipe(policy__dtype="float16"), "policy.dtype=float16"),
+             "masters": (recipe(policy__master_dtype="bfloat16"), "policy.master_dtype=float32"),
+             "checkpointing": (recipe(policy__gradient_checkpointing="on"), "policy.gradient_checkpointing=off"),
+             "chunks": (recipe(policy__logprob_chunk_tokens=0), "policy.logprob_chunk_tokens")}
+    for name, (cfg, needle) in cases.items():
+        device = "cpu" if name == "cpu" else "cuda"
+        with pytest.raises(ConfigError, match="trainer.cuda_graphs=on") as refused:
+            check_cuda_graphs(cfg, device)
+        assert needle in str(refused.value), name
+    assert "QAD" in graph_refusal(recipe(), "cuda", distilling=True)
+    check_cuda_graphs(recipe(trainer__cuda_graphs="off"), "cpu")  # off: nothing to refuse
