@@ -321,7 +321,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       --profile "$out/short" 2>&1 | grep -v -i warn | tail -3
     ;;
   pytest)  # arguments: pytest's (test files, -k ...)
-    python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | grep -E "^E |passed|failed|error" | tail -12
+    python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | tee -a "$out/pytest.log" | grep -E "^E |passed|failed|error" \
+      | tail -12  # the whole output in OUT/pytest.log
     ;;
   host_waits_ab)  # issue 74: one user-shape micro-batch's forward + backward (exact_step_time.py: the exact forward and
     # the default path), with the qarl package of an earlier commit against this checkout's, one after the other:

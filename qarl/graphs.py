@@ -3,9 +3,9 @@
 An update is host-bound (issue 74): the host spends about as long launching a micro-batch's kernels as the GPU
 spends running them. A CUDA graph records those launches once and replays them with none. It replays the same
 kernels on the same memory, so every micro-batch of a step is packed into one `StaticShape` (the token budget,
-padding sequences filling the slack; `static_shapes`), its inputs copied into the graph's own buffers before each
-replay (`CapturedCalls`). What a replay does not redo is the host's Python: the graph is captured again whenever
-what that Python decided may have changed (`CapturedCalls.key`: a quantizer replaced, a parameter moved).
+padding sequences filling the slack; `static_shape`), its inputs copied into the graph's own buffers before each
+replay (`CapturedCalls`). What a replay does not redo is the host's Python: the graphs are captured again whenever
+what that Python decided may have changed (`CapturedCalls.state`: a quantizer replaced, an optimizer step).
 
 The first micro-batch of each shape runs eagerly (its result counts: it is also the warm-up that compiles and
 autotunes), then the same call is captured, and every later micro-batch of that shape replays it. Gradients
@@ -23,55 +23,93 @@ from typing import Any
 import torch
 
 from qarl.config import ConfigError, RecipeConfig
+from qarl.quant.fastpath.weight_cache import optimizer_steps
 from qarl.quant.mixins import QUANTIZER_CHANGES
 from qarl.scoring import MicroBatch, StaticShape
 
-SEQUENCE_LENGTH_STEP = 256  # the attention's longest sequence is rounded up to this, so a run needs few shapes
+SEQUENCE_LENGTH_STEP = 256  # the attention's longest sequence and the picked tokens round up to this: few shapes
+DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers reads the longest position back to the host at each forward
+OFF = "set trainer.cuda_graphs=off"
 
 
 def graph_refusal(cfg: RecipeConfig, device: str, distilling: bool = False) -> str:
-    """Why `trainer.cuda_graphs=on` cannot run with these (decided) settings, as the fix to make; "" if it can."""
+    """Why `trainer.cuda_graphs=on` cannot run with these settings, as the fix to make; "" if it can. A token budget
+    left to `auto` is judged once decided (`check_graph_budget`)."""
     p, t = cfg.policy, cfg.trainer
-    off = "set trainer.cuda_graphs=off"
     refusals = (
-        (device != "cuda", f"it captures the update on a GPU and this machine has none: {off}"),
-        (distilling, f"QAD's update (qarl/distill.py) is not captured, QA-GRPO's is: {off}"),
-        (p.backend != "hf", f"it captures the HF backend's update, not policy.backend={p.backend}: {off}"),
-        (p.exact_forward, f"the exact forward lays out each micro-batch by rows and is not captured yet: {off}"),
-        (t.token_budget <= 0, "it replays packed micro-batches of one token budget: set "
-                              "trainer.max_tokens_per_micro_batch (auto, or a number of tokens), or " + off),
+        (device != "cuda", f"it captures the update on a GPU and this machine has none: {OFF}"),
+        (distilling, f"QAD's update (qarl/distill.py) is not captured, QA-GRPO's is: {OFF}"),
+        (p.backend != "hf", f"it captures the HF backend's update, not policy.backend={p.backend}: {OFF}"),
+        (p.exact_forward, f"the exact forward lays out each micro-batch by rows and is not captured yet: {OFF}"),
+        (t.max_tokens_per_micro_batch == 0, "it replays packed micro-batches of one token budget: set trainer."
+                                            f"max_tokens_per_micro_batch (auto, or a number of tokens), or {OFF}"),
         (p.logprob_chunk_tokens <= 0, f"it scores the completion tokens in chunks: set policy.logprob_chunk_tokens "
-                                      f"> 0, or {off}"),
+                                      f"> 0, or {OFF}"),
         (p.dtype != "bfloat16", f"it captures bfloat16 compute (float16's loss scale changes between replays), not "
-                                f"policy.dtype={p.dtype}: {off}"),
+                                f"policy.dtype={p.dtype}: {OFF}"),
         (p.master_dtype == p.dtype, "its gradients accumulate in the compute dtype beside float32 master weights: "
-                                    f"set policy.master_dtype=float32, or {off}"),
-        (p.lora.mode != "none", f"it captures full training, not policy.lora.mode={p.lora.mode}: {off}"),
+                                    f"set policy.master_dtype=float32, or {OFF}"),
+        (p.lora.mode != "none", f"it captures full training, not policy.lora.mode={p.lora.mode}: {OFF}"),
         (p.gradient_checkpointing == "on", "it keeps every activation of a micro-batch in its memory pool: set "
-                                           f"policy.gradient_checkpointing=off, or {off}"),
+                                           f"policy.gradient_checkpointing=off or auto, or {OFF}"),
     )
     return next((why for refused, why in refusals if refused), "")
 
 
-def check_cuda_graphs(cfg: RecipeConfig, device: str, distilling: bool = False) -> None:
-    """Refuse `trainer.cuda_graphs=on` where it cannot run, naming the setting to change (before anything loads)."""
+def model_refusal(model_dir: str, trust_remote_code: bool = False) -> str:
+    """Why the model's forward cannot be captured (it asks the GPU for a value mid-forward, or is scored whole), as
+    the fix to make; "" if it can. Read from its config and its architecture on the meta device."""
+    from transformers import AutoConfig
+
+    from qarl.models.checks import load_pretrained, meta_model
+    from qarl.models.experts import config_has_experts
+    from qarl.scoring import body_and_head
+
+    config = load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config()
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if config_has_experts(config):
+        return f"a Mixture-of-Experts layer asks the GPU which experts its tokens chose: {OFF}"
+    if rope.get("rope_type", rope.get("type")) in DYNAMIC_ROPE:
+        return f"its {rope.get('rope_type', rope.get('type'))} rotary embedding reads the longest position back: {OFF}"
+    if body_and_head(meta_model(model_dir, trust_remote_code)) is None:
+        return f"its logits are changed after the head (soft-capping, logit scaling) and are scored whole: {OFF}"
+    return ""
+
+
+def check_cuda_graphs(cfg: RecipeConfig, device: str, model_dir: str, distilling: bool = False) -> None:
+    """Refuse `trainer.cuda_graphs=on` where the settings or the model cannot be captured, naming what to change
+    (before the memory plan and before anything loads)."""
     if cfg.trainer.cuda_graphs == "on":
-        why = graph_refusal(cfg, device, distilling)
+        why = graph_refusal(cfg, device, distilling) or model_refusal(model_dir, cfg.policy.trust_remote_code)
         if why:
             raise ConfigError(f"trainer.cuda_graphs=on: {why}")
 
 
+def check_graph_budget(cfg: RecipeConfig, decided: str) -> None:
+    """After the fast settings (`decided`: why the token budget is what it is): graphs need a token budget."""
+    if cfg.trainer.cuda_graphs == "on" and cfg.trainer.token_budget <= 0:
+        raise ConfigError(f"trainer.cuda_graphs=on replays packed micro-batches of one token budget, and "
+                          f"trainer.max_tokens_per_micro_batch is 0 here ({decided}): set it to a number of tokens, "
+                          f"or {OFF}")
+
+
 def static_shape(micro_batches: Sequence[MicroBatch], budget: int, max_new_tokens: int) -> StaticShape:
     """The `StaticShape` every micro-batch of a step is packed into: the token budget (or the longest micro-batch, a
-    row longer than the budget going alone), the attention's longest sequence rounded up to `SEQUENCE_LENGTH_STEP`,
-    room for every micro-batch's sequences and padding sequences (a power of two), completions of up to
-    `max_new_tokens`."""
+    row longer than the budget going alone), the attention's longest sequence and the picked completion tokens each
+    rounded up to `SEQUENCE_LENGTH_STEP`, room for every micro-batch's sequences and padding sequences (a power of
+    two), completions of up to `max_new_tokens`."""
     used = [sum(len(c.prompt_ids) + len(c.token_ids) for c in mb.completions) for mb in micro_batches]
     tokens = max(budget, *used)
     longest = max(len(c.prompt_ids) + len(c.token_ids) for mb in micro_batches for c in mb.completions)
-    longest = min(-(-longest // SEQUENCE_LENGTH_STEP) * SEQUENCE_LENGTH_STEP, tokens)
+    longest = min(rounded_up(longest), tokens)
     sequences = max(len(mb.completions) + -(-(tokens - n) // longest) for mb, n in zip(micro_batches, used))
-    return StaticShape(tokens, 1 << (sequences - 1).bit_length(), longest, max_new_tokens)
+    picks = max(sum(len(c.token_ids) for c in mb.completions) for mb in micro_batches)
+    slots = 1 << (sequences - 1).bit_length()
+    return StaticShape(tokens, slots, longest, max_new_tokens, min(rounded_up(picks), tokens))
+
+
+def rounded_up(n: int) -> int:
+    return -(-n // SEQUENCE_LENGTH_STEP) * SEQUENCE_LENGTH_STEP
 
 
 @dataclass
@@ -87,17 +125,20 @@ class CapturedCalls:
     """`fn(*inputs)` captured once per key and replayed. The first call of a key runs `fn` eagerly on the capture
     stream (its result is returned: the call's own work, and the warm-up a capture needs), then captures it; later
     calls copy their inputs into the captured buffers and replay. Every graph shares one memory pool (they replay one
-    at a time). A replay's outputs are overwritten by the next replay: copy what you keep."""
+    at a time); all are dropped when `state` changes. A replay's outputs are overwritten by the next replay: copy what
+    you keep."""
 
     def __init__(self, fn: Callable[..., Any], device: torch.device):
         self.fn, self.device = fn, device
         self.captured: dict[tuple, Captured] = {}
+        self.captured_in: tuple | None = None  # the `state` the graphs were captured in
         self.pool: tuple | None = None
         self.stream: torch.cuda.Stream | None = None  # made at the first capture
         self.captures = 0
 
     def __call__(self, key: tuple, inputs: list[torch.Tensor | None]) -> Any:
-        key = (*key, self.state())
+        if self.state() != self.captured_in:
+            self.captured.clear()  # (their pool's memory goes back to it for the new captures)
         found = self.captured.get(key)
         if found is None:
             return self._capture(key, inputs)
@@ -108,11 +149,12 @@ class CapturedCalls:
         return found.outputs
 
     @staticmethod
-    def state() -> int:
-        """What the eager Python decides on and a replay does not look at again: a quantizer replaced or re-set
-        (ModelOpt's setters) bumps QUANTIZER_CHANGES. Parameters are written in place (the optimizer, `copy_masters`
-        holding each quantized weight), so their addresses stay those the graph reads."""
-        return QUANTIZER_CHANGES.value
+    def state() -> tuple[int, int]:
+        """What the eager Python decided on and a replay does not look at again: a quantizer replaced or re-set
+        (ModelOpt's setters bump QUANTIZER_CHANGES), and the optimizer steps (a weight the cache quantizes into a
+        new tensor after each step, rather than holding it in place, is read from the tensor of the capture).
+        Parameters and amax are written in place, so their addresses stay those the graph reads."""
+        return QUANTIZER_CHANGES.value, optimizer_steps()
 
     def _capture(self, key: tuple, inputs: list[torch.Tensor | None]) -> Any:
         self.stream = self.stream or torch.cuda.Stream(self.device)
@@ -124,18 +166,21 @@ class CapturedCalls:
         with torch.cuda.stream(self.stream):
             result = self.fn(*buffers)  # this call's own work, eagerly: compiles, autotunes, makes lazy state
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.stream.synchronize()
-        torch.cuda.empty_cache()  # the eager call's freed blocks, which the graph's own pool cannot reuse
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            outputs = self.fn(*buffers)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                outputs = self.fn(*buffers)
+        except RuntimeError as error:
+            raise RuntimeError(f"the update's micro-batch could not be captured as a CUDA graph ({error}); "
+                               f"{OFF} and report it with the model and settings") from error
         self.pool = graph.pool()
         self.captured[key] = Captured(graph, buffers, outputs)
+        self.captured_in = self.state()  # after the eager call and the capture, which may have set lazy state
         self.captures += 1
         return result
 
     def release(self) -> None:
         """Drop every graph and its pool (before the engine needs the memory back)."""
         self.captured.clear()
-        self.pool = None
+        self.captured_in = self.pool = None
         torch.cuda.empty_cache()

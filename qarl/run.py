@@ -37,7 +37,7 @@ from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, holds_kv_cache_scales,
                              merges_adapters, serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
-from qarl.graphs import check_cuda_graphs
+from qarl.graphs import check_cuda_graphs, check_graph_budget
 from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
@@ -427,12 +427,11 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
 def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, distilling: bool = False,
                        machine: Machine | None = None) -> RecipeConfig:
     """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once."""
-    machine = machine or Machine.here()
-    fast = decide_fast_settings(cfg, machine, resolved.model_dir, resolved.policy_format,
+    fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
                                 memory.tokens_per_micro_batch, distilling)
     print(fast.line())
     decided = fast.applied(cfg)
-    check_cuda_graphs(decided, machine.device, distilling)
+    check_graph_budget(decided, fast.why[2])
     return decided
 
 
@@ -463,6 +462,7 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     cfg = pinned_start(cfg, plan)
     resolved = check_run_settings(cfg)
     checks(cfg)
+    check_cuda_graphs(cfg, default_device().type, resolved.model_dir, distilling)
     task = build_task(cfg.task, cfg.run.seed)
     longest = check_prompt_lengths(resolved.prompts, asked_problems(cfg, task), cfg.policy.generation)["train"]
     cfg, memory = planned(cfg, resolved, frozen_model, longest)

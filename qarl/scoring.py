@@ -103,14 +103,15 @@ class TokenScores:
 class StaticShape:
     """A packed micro-batch's shape held fixed, so that a CUDA graph of its update replays for every micro-batch of
     the step (qarl/graphs.py): `tokens` ids in the row (the token budget), `sequences` boundaries (slots past the
-    last sequence are empty), `longest` the attention's longest sequence, and the [sequences, completion] grid of
-    the loss. The slack is filled by padding sequences of at most `longest` tokens that no completion token is
-    picked from."""
+    last sequence are empty), `longest` the attention's longest sequence, the [sequences, completion] grid of the
+    loss, and `picks` completion tokens scored by the head (the spare ones read other states and land nowhere). The
+    slack is filled by padding sequences of at most `longest` tokens that no completion token is picked from."""
 
     tokens: int
     sequences: int
     longest: int
     completion: int
+    picks: int
 
 
 @dataclass
@@ -123,8 +124,8 @@ class TeacherForced:
     The same places flat, for the completion tokens alone (row-major): `picks`, each one's predicting state among the
     decoder's [rows x width] states, `slots`, its place in the [batch x longest completion] grid, and `picked`, the
     token: built on the host, so that gathering and scattering never ask the GPU how many tokens there are. In a
-    `StaticShape` the picks past the completion tokens read state 0 into the slot past the grid, which nothing
-    reads."""
+    `StaticShape` the picks past the completion tokens read states 0, 1, ... into the slot past the grid, which
+    nothing reads."""
 
     ids: torch.Tensor  # [batch, width], or [1, total tokens] packed
     attention: torch.Tensor | None  # [batch, width]; None packed
@@ -226,12 +227,16 @@ def static_padding(used: int, count: int, completion: int, longest: int, pad_id:
 
 def static_grid(rows: list[torch.Tensor], shape: StaticShape) -> list[torch.Tensor]:
     """`host_rows`' [batch, longest completion] grids padded to [sequences, completion], and its per-token picks to
-    `shape.tokens` entries, those past the completion tokens reading state 0 into the slot past the grid."""
+    `shape.picks` entries, those past the completion tokens reading states 0, 1, ... (distinct: their zero gradients
+    add into different rows) into the slot past the grid."""
     positions, targets, mask, picks, slots, picked = rows
+    spare = shape.picks - len(slots)
+    if spare < 0:
+        raise ValueError(f"a micro-batch of {len(slots)} completion tokens does not fit {shape}")
     grid = [on_grid(t, (shape.sequences, shape.completion)) for t in (positions, targets, mask)]
-    width, spare = mask.shape[1], shape.tokens - len(slots)
+    width = mask.shape[1]
     slots = (slots // width) * shape.completion + slots % width  # the same places in the wider grid
-    out = [F.pad(picks, (0, spare)), F.pad(slots, (0, spare), value=shape.sequences * shape.completion),
+    out = [torch.cat([picks, torch.arange(spare)]), F.pad(slots, (0, spare), value=shape.sequences * shape.completion),
            F.pad(picked, (0, spare))]
     return [*grid, *out]
 

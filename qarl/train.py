@@ -27,8 +27,8 @@ from qarl.metrics import PLOTTED, read_metrics
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
 from qarl.run import Rollout, Run, initial_policy, mismatch_sums, run_steps, start_engine, start_run
-from qarl.scoring import (MicroBatch, TeacherForced, TokenScores, completion_mask, host_rows, micro_batches, on_grid,
-                          score_completions, scored_states, states_of)
+from qarl.scoring import (HostRows, MicroBatch, TeacherForced, TokenScores, completion_mask, host_rows, micro_batches,
+                          on_grid, score_completions, scored_states, states_of)
 from qarl.tasks import Task, eval_splits
 from qarl.transfer import on_host, to_device
 
@@ -126,12 +126,12 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     graphed = GraphedMicroBatches(policy, optimizer, cfg, mine) if t.cuda_graphs == "on" else None
     grids = graphed.grids if graphed else [None] * len(mine)  # the [rows, completion] every tensor of one is laid on
 
-    def score(model: torch.nn.Module, mb: MicroBatch, grid: tuple[int, int] | None) -> TokenScores:
-        found = score_completions(model, mb.prompts, mb.tokens, policy.tokenizer.pad_token_id,
-                                  cfg.policy.generation.temperature, cfg.policy.logprob_chunk_tokens,
-                                  pack=t.token_budget > 0)
-        return found if grid is None else TokenScores(*(on_grid(x, grid) for x in (found.logprobs, found.entropy,
-                                                                                   found.mask)))
+    def score(model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
+        if graphed:  # laid out as the graphs lay it out: the same rows and row counts, the same bits
+            return graphed.score(model, mb)
+        return score_completions(model, mb.prompts, mb.tokens, policy.tokenizer.pad_token_id,
+                                 cfg.policy.generation.temperature, cfg.policy.logprob_chunk_tokens,
+                                 pack=t.token_budget > 0)
 
     # the rollout-time log-probs: the engine's, the reference's, and (later passes compare with it) the policy's own
     engine_lp = [mb.engine_logprobs(policy.device, grid) for mb, grid in zip(mine, grids)]
@@ -140,13 +140,11 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     moved = to_device([on_grid(advantages[mb.rows], grid) for mb, grid in zip(mine, grids)] + weights, policy.device)
     advantage, weights = moved[: len(mine)], moved[len(mine):]
     with torch.no_grad():
-        ref_lp = [score(reference, mb, grid).logprobs if reference is not None else None
-                  for mb, grid in zip(mine, grids)]
-        old: list[TokenScores | None] = [score(policy.model, mb, grid) if t.num_iterations > 1 else None
-                                         for mb, grid in zip(mine, grids)]
+        ref_lp = [score(reference, mb).logprobs if reference is not None else None for mb in mine]
+        old: list[TokenScores | None] = [score(policy.model, mb) if t.num_iterations > 1 else None for mb in mine]
 
     def eager(k: int, mb: MicroBatch) -> tuple[TokenScores, LossTerms]:
-        scores = score(policy.model, mb, None)
+        scores = score(policy.model, mb)
         old_k = old[k] or TokenScores(scores.logprobs.detach(), scores.entropy.detach(), scores.mask)
         terms = grpo_loss(scores.logprobs, old_k.logprobs, engine_lp[k], ref_lp[k], advantage[k], old_k.mask,
                           weights[k], t)
@@ -159,18 +157,21 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     stats: dict[str, list[float]] = {"grad_norm": []}
     results = []
     losses: list[list[torch.Tensor | None]] = []  # per micro-batch, read to the host once at the end
+    update = graph if graphed else eager
     policy.model.train()
-    for _ in range(t.num_iterations):
-        optimizer.zero_grad()
-        for k, mb in enumerate(mine):
-            scored, terms = (graph if graphed else eager)(k, mb)
-            if old[k] is None:  # one pass: the policy has not moved since rollout, old = current
-                old[k] = scored
-            losses.append([terms.loss.detach(), terms.clip_fraction, terms.kl, terms.is_weight_mean])
-        results.append(optimizer.step())
-        stats["grad_norm"].append(results[-1].grad_norm)
-    if graphed:
-        graphed.release()
+    try:
+        for _ in range(t.num_iterations):
+            optimizer.zero_grad()
+            for k, mb in enumerate(mine):
+                scored, terms = update(k, mb)
+                if old[k] is None:  # one pass: the policy has not moved since rollout, old = current
+                    old[k] = scored
+                losses.append([terms.loss.detach(), terms.clip_fraction, terms.kl, terms.is_weight_mean])
+            results.append(optimizer.step())
+            stats["grad_norm"].append(results[-1].grad_norm)
+    finally:
+        if graphed:
+            graphed.release()
     policy.model.eval()
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     mismatch: list[list[torch.Tensor | None]] = []
@@ -216,17 +217,25 @@ class GraphedMicroBatches:
     def inputs(self, mb: MicroBatch, engine: torch.Tensor, advantage: torch.Tensor, weights: torch.Tensor,
                ref: torch.Tensor | None, old: TokenScores | None) -> list[torch.Tensor | None]:
         """`micro_batch`'s inputs for `mb`: its rows packed into the step's shape, then its per-token tensors."""
-        rows = host_rows(mb.prompts, mb.tokens, self.policy.tokenizer.pad_token_id, pack=True, shape=self.shape)
-        return [*to_device(rows.parts, self.policy.device), engine, advantage, weights, ref,
+        return [*to_device(self.rows(mb).parts, self.policy.device), engine, advantage, weights, ref,
                 None if old is None else old.logprobs]
+
+    def rows(self, mb: MicroBatch) -> HostRows:
+        return host_rows(mb.prompts, mb.tokens, self.policy.tokenizer.pad_token_id, pack=True, shape=self.shape)
+
+    def score(self, model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
+        """`model`'s scores of `mb` packed into the step's shape, eagerly (the reference's, and the rollout-time
+        policy's that later passes compare with)."""
+        return self.scores_of(model, self.rows(mb).on(self.policy.device))
+
+    def scores_of(self, model: torch.nn.Module, rows: TeacherForced) -> TokenScores:
+        p = self.cfg.policy
+        return scored_states(model, states_of(model, rows), p.generation.temperature, p.logprob_chunk_tokens)
 
     def micro_batch(self, *inputs: torch.Tensor | None) -> tuple[TokenScores, LossTerms]:
         """What is captured: the scores of a `StaticShape`'s rows, the GRPO loss on its grid, the backward."""
         parts, (engine, advantage, weights, ref, old) = list(inputs[:-5]), inputs[-5:]
-        p = self.cfg.policy
-        rows = TeacherForced.from_parts(parts, self.shape.longest, pack=True)
-        scores = scored_states(self.policy.model, states_of(self.policy.model, rows), p.generation.temperature,
-                               p.logprob_chunk_tokens)
+        scores = self.scores_of(self.policy.model, TeacherForced.from_parts(parts, self.shape.longest, pack=True))
         current = scores.logprobs.detach()
         terms = grpo_loss(scores.logprobs, current if old is None else old, engine, ref, advantage, scores.mask,
                           weights, self.cfg.trainer)

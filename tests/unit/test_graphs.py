@@ -11,7 +11,7 @@ import torch
 
 from qarl.config import ConfigError, RecipeConfig, TrainerConfig
 from qarl.generation import Completion
-from qarl.graphs import check_cuda_graphs, graph_refusal, static_shape
+from qarl.graphs import check_cuda_graphs, check_graph_budget, graph_refusal, model_refusal, static_shape
 from qarl.grpo import grpo_loss, sequence_weights
 from qarl.optim import PolicyOptimizer
 from qarl.scoring import StaticShape, completion_mask, host_rows, micro_batches, on_grid, score_completions
@@ -33,6 +33,7 @@ def test_static_shape_holds_every_micro_batch_of_the_step():
     mbs = micro_batches(comps, list(range(len(comps))), size=8, max_tokens=40)
     shape = static_shape(mbs, 40, 32)
     assert shape.tokens == 40 and shape.completion == 32 and shape.longest == 40  # (256 capped at the budget)
+    assert shape.picks == 40  # the most completion tokens of a micro-batch, rounded up to 256, capped likewise
     assert shape.sequences & (shape.sequences - 1) == 0  # a power of two: few shapes over a run
     for mb in mbs:  # every one packs into it, padding sequences of at most `longest` tokens filling the slack
         rows = host_rows(mb.prompts, mb.tokens, 0, pack=True, shape=shape)
@@ -43,8 +44,10 @@ def test_static_shape_holds_every_micro_batch_of_the_step():
         assert picks.shape == slots.shape == picked.shape == (40,)
         real = sum(len(t) for t in mb.tokens)
         assert bool((slots[real:] == shape.sequences * shape.completion).all())  # spare picks: the slot past the grid
-    with pytest.raises(ValueError, match="does not fit"):
-        host_rows(mbs[0].prompts, mbs[0].tokens, 0, pack=True, shape=StaticShape(8, 2, 8, 32))
+        assert picks[real:].tolist() == list(range(40 - real))  # distinct states: no pile-up in the backward
+    for small in (StaticShape(8, 2, 8, 32, 8), StaticShape(40, 8, 40, 32, 2)):
+        with pytest.raises(ValueError, match="does not fit"):
+            host_rows(mbs[0].prompts, mbs[0].tokens, 0, pack=True, shape=small)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -119,7 +122,7 @@ def test_kept_gradients_step_as_freed_ones(task, tiny_dir):
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
 
 
-def test_cuda_graphs_are_refused_where_they_cannot_run():
+def test_cuda_graphs_are_refused_where_they_cannot_run(tiny_dir):
     def recipe(**changes) -> RecipeConfig:
         cfg = RecipeConfig()
         cfg.policy.dtype, cfg.policy.master_dtype = "bfloat16", "float32"
@@ -129,7 +132,8 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
             setattr(getattr(cfg, section), name, value)
         return cfg
 
-    assert graph_refusal(recipe(), "cuda") == ""
+    assert graph_refusal(recipe(), "cuda") == "" and graph_refusal(recipe(trainer__max_tokens_per_micro_batch="auto"),
+                                                                   "cuda") == ""
     cases = {"cpu": (recipe(), "has none"),
              "exact": (recipe(policy__exact_forward=True), "exact forward"),
              "rows": (recipe(trainer__max_tokens_per_micro_batch=0), "trainer.max_tokens_per_micro_batch"),
@@ -140,7 +144,31 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
     for name, (cfg, needle) in cases.items():
         device = "cpu" if name == "cpu" else "cuda"
         with pytest.raises(ConfigError, match="trainer.cuda_graphs=on") as refused:
-            check_cuda_graphs(cfg, device)
+            check_cuda_graphs(cfg, device, tiny_dir)
         assert needle in str(refused.value), name
     assert "QAD" in graph_refusal(recipe(), "cuda", distilling=True)
-    check_cuda_graphs(recipe(trainer__cuda_graphs="off"), "cpu")  # off: nothing to refuse
+    check_cuda_graphs(recipe(trainer__cuda_graphs="off"), "cpu", tiny_dir)  # off: nothing to refuse
+    check_cuda_graphs(recipe(), "cuda", tiny_dir)  # the tiny model's forward can be captured
+    # a budget left to auto and decided 0 (by rows) is refused once decided, with why it was
+    with pytest.raises(ConfigError, match=r"is 0 here \(auto: the CPU\)"):
+        check_graph_budget(recipe(trainer__max_tokens_per_micro_batch=0), "auto: the CPU")
+
+
+def test_models_whose_forward_asks_the_gpu_mid_way_are_refused(tmp_path):
+    """Experts chosen per token, a rotary table that grows with the longest position, logits changed after the head:
+    each named before anything loads."""
+    from transformers import Gemma2Config, LlamaConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    configs = {"Mixture-of-Experts": Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32),
+               "dynamic rotary": LlamaConfig(**common, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                       "rope_theta": 10000.0}),
+               "scored whole": Gemma2Config(**common, head_dim=16, final_logit_softcapping=30.0),
+               "": LlamaConfig(**common)}
+    for needle, config in configs.items():
+        model_dir = tmp_path / (needle or "plain").replace(" ", "_")
+        config.save_pretrained(model_dir)
+        why = model_refusal(str(model_dir))
+        assert (needle in why and "trainer.cuda_graphs=off" in why) if needle else why == "", (needle, why)

@@ -62,6 +62,11 @@ def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
     _derived_owners.clear()
 
 
+def optimizer_steps() -> int:
+    """Optimizer steps of the process since `count_optimizer_steps` (0 before it)."""
+    return _optimizer_steps
+
+
 def count_optimizer_steps() -> None:
     """Count every optimizer step of the process from now on (torch's global post-step hook, registered once),
     for `tensor_key`; called by `enable_weight_cache` and `derived`, which key tensors by it."""
