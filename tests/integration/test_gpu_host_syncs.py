@@ -39,7 +39,7 @@ def test_a_micro_batch_of_the_update_never_waits_for_the_gpu(task, exact):
     g = torch.Generator().manual_seed(0)
     lengths = [(12, 40), (30, 7), (5, 64), (20, 33)]  # (prompt, completion) tokens: ragged, as rollouts are
     mb = MicroBatch(list(range(len(lengths))), [
-        Completion(torch.randint(3, 200, (p,), generator=g).tolist(), torch.randint(3, 200, (c,), generator=g).tolist(),
+        Completion(torch.randint(3, 120, (p,), generator=g).tolist(), torch.randint(3, 120, (c,), generator=g).tolist(),
                    (-torch.rand(c, generator=g)).tolist(), "stop") for p, c in lengths])
     advantages = torch.randn(len(lengths), generator=g)
     cfg = TrainerConfig()

@@ -37,8 +37,8 @@ def _setup(task, quant_cfg: str, num_iterations: int = 1):
     g = torch.Generator().manual_seed(0)
     lengths = [(12, 40), (30, 7), (5, 64), (20, 33), (9, 96), (17, 3), (25, 50), (8, 80), (14, 21), (6, 9),
                (11, 70), (19, 12)]
-    comps = [Completion(torch.randint(3, 200, (p,), generator=g).tolist(),
-                        torch.randint(3, 200, (c,), generator=g).tolist(), (-torch.rand(c, generator=g)).tolist(),
+    comps = [Completion(torch.randint(3, 120, (p,), generator=g).tolist(),
+                        torch.randint(3, 120, (c,), generator=g).tolist(), (-torch.rand(c, generator=g)).tolist(),
                         "stop") for p, c in lengths]
     batch = Rollout([], comps, [""] * len(comps), 0.0)
     advantages = torch.randn(len(comps), generator=g)
