@@ -449,8 +449,8 @@ class TrainerConfig:
     max_tokens_per_micro_batch: str = knob("auto", choices=("auto",), ge=0)
     # "on": each micro-batch's scoring, loss and backward replayed as one CUDA graph instead of launched by the host
     # (qarl/graphs.py): a GPU, QA-GRPO on the HF backend in bfloat16 with float32 masters, micro-batches by tokens,
-    # logprob_chunk_tokens > 0, no exact forward, LoRA, gradient checkpointing or experts; refused otherwise, naming
-    # what to change. Its memory pool is counted in the plan (docs/guides/cuda-graphs.md).
+    # logprob_chunk_tokens > 0 (the exact forward too), no LoRA, gradient checkpointing or experts; refused otherwise,
+    # naming what to change. Its memory pool is counted in the plan (docs/guides/cuda-graphs.md).
     cuda_graphs: str = knob("off", choices=("off", "on"))
     lr: float = knob(1e-4, gt=0)  # AdamW learning rate
     weight_decay: float = knob(0.0, ge=0)  # AdamW weight decay (decoupled)

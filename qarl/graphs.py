@@ -40,7 +40,6 @@ def graph_refusal(cfg: RecipeConfig, device: str, distilling: bool = False) -> s
         (device != "cuda", f"it captures the update on a GPU and this machine has none: {OFF}"),
         (distilling, f"QAD's update (qarl/distill.py) is not captured, QA-GRPO's is: {OFF}"),
         (p.backend != "hf", f"it captures the HF backend's update, not policy.backend={p.backend}: {OFF}"),
-        (p.exact_forward, f"the exact forward lays out each micro-batch by rows and is not captured yet: {OFF}"),
         (t.max_tokens_per_micro_batch == 0, "it replays packed micro-batches of one token budget: set trainer."
                                             f"max_tokens_per_micro_batch (auto, or a number of tokens), or {OFF}"),
         (p.logprob_chunk_tokens <= 0, f"it scores the completion tokens in chunks: set policy.logprob_chunk_tokens "
@@ -76,11 +75,27 @@ def model_refusal(model_dir: str, trust_remote_code: bool = False) -> str:
     return ""
 
 
+def exact_refusal(cfg: RecipeConfig, model_dir: str) -> str:
+    """Why the exact forward's static layout cannot hold this model, as the fix to make; "" if it can: it computes
+    every token as a prefill, so the engine must decode the model's attention shape with the prefill's bits."""
+    from qarl.backends.exact_forward import decodes_as_prefill
+    from qarl.quant import resolve_format
+    from qarl.quant.formats import quantizes_kv_cache
+
+    fp8_cache = quantizes_kv_cache(resolve_format(cfg.policy.quant_cfg))
+    if decodes_as_prefill(model_dir, cfg.policy.trust_remote_code, cfg.policy.dtype, fp8_cache):
+        return ""
+    return ("with policy.exact_forward the engine decodes this model's attention shape with other FlashAttention "
+            f"tiles than it prefills, which the static layout does not lay out: {OFF}")
+
+
 def check_cuda_graphs(cfg: RecipeConfig, device: str, model_dir: str, distilling: bool = False) -> None:
     """Refuse `trainer.cuda_graphs=on` where the settings or the model cannot be captured, naming what to change
     (before the memory plan and before anything loads)."""
     if cfg.trainer.cuda_graphs == "on":
         why = graph_refusal(cfg, device, distilling) or model_refusal(model_dir, cfg.policy.trust_remote_code)
+        if not why and cfg.policy.exact_forward:
+            why = exact_refusal(cfg, model_dir)
         if why:
             raise ConfigError(f"trainer.cuda_graphs=on: {why}")
 

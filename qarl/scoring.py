@@ -157,11 +157,12 @@ class TeacherForced:
 @dataclass
 class HostRows:
     """`TeacherForced`'s int64 tensors laid out on the host, in `TeacherForced.from_parts`' order, with the
-    attention's longest sequence."""
+    attention's longest sequence (the rows' width unpacked) and each sequence's tokens."""
 
     parts: list[torch.Tensor]
     longest: int
     pack: bool
+    lengths: list[int]
 
     def on(self, device: torch.device) -> TeacherForced:
         """On `device`, in one copy (`qarl.transfer.to_device`)."""
@@ -178,17 +179,17 @@ def teacher_forced(prompts: list[list[int]], completions: list[list[int]], pad_i
 
 def host_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int, pack: bool = False,
               shape: StaticShape | None = None) -> HostRows:
-    """`teacher_forced`'s tensors on the host."""
-    if shape is not None and not pack:
-        raise ValueError("a static shape is a packed micro-batch's")
+    """`teacher_forced`'s tensors on the host. In a `shape`, padding sequences fill its tokens and empty ones its
+    sequence slots (rows of width `shape.longest` unpacked)."""
     sequences = [p + c for p, c in zip(prompts, completions)]
     if shape is not None:
         sequences += static_padding(sum(len(q) for q in sequences), len(sequences), max(len(c) for c in completions),
                                     max(len(q) for q in sequences), pad_id, shape)
+        sequences += [[]] * (shape.sequences - len(sequences))
     lengths = torch.tensor([len(q) for q in sequences])
     prompt_lengths = torch.tensor([len(p) for p in prompts])
     completion_lengths = torch.tensor([len(c) for c in completions])
-    longest, width = int(completion_lengths.max()), int(lengths.max())
+    longest, width = int(completion_lengths.max()), shape.longest if shape else int(lengths.max())
     j = torch.arange(longest)
     mask = j[None] < completion_lengths[:, None]
     slots = mask.flatten().nonzero().squeeze(1)  # (indexing by a boolean mask is slow on the host)
@@ -202,15 +203,13 @@ def host_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     else:
         ids = right_padded(sequences, width, pad_id)
         attention = (torch.arange(width)[None] < lengths[:, None]).long()
-        row_starts, row_width = torch.zeros_like(lengths), width
+        row_starts, row_width = torch.zeros_like(prompt_lengths), width
         host = [ids, attention]
     positions = (row_starts[:, None] + prompt_lengths[:, None] - 1 + j[None]).clamp(max=row_width - 1)
-    picks = positions if pack else positions + torch.arange(len(sequences))[:, None] * width
+    picks = positions if pack else positions + torch.arange(len(prompts))[:, None] * width
     rows = [positions, targets, mask.long(), picks.flatten()[slots], slots, targets.flatten()[slots]]
-    if shape is None:
-        return HostRows([*host, *rows], width, pack)
-    return HostRows([*host[:2], F.pad(starts, (0, shape.sequences + 1 - len(starts)), value=int(starts[-1])),
-                     *static_grid(rows, shape)], shape.longest, pack)
+    grid = rows if shape is None else static_grid(rows, shape)
+    return HostRows([*host, *grid], width, pack, lengths.tolist())
 
 
 def static_padding(used: int, count: int, completion: int, longest: int, pad_id: int, shape: StaticShape

@@ -27,8 +27,8 @@ from qarl.metrics import PLOTTED, read_metrics
 from qarl.optim import PolicyOptimizer, step_metrics
 from qarl.policy import Policy
 from qarl.run import Rollout, Run, initial_policy, mismatch_sums, run_steps, start_engine, start_run
-from qarl.scoring import (HostRows, MicroBatch, TeacherForced, TokenScores, completion_mask, host_rows, micro_batches,
-                          on_grid, score_completions, scored_states, states_of)
+from qarl.scoring import (MicroBatch, TeacherForced, TokenScores, completion_mask, host_rows, micro_batches, on_grid,
+                          score_completions, scored_states, states_of)
 from qarl.tasks import Task, eval_splits
 from qarl.transfer import on_host, to_device
 
@@ -195,18 +195,22 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
 class GraphedMicroBatches:
     """Each micro-batch's scoring, GRPO loss and backward as one CUDA graph (`trainer.cuda_graphs=on`,
     qarl/graphs.py): every micro-batch of the step packed into one `StaticShape`, its per-token tensors on that
-    shape's [sequences, completion] grid, the gradients kept in place for the update (released with the graphs)."""
+    shape's [sequences, completion] grid, the gradients kept in place for the update (released with the graphs).
+    A model that lays out its rows itself (the exact forward: `qarl_static_layout`) gets them right-padded to the
+    shape's width, with its layout in the graph's buffers too."""
 
     def __init__(self, policy: Policy, optimizer: PolicyOptimizer, cfg: RecipeConfig, mine: list[MicroBatch]):
         self.policy, self.optimizer, self.cfg = policy, optimizer, cfg
         self.shape = static_shape(mine, cfg.trainer.token_budget, cfg.policy.generation.max_new_tokens)
         self.grids = [(self.shape.sequences, self.shape.completion)] * len(mine)
+        self.static_layout = getattr(policy.model, "qarl_static_layout", None)
+        self.layout_sizes: tuple | None = None
         self.calls = CapturedCalls(self.micro_batch, policy.device)
         optimizer.keep_gradients(True)
 
     def __call__(self, k: int, mb: MicroBatch, engine: torch.Tensor, advantage: torch.Tensor, weights: torch.Tensor,
                  ref: torch.Tensor | None, old: TokenScores | None) -> tuple[TokenScores, LossTerms]:
-        inputs = self.inputs(mb, engine, advantage, weights, ref, old)
+        inputs = [*self.int_inputs(mb), engine, advantage, weights, ref, None if old is None else old.logprobs]
         scored, terms = self.calls((self.shape, ref is None, old is None), inputs)
         self.optimizer.note_loss(terms.loss)
         # the next replay overwrites the graph's outputs: keep copies
@@ -214,28 +218,32 @@ class GraphedMicroBatches:
         values = (getattr(terms, field.name) for field in dataclasses.fields(terms))
         return copied, LossTerms(*(None if x is None else x.detach().clone() for x in values))
 
-    def inputs(self, mb: MicroBatch, engine: torch.Tensor, advantage: torch.Tensor, weights: torch.Tensor,
-               ref: torch.Tensor | None, old: TokenScores | None) -> list[torch.Tensor | None]:
-        """`micro_batch`'s inputs for `mb`: its rows packed into the step's shape, then its per-token tensors."""
-        return [*to_device(self.rows(mb).parts, self.policy.device), engine, advantage, weights, ref,
-                None if old is None else old.logprobs]
-
-    def rows(self, mb: MicroBatch) -> HostRows:
-        return host_rows(mb.prompts, mb.tokens, self.policy.tokenizer.pad_token_id, pack=True, shape=self.shape)
+    def int_inputs(self, mb: MicroBatch) -> list[torch.Tensor]:
+        """`mb`'s rows packed into the step's shape (and the model's own layout of them), on the device in one copy."""
+        rows = host_rows(mb.prompts, mb.tokens, self.policy.tokenizer.pad_token_id, pack=self.static_layout is None,
+                         shape=self.shape)
+        layout: list[torch.Tensor] = []
+        if self.static_layout is not None:
+            layout, self.layout_sizes = self.static_layout(rows.lengths, rows.longest, self.shape.tokens)
+        return to_device([*rows.parts, *layout], self.policy.device)
 
     def score(self, model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
         """`model`'s scores of `mb` packed into the step's shape, eagerly (the reference's, and the rollout-time
         policy's that later passes compare with)."""
-        return self.scores_of(model, self.rows(mb).on(self.policy.device))
+        return self.scores_of(model, self.int_inputs(mb))
 
-    def scores_of(self, model: torch.nn.Module, rows: TeacherForced) -> TokenScores:
-        p = self.cfg.policy
-        return scored_states(model, states_of(model, rows), p.generation.temperature, p.logprob_chunk_tokens)
+    def scores_of(self, model: torch.nn.Module, parts: list[torch.Tensor]) -> TokenScores:
+        """Scores of the rows in `int_inputs`' tensors."""
+        pack, p = self.static_layout is None, self.cfg.policy
+        count = (3 if pack else 2) + 6  # `TeacherForced.from_parts`' tensors; the model's layout after them
+        rows = TeacherForced.from_parts(parts[:count], self.shape.longest, pack)
+        steps = None if pack else model.qarl_layout_steps(parts[count:], self.layout_sizes)
+        return scored_states(model, states_of(model, rows, steps), p.generation.temperature, p.logprob_chunk_tokens)
 
     def micro_batch(self, *inputs: torch.Tensor | None) -> tuple[TokenScores, LossTerms]:
         """What is captured: the scores of a `StaticShape`'s rows, the GRPO loss on its grid, the backward."""
         parts, (engine, advantage, weights, ref, old) = list(inputs[:-5]), inputs[-5:]
-        scores = self.scores_of(self.policy.model, TeacherForced.from_parts(parts, self.shape.longest, pack=True))
+        scores = self.scores_of(self.policy.model, parts)
         current = scores.logprobs.detach()
         terms = grpo_loss(scores.logprobs, current if old is None else old, engine, ref, advantage, scores.mask,
                           weights, self.cfg.trainer)

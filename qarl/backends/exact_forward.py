@@ -39,6 +39,7 @@ engine checks its rotary table and its query quantization against the policy's a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -127,15 +128,35 @@ class ExactCausalLM:
     _qarl_decode_steps: bool  # FlashAttention decodes this attention shape with other bits than it prefills
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                prompt_lengths: list[int] | None = None, lengths: list[int] | None = None, **unused):
+                prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
+                layout: ExactLayout | None = None, **unused):
         """`prompt_lengths`: the tokens of each row the engine prefilled (the rest it decoded); None: all.
-        `lengths`: each row's tokens, as the attention mask has them (None: read from the mask, a host sync)."""
+        `lengths`: each row's tokens, as the attention mask has them (None: read from the mask, a host sync).
+        `layout`: the rows' layout already on the device (`exact_layout`; then neither is read)."""
         from transformers.modeling_outputs import CausalLMOutput
 
         extra = sorted(k for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict"))
         if extra:
             raise TypeError(f"the exact forward computes logits only; it takes no {extra}")
-        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask, prompt_lengths, lengths))
+        return CausalLMOutput(logits=exact_logits(self, input_ids, attention_mask, prompt_lengths, lengths, layout))
+
+    def qarl_static_layout(self, lengths: list[int], width: int, tokens: int
+                           ) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+        """The layout of rows of `lengths` tokens (padding and empty rows included) of `width`, `tokens` in all,
+        with its paged attention's sizes held fixed, as host tensors and sizes for a CUDA graph's buffers
+        (qarl/graphs.py; `qarl_layout_steps` reads them back). Every sequence is a prefill: an attention shape the
+        engine decodes with other tiles than it prefills is refused."""
+        if self._qarl_decode_steps:
+            raise ConfigError("trainer.cuda_graphs=on with policy.exact_forward: the engine decodes this model's "
+                              "attention shape with other FlashAttention tiles than it prefills, which a static layout "
+                              "does not lay out yet; set trainer.cuda_graphs=off")
+        blocks = -(-tokens // kernels.BLOCK_SIZE) + len(lengths)  # at least sum(ceil(n / 16)) for any split of tokens
+        return ExactLayout.host(lengths, lengths, width, static=(blocks, width))
+
+    @staticmethod
+    def qarl_layout_steps(parts: list[torch.Tensor], sizes: tuple[int, int, int]) -> dict[str, ExactLayout]:
+        """The body's keyword for a layout from `qarl_static_layout`'s tensors on the device."""
+        return {"layout": ExactLayout.from_parts(parts, sizes)}
 
     def qarl_body_and_head(self) -> tuple[Callable, Callable]:
         """The decoder and the head apart, both with the engine's kernels, for scoring in chunks (qarl/scoring.py)."""
@@ -143,9 +164,9 @@ class ExactCausalLM:
 
         def body(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
-                 **unused) -> BaseModelOutput:
+                 layout: ExactLayout | None = None, **unused) -> BaseModelOutput:
             return BaseModelOutput(last_hidden_state=exact_hidden(self, input_ids, attention_mask, prompt_lengths,
-                                                                  lengths))
+                                                                  lengths, layout))
 
         return body, partial(exact_head, self)
 
@@ -184,6 +205,19 @@ def kv_cache_quantizers(name: str, attention: nn.Module) -> tuple[nn.Module, nn.
     return found[0], found[1]
 
 
+def decodes_as_prefill(model_dir: str, trust_remote_code: bool, dtype: str, fp8_cache: bool) -> bool:
+    """Whether the engine gives the model's attention shape the same bits in a decode step as in its prefill
+    (`kernels.decode_matches_prefill`, tried on the GPU from the model's config, before the model loads)."""
+    from transformers import AutoConfig
+
+    from qarl.models.checks import load_pretrained
+
+    config = load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config()
+    return kernels.decode_matches_prefill(config.num_attention_heads, config.num_key_value_heads,
+                                          kernels.head_size(config), getattr(torch, dtype), torch.device("cuda"),
+                                          fp8_cache)
+
+
 def kv_cache_scale(attention: nn.Module) -> torch.Tensor | None:
     """[key's, value's] FP8 cache dequantization scales of an attention module, exactly those the engine's refit
     writes into its k_scale and v_scale (`fp8_kv_cache_multipliers`), or None (no quantized cache)."""
@@ -197,18 +231,20 @@ def kv_cache_scale(attention: nn.Module) -> torch.Tensor | None:
 
 
 def exact_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None) -> torch.Tensor:
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
+                 layout: ExactLayout | None = None) -> torch.Tensor:
     """[rows, width, vocab] logits of right-padded rows, computed as vLLM's decoder computes them."""
-    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths, layout)
     logits = exact_head(model, states)
     rows, width = input_ids.shape
     return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, index, logits).view(rows, width, -1)
 
 
 def exact_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None) -> torch.Tensor:
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
+                 layout: ExactLayout | None = None) -> torch.Tensor:
     """[rows, width, hidden] final hidden states (after the last norm) of right-padded rows, 0 at padding."""
-    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths)
+    states, index = exact_states(model, input_ids, attention_mask, prompt_lengths, lengths, layout)
     rows, width = input_ids.shape
     return states.new_zeros(rows * width, states.shape[-1]).index_copy(0, index, states).view(rows, width, -1)
 
@@ -219,14 +255,39 @@ def exact_head(model: nn.Module, states: torch.Tensor) -> torch.Tensor:
     return fused_linear([model._modules["lm_head"]], states)
 
 
-def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
-    computes them (each row's first `prompt_lengths` tokens as its prefill, the others as decode steps where that
-    differs: `kernels.PagedLayout`), and each packed token's place in the [rows * width] grid. `lengths`: each row's
-    valid tokens, from a caller that built the mask from them (scoring): the layout is then made on the host alone and
-    the mask is not read; None: read from the mask, and the mask checked."""
+@dataclass
+class ExactLayout:
+    """Where the exact forward computes right-padded rows' tokens: each packed token's place in the [rows * width]
+    grid (`index`), its position in its row, and the paged attention's layout (`kernels.PagedLayout`). Made from
+    the rows' lengths on the host (`exact_layout`), or kept by a caller that replays it (a CUDA graph's buffers)."""
+
+    index: torch.Tensor  # int64 [tokens]
+    positions: torch.Tensor  # int64 [tokens]
+    paged: kernels.PagedLayout
+
+    @staticmethod
+    def host(sizes: list[int], prefilled: list[int], width: int, static: tuple[int, int] | None = None
+             ) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+        """The layout's int64 tensors on the host (`from_parts`' order) and the paged layout's sizes; `static`: the
+        paged layout's held fixed (`PagedLayout.host`)."""
+        paged, paged_sizes = kernels.PagedLayout.host(sizes, prefilled, static)
+        return [*token_places(sizes, width), *paged.values()], paged_sizes
+
+    @classmethod
+    def from_parts(cls, parts: list[torch.Tensor], sizes: tuple[int, int, int]) -> ExactLayout:
+        """From `host`'s tensors on the device, all-prefill layouts (a static one is)."""
+        names = ("slots", "table", "prefill_cu", "prefilled")
+        if len(parts) != 2 + len(names):
+            raise ValueError(f"an exact layout from parts is all prefill: {2 + len(names)} tensors, got {len(parts)}")
+        return cls(parts[0], parts[1], kernels.PagedLayout.from_parts(dict(zip(names, parts[2:])), sizes))
+
+
+def exact_layout(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None) -> ExactLayout:
+    """The layout of right-padded rows, laid out on the host, each row's first `prompt_lengths` tokens as its prefill
+    and the others as decode steps where that differs (`kernels.PagedLayout`). `lengths`: each row's valid tokens,
+    from a caller that built the mask from them (scoring): the mask is then not read; None: read from the mask, and
+    the mask checked."""
     rows, width = input_ids.shape
     sizes = lengths if lengths is not None else right_padded_lengths(input_ids, attention_mask)
     if len(sizes) != rows or min(sizes) == 0 or max(sizes) > width:
@@ -234,12 +295,29 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
                          f"{sizes}")
     if prompt_lengths is not None and len(prompt_lengths) != rows:
         raise ValueError(f"the exact forward got {len(prompt_lengths)} prompt lengths for {rows} rows")
-    # each packed token's place in the [rows * width] grid, and its position in its row
-    index, positions = to_device([torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)]),
-                                  torch.cat([torch.arange(n) for n in sizes])], input_ids.device)
     prefilled = sizes if prompt_lengths is None or not model._qarl_decode_steps else [
         min(p, n) for p, n in zip(prompt_lengths, sizes)]
-    layout = kernels.PagedLayout.build(sizes, prefilled, input_ids.device)
+    index, positions = to_device(token_places(sizes, width), input_ids.device)
+    return ExactLayout(index, positions, kernels.PagedLayout.build(sizes, prefilled, input_ids.device))
+
+
+def token_places(sizes: list[int], width: int) -> list[torch.Tensor]:
+    """Each packed token's place in the [rows * width] grid of rows of `sizes` tokens, and its position in its row,
+    on the host."""
+    return [torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)]),
+            torch.cat([torch.arange(n) for n in sizes])]
+
+
+def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 prompt_lengths: list[int] | None = None, lengths: list[int] | None = None,
+                 layout: ExactLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states of the valid tokens of right-padded rows, packed [tokens, hidden], as vLLM's decoder
+    computes them, and each packed token's place in the [rows * width] grid. `layout`: the rows' layout on the
+    device (else `exact_layout` of the other arguments)."""
+    rows, width = input_ids.shape
+    if layout is None:
+        layout = exact_layout(model, input_ids, attention_mask, prompt_lengths, lengths)
+    index, positions = layout.index, layout.positions
     config, inner = model.config, model._modules["model"]
     heads, kv_heads, head_size = config.num_attention_heads, config.num_key_value_heads, kernels.head_size(config)
     scale = head_size ** -0.5
@@ -264,7 +342,7 @@ def exact_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         q, k = EngineOp.apply(partial(rotary, cos_sin_cache=model._qarl_rope_cache), rotary_gradient, q, k)
         kv_scale = kv_cache_scale(parts["self_attn"])
         gradient = reference if kv_scale is None else partial(_reference_fp8_attention, reference, kv_scale=kv_scale)
-        out = EngineOp.apply(partial(kernels.attention, layout=layout, scale=scale, kv_scale=kv_scale),
+        out = EngineOp.apply(partial(kernels.attention, layout=layout.paged, scale=scale, kv_scale=kv_scale),
                              autograd_of(gradient), q.reshape(-1, heads, head_size), k.reshape(-1, kv_heads, head_size),
                              v.reshape(-1, kv_heads, head_size))
         hidden = fused_linear([attn["o_proj"]], out.reshape(-1, heads * head_size))

@@ -156,29 +156,45 @@ class PagedLayout:
         """`lengths` tokens a sequence, the first `prefill_lengths` of each computed as its prefill, each one after
         them as a decode step. Laid out on the host and sent in one copy (`qarl.transfer.to_device`): nothing here
         waits for the GPU."""
+        host, sizes = cls.host(lengths, prefill_lengths)
+        return cls.from_parts(dict(zip(host, to_device(list(host.values()), device))), sizes)
+
+    @staticmethod
+    def host(lengths: list[int], prefill_lengths: list[int], static: tuple[int, int] | None = None
+             ) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]]:
+        """`build`'s int64 tensors on the host, by name, and its sizes (cache blocks, longest prefill, longest
+        sequence). `static` (cache blocks, longest sequence): sizes held fixed whatever the lengths, as a CUDA graph
+        replays them (qarl/graphs.py); sequences may then be empty, and every one is a prefill."""
         per_sequence = [-(-n // BLOCK_SIZE) for n in lengths]
+        blocks, longest = static or (sum(per_sequence), max(lengths))
         first_block = torch.tensor([0] + per_sequence[:-1]).cumsum(0)
         sequence = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])  # (a CPU repeat_interleave: slower)
         position = torch.cat([torch.arange(n) for n in lengths])
-        table = (first_block[:, None] + torch.arange(max(per_sequence))).clamp(max=sum(per_sequence) - 1)
+        table = (first_block[:, None] + torch.arange(-(-longest // BLOCK_SIZE))).clamp(max=blocks - 1)
         prefilled = torch.tensor(prefill_lengths)
         host = {"slots": first_block[sequence] * BLOCK_SIZE + position, "table": table,
                 "prefill_cu": F.pad(prefilled.cumsum(0), (1, 0)), "prefilled": prefilled}
-        all_prefill = list(prefill_lengths) == list(lengths)
-        if not all_prefill:
+        if list(prefill_lengths) != list(lengths):
+            if static:
+                raise ValueError("a static paged layout computes every sequence as a prefill")
             rows = (position >= prefilled[sequence]).nonzero().squeeze(1)
             host.update(prefill_rows=(position < prefilled[sequence]).nonzero().squeeze(1), decode_rows=rows,
                         decode_cu=torch.arange(rows.numel() + 1), decode_used=position[rows] + 1,
                         decode_sequence=sequence[rows])
-        moved = dict(zip(host, to_device(list(host.values()), device)))
+        return host, (blocks, longest if static else max(prefill_lengths), longest)
+
+    @classmethod
+    def from_parts(cls, moved: dict[str, torch.Tensor], sizes: tuple[int, int, int]) -> PagedLayout:
+        """The layout from `host`'s tensors on the device (views: a CUDA graph's buffers) and its sizes."""
+        blocks, longest_prefill, longest = sizes
         int32 = lambda name: moved[name].to(torch.int32)  # noqa: E731
         table = int32("table")
         prefill = Queries(moved.get("prefill_rows"), int32("prefill_cu"), int32("prefilled"), table,
-                          max(prefill_lengths), max(prefill_lengths))
-        decode = None if all_prefill else Queries(  # each decode step's row of the block table, gathered on the GPU
+                          longest_prefill, longest_prefill)
+        decode = None if "decode_rows" not in moved else Queries(  # each decode step's block-table row, on the GPU
             moved["decode_rows"], int32("decode_cu"), int32("decode_used"), table[moved["decode_sequence"]], 1,
-            max(lengths))
-        return cls(prefill, decode, moved["slots"], sum(per_sequence))
+            longest)
+        return cls(prefill, decode, moved["slots"], blocks)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PagedLayout, scale: float,

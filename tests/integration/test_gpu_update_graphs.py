@@ -95,3 +95,38 @@ def test_a_replay_computes_the_captured_call_bit_for_bit(task):
     assert torch.equal(first[1].loss, second[1].loss)
     assert all(torch.equal(p.grad, 2 * g) for p, g in zip(optimizer.params, once))
     graphed.release()
+
+
+@pytest.mark.skipif(not (gpu and torch.cuda.get_device_capability()[0] == 9), reason="the exact forward: Hopper")
+@pytest.mark.parametrize("quant_cfg", ["quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"])
+def test_the_exact_forward_replayed_gives_its_eager_log_probs_bit_for_bit(task, quant_cfg):
+    """The exact forward's rows are batch-invariant (a row's bits do not depend on the rows beside it), so its
+    micro-batches packed into the static shape, run eagerly and replayed, give each real token the log-prob its own
+    eager scoring gives (the engine's, which test_gpu_exact.py pins), bit for bit."""
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.optim import PolicyOptimizer
+    from qarl.scoring import completion_mask, micro_batches, on_grid, score_completions
+    from qarl.train import GraphedMicroBatches
+
+    _, _, cfg, batch, advantages = _setup(task, "none")
+    model = "embedded:20m-qwen3"  # head size 128: every token a prefill, as the static layout lays them out
+    policy = tiny_policy(task, resolve_model_dir(model), quant_cfg, trainable=True, model_name=model,
+                         dtype="bfloat16", exact_forward=True)
+    optimizer = PolicyOptimizer(policy, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, cuda_graphs="on"))
+    mine = micro_batches(batch.completions, list(range(len(batch.completions))), 8, cfg.trainer.token_budget)
+    graphed = GraphedMicroBatches(policy, optimizer, cfg, mine)
+    pad, grid = policy.tokenizer.pad_token_id, graphed.grids[0]
+    policy.model.train()
+    optimizer.zero_grad()
+    for k, mb in enumerate(mine):
+        engine = mb.engine_logprobs(policy.device, grid)
+        advantage = on_grid(advantages[mb.rows], grid).to(policy.device)
+        weights = completion_mask(mb.tokens, grid).to(policy.device).sum(1).clamp(min=1) ** -1
+        scored, _ = graphed(k, mb, engine, advantage, weights, None, None)
+        with torch.no_grad():
+            eager = score_completions(policy.model, mb.prompts, mb.tokens, pad).logprobs
+        rows, width = eager.shape
+        assert torch.equal(scored.logprobs[:rows, :width], eager), k
+    assert graphed.calls.captures == 1 and len(mine) > 1
+    graphed.release()

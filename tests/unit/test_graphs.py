@@ -78,7 +78,7 @@ def test_a_static_micro_batch_gives_the_packed_loss_and_gradients(task, tiny_dir
                                        sum(len(t) for t in mb.tokens))
             advantage = on_grid(advantages[mb.rows], grid)
             if static:
-                scored, terms = graphed.micro_batch(*graphed.inputs(mb, engine, advantage, weights, None, None))
+                scored, terms = graphed.micro_batch(*graphed.int_inputs(mb), engine, advantage, weights, None, None)
             else:
                 scored = score_completions(policy.model, mb.prompts, mb.tokens, pad, 1.0, 6, pack=True)
                 terms = grpo_loss(scored.logprobs, scored.logprobs.detach(), engine, None, advantage, scored.mask,
@@ -135,7 +135,6 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(tiny_dir):
     assert graph_refusal(recipe(), "cuda") == "" and graph_refusal(recipe(trainer__max_tokens_per_micro_batch="auto"),
                                                                    "cuda") == ""
     cases = {"cpu": (recipe(), "has none"),
-             "exact": (recipe(policy__exact_forward=True), "exact forward"),
              "rows": (recipe(trainer__max_tokens_per_micro_batch=0), "trainer.max_tokens_per_micro_batch"),
              "fp16": (recipe(policy__dtype="float16"), "policy.dtype=float16"),
              "masters": (recipe(policy__master_dtype="bfloat16"), "policy.master_dtype=float32"),
@@ -172,3 +171,41 @@ def test_models_whose_forward_asks_the_gpu_mid_way_are_refused(tmp_path):
         config.save_pretrained(model_dir)
         why = model_refusal(str(model_dir))
         assert (needle in why and "trainer.cuda_graphs=off" in why) if needle else why == "", (needle, why)
+
+
+def test_the_exact_forwards_static_layout_is_its_layout_padded():
+    """The exact forward's layout of a micro-batch packed into a static shape (padding sequences, empty slots, the
+    paged cache's blocks and table width held fixed): the real sequences' token places, cache slots, block-table rows
+    and prefill boundaries are the ones its own layout of the micro-batch gives; every split of the budget fits its
+    blocks; and a static layout never decodes."""
+    from qarl.backends.exact_forward import ExactLayout
+    from qarl.generation.exact import BLOCK_SIZE, PagedLayout
+
+    comps = [Completion([1] * p, [2] * c, [0.0] * c, "stop") for p, c in ((5, 40), (3, 20), (18, 4), (2, 30))]
+    mb = micro_batches(comps, list(range(len(comps))), size=8, max_tokens=200)[0]
+    shape = static_shape([mb], 200, 64)
+    rows = host_rows(mb.prompts, mb.tokens, 0, pack=False, shape=shape)
+    assert rows.parts[0].shape == (shape.sequences, shape.longest) and sum(rows.lengths) == 200
+    real = [len(p) + len(c) for p, c in zip(mb.prompts, mb.tokens)]
+    assert rows.lengths[: len(real)] == real and rows.lengths[-1] == 0  # padding sequences, then empty slots
+    blocks = -(-shape.tokens // BLOCK_SIZE) + shape.sequences
+    static, sizes = ExactLayout.host(rows.lengths, rows.lengths, shape.longest, static=(blocks, shape.longest))
+    own, own_sizes = ExactLayout.host(real, real, shape.longest)
+    assert sizes == (blocks, shape.longest, shape.longest) and own_sizes[0] <= blocks
+    tokens = sum(real)
+    for name, a, b in zip(("index", "positions", "slots"), static[:3], own[:3]):
+        assert torch.equal(a[:tokens], b), name
+    table, own_table = static[3], own[3]
+    assert table.shape == (shape.sequences, -(-shape.longest // BLOCK_SIZE))
+    for i, n in enumerate(real):  # each sequence's own blocks (the entries past them are never read)
+        used = -(-n // BLOCK_SIZE)
+        assert torch.equal(table[i, :used], own_table[i, :used]), i
+    assert torch.equal(static[4][: len(real) + 1], own[4]) and torch.equal(static[5][: len(real)], own[5])
+    assert bool((static[4][len(real):].diff() >= 0).all()) and int(static[4][-1]) == 200
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # any split of the budget into sequences of at most `longest` tokens fits the blocks
+        cuts = sorted(torch.randint(0, 201, (shape.sequences - 1,), generator=g).tolist())
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, 200])]
+        assert sum(-(-n // BLOCK_SIZE) for n in lengths) <= blocks
+    with pytest.raises(ValueError, match="prefill"):
+        PagedLayout.host([10, 20], [5, 20], static=(8, 32))
