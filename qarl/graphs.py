@@ -27,7 +27,6 @@ from qarl.quant.fastpath.weight_cache import optimizer_steps
 from qarl.quant.mixins import QUANTIZER_CHANGES
 from qarl.scoring import MicroBatch, StaticShape
 
-SEQUENCE_LENGTH_STEP = 256  # the attention's longest sequence and the picked tokens round up to this: few shapes
 DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers reads the longest position back to the host at each forward
 OFF = "set trainer.cuda_graphs=off"
 
@@ -78,10 +77,14 @@ def model_refusal(model_dir: str, trust_remote_code: bool = False) -> str:
 def exact_refusal(cfg: RecipeConfig, model_dir: str) -> str:
     """Why the exact forward's static layout cannot hold this model, as the fix to make; "" if it can: it computes
     every token as a prefill, so the engine must decode the model's attention shape with the prefill's bits."""
-    from qarl.backends.exact_forward import decodes_as_prefill
+    from transformers import AutoConfig
+
+    from qarl.backends.exact_forward import check_exact_forward, decodes_as_prefill
+    from qarl.models.checks import load_pretrained
     from qarl.quant import resolve_format
     from qarl.quant.formats import quantizes_kv_cache
 
+    check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.policy.trust_remote_code))  # its own refusals first
     fp8_cache = quantizes_kv_cache(resolve_format(cfg.policy.quant_cfg))
     if decodes_as_prefill(model_dir, cfg.policy.trust_remote_code, cfg.policy.dtype, fp8_cache):
         return ""
@@ -109,22 +112,16 @@ def check_graph_budget(cfg: RecipeConfig, decided: str) -> None:
 
 
 def static_shape(micro_batches: Sequence[MicroBatch], budget: int, max_new_tokens: int) -> StaticShape:
-    """The `StaticShape` every micro-batch of a step is packed into: the token budget (or the longest micro-batch, a
-    row longer than the budget going alone), the attention's longest sequence and the picked completion tokens each
-    rounded up to `SEQUENCE_LENGTH_STEP`, room for every micro-batch's sequences and padding sequences (a power of
-    two), completions of up to `max_new_tokens`."""
+    """The `StaticShape` every micro-batch of a step is packed into, as tight as the step allows (the graphs are
+    captured again each step): the token budget (or the longest micro-batch, a row longer than the budget going
+    alone), the step's longest sequence, the most sequences a micro-batch needs with its padding sequences, and the
+    most completion tokens a micro-batch scores; completions of up to `max_new_tokens`."""
     used = [sum(len(c.prompt_ids) + len(c.token_ids) for c in mb.completions) for mb in micro_batches]
     tokens = max(budget, *used)
     longest = max(len(c.prompt_ids) + len(c.token_ids) for mb in micro_batches for c in mb.completions)
-    longest = min(rounded_up(longest), tokens)
     sequences = max(len(mb.completions) + -(-(tokens - n) // longest) for mb, n in zip(micro_batches, used))
     picks = max(sum(len(c.token_ids) for c in mb.completions) for mb in micro_batches)
-    slots = 1 << (sequences - 1).bit_length()
-    return StaticShape(tokens, slots, longest, max_new_tokens, min(rounded_up(picks), tokens))
-
-
-def rounded_up(n: int) -> int:
-    return -(-n // SEQUENCE_LENGTH_STEP) * SEQUENCE_LENGTH_STEP
+    return StaticShape(tokens, sequences, longest, max_new_tokens, picks)
 
 
 @dataclass

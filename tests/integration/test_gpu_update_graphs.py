@@ -20,29 +20,33 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu, reason="needs a CUDA 
 MODEL = "embedded:20m"
 
 
-def _setup(task, quant_cfg: str, num_iterations: int = 1):
-    from qarl.config import RecipeConfig, TrainerConfig
-    from qarl.generation import Completion
+def _setup(task, quant_cfg: str):
     from qarl.models.resolve import resolve_model_dir
     from qarl.optim import PolicyOptimizer
-    from qarl.run import Rollout
 
     policy = tiny_policy(task, resolve_model_dir(MODEL), quant_cfg, trainable=True, model_name=MODEL,
                          dtype="bfloat16")
+    cfg, batch, advantages = _step()
+    return policy, PolicyOptimizer(policy, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0), cfg, batch, advantages
+
+
+def _step():
+    """A recipe of micro-batches of 256 tokens and one step's completions (ids below the test models' 128)."""
+    from qarl.config import RecipeConfig, TrainerConfig
+    from qarl.generation import Completion
+    from qarl.run import Rollout
+
     cfg = RecipeConfig()
     cfg.policy.dtype, cfg.policy.master_dtype, cfg.policy.logprob_chunk_tokens = "bfloat16", "float32", 64
     cfg.policy.generation.max_new_tokens = 96
-    cfg.trainer = TrainerConfig(max_tokens_per_micro_batch=256, num_iterations=num_iterations, batch_size=12,
-                                num_generations=4)
+    cfg.trainer = TrainerConfig(max_tokens_per_micro_batch=256, batch_size=12, num_generations=4)
     g = torch.Generator().manual_seed(0)
     lengths = [(12, 40), (30, 7), (5, 64), (20, 33), (9, 96), (17, 3), (25, 50), (8, 80), (14, 21), (6, 9),
                (11, 70), (19, 12)]
     comps = [Completion(torch.randint(3, 120, (p,), generator=g).tolist(),
                         torch.randint(3, 120, (c,), generator=g).tolist(), (-torch.rand(c, generator=g)).tolist(),
                         "stop") for p, c in lengths]
-    batch = Rollout([], comps, [""] * len(comps), 0.0)
-    advantages = torch.randn(len(comps), generator=g)
-    return policy, PolicyOptimizer(policy, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0), cfg, batch, advantages
+    return cfg, Rollout([], comps, [""] * len(comps), 0.0), torch.randn(len(comps), generator=g)
 
 
 def _update(policy, optimizer, cfg, batch, advantages, graphs: str):
@@ -108,10 +112,11 @@ def test_the_exact_forward_replayed_gives_its_eager_log_probs_bit_for_bit(task, 
     from qarl.scoring import completion_mask, micro_batches, on_grid, score_completions
     from qarl.train import GraphedMicroBatches
 
-    _, _, cfg, batch, advantages = _setup(task, "none")
-    model = "embedded:20m-qwen3"  # head size 128: every token a prefill, as the static layout lays them out
+    cfg, batch, advantages = _step()
+    model = "embedded:realistic-qwen3"  # head size 128: every token a prefill, as the static layout lays them out
     policy = tiny_policy(task, resolve_model_dir(model), quant_cfg, trainable=True, model_name=model,
                          dtype="bfloat16", exact_forward=True)
+    assert not policy.model._qarl_decode_steps
     optimizer = PolicyOptimizer(policy, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, cuda_graphs="on"))
     mine = micro_batches(batch.completions, list(range(len(batch.completions))), 8, cfg.trainer.token_budget)

@@ -32,19 +32,20 @@ def test_static_shape_holds_every_micro_batch_of_the_step():
     comps = [Completion([1] * p, [2] * c, [0.0] * c, "stop") for p, c in ((5, 9), (3, 20), (8, 4), (2, 30), (6, 6))]
     mbs = micro_batches(comps, list(range(len(comps))), size=8, max_tokens=40)
     shape = static_shape(mbs, 40, 32)
-    assert shape.tokens == 40 and shape.completion == 32 and shape.longest == 40  # (256 capped at the budget)
-    assert shape.picks == 40  # the most completion tokens of a micro-batch, rounded up to 256, capped likewise
-    assert shape.sequences & (shape.sequences - 1) == 0  # a power of two: few shapes over a run
+    assert [mb.rows for mb in mbs] == [[0, 1], [2], [3], [4]]
+    assert shape.tokens == 40 and shape.completion == 32 and shape.longest == 32  # the step's longest sequence
+    assert shape.picks == 30  # the most completion tokens a micro-batch scores
+    assert shape.sequences == 3  # micro-batch 0: 2 sequences of 37 tokens, and one padding sequence of 3
     for mb in mbs:  # every one packs into it, padding sequences of at most `longest` tokens filling the slack
         rows = host_rows(mb.prompts, mb.tokens, 0, pack=True, shape=shape)
         ids, positions, starts = rows.parts[:3]
         assert ids.shape == (1, 40) and positions.shape == (1, 40) and starts.shape == (shape.sequences + 1,)
         assert int(starts[-1]) == 40 and bool((starts.diff() <= shape.longest).all())
         picks, slots, picked = rows.parts[-3:]
-        assert picks.shape == slots.shape == picked.shape == (40,)
+        assert picks.shape == slots.shape == picked.shape == (30,)
         real = sum(len(t) for t in mb.tokens)
         assert bool((slots[real:] == shape.sequences * shape.completion).all())  # spare picks: the slot past the grid
-        assert picks[real:].tolist() == list(range(40 - real))  # distinct states: no pile-up in the backward
+        assert picks[real:].tolist() == list(range(30 - real))  # distinct states: no pile-up in the backward
     for small in (StaticShape(8, 2, 8, 32, 8), StaticShape(40, 8, 40, 32, 2)):
         with pytest.raises(ValueError, match="does not fit"):
             host_rows(mbs[0].prompts, mbs[0].tokens, 0, pack=True, shape=small)
@@ -183,7 +184,7 @@ def test_the_exact_forwards_static_layout_is_its_layout_padded():
 
     comps = [Completion([1] * p, [2] * c, [0.0] * c, "stop") for p, c in ((5, 40), (3, 20), (18, 4), (2, 30))]
     mb = micro_batches(comps, list(range(len(comps))), size=8, max_tokens=200)[0]
-    shape = static_shape([mb], 200, 64)
+    shape = StaticShape(tokens=200, sequences=8, longest=48, completion=64, picks=120)  # (another micro-batch's)
     rows = host_rows(mb.prompts, mb.tokens, 0, pack=False, shape=shape)
     assert rows.parts[0].shape == (shape.sequences, shape.longest) and sum(rows.lengths) == 200
     real = [len(p) + len(c) for p, c in zip(mb.prompts, mb.tokens)]
