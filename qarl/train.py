@@ -173,6 +173,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
         if graphed:
             graphed.release()
     policy.model.eval()
+    captures = {"train/cuda_graph_captures": float(graphed.calls.captures)} if graphed else {}
     # rollout/train mismatch on the sampled tokens: engine log-probs vs the policy's at rollout time
     mismatch: list[list[torch.Tensor | None]] = []
     for k in range(len(mine)):
@@ -189,7 +190,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
             "mismatch/kl": sum(every_value["k3"]) / tokens, "mismatch/max_abs_logprob_diff": max(every_value["max_diff"]),
             "train/policy_tokens": float(t.num_iterations * sum(len(comps[i].prompt_ids) + len(comps[i].token_ids)
                                                                 for i in trained)),
-            **step_metrics(results)}
+            **step_metrics(results), **captures}
 
 
 class GraphedMicroBatches:

@@ -66,6 +66,7 @@ def test_a_graphed_update_steps_as_the_eager_one(task, quant_cfg):
         assert all(p.grad is None for p in optimizer.params)  # the kept gradients go with the graphs
     (eager_row, eager), = results["off"]
     (row, masters), (again_row, again) = results["on"]
+    assert row["train/cuda_graph_captures"] == 1 and "train/cuda_graph_captures" not in eager_row
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731 (kl/ref is NaN without beta)
     assert row.keys() == again_row.keys() and all(same(row[k], again_row[k]) for k in row), (row, again_row)
     assert all(torch.equal(a, b) for a, b in zip(masters, again))  # replays repeat
