@@ -34,12 +34,12 @@ YAML_SWITCHES = {"true": "on", "false": "off"}  # YAML reads a bare on/off as a 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def switch_mode(value: object, key: str) -> str:
-    """A setting of SWITCH_MODES read from a recipe (`key`: its name, for the error). YAML reads a bare on/off as a
+def switch_mode(value: object, key: str, modes: tuple[str, ...] = SWITCH_MODES) -> str:
+    """A setting of `modes` read from a recipe (`key`: its name, for the error). YAML reads a bare on/off as a
     boolean: both spellings are accepted."""
     mode = YAML_SWITCHES.get(str(value).lower(), str(value))
-    if mode not in SWITCH_MODES:
-        raise ConfigError(f"{key}={value!r}; choose one of {SWITCH_MODES}")
+    if mode not in modes:
+        raise ConfigError(f"{key}={value!r}; choose one of {modes}")
     return mode
 
 
@@ -78,7 +78,7 @@ def allowed(metadata: Any) -> str:
 def _choice(value: Any, choices: tuple[str, ...]) -> str:
     """A choice as recipes may spell it: YAML turns a bare true/false/on/off into a boolean."""
     text = str(value).lower()
-    if choices == SWITCH_MODES:
+    if {"on", "off"} <= set(choices):
         return YAML_SWITCHES.get(text, text)
     return text
 
@@ -500,6 +500,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume).lower()  # YAML reads a bare true/false as a boolean
+        self.cuda_graphs = switch_mode(self.cuda_graphs, "trainer.cuda_graphs", ("off", "on"))
         self.max_tokens_per_micro_batch = parse_token_budget(self.max_tokens_per_micro_batch)  # "auto" or an int
 
     @property

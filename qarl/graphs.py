@@ -92,15 +92,24 @@ def exact_refusal(cfg: RecipeConfig, model_dir: str) -> str:
             f"tiles than it prefills, which the static layout does not lay out: {OFF}")
 
 
-def check_cuda_graphs(cfg: RecipeConfig, device: str, model_dir: str, distilling: bool = False) -> None:
-    """Refuse `trainer.cuda_graphs=on` where the settings or the model cannot be captured, naming what to change
-    (before the memory plan and before anything loads)."""
-    if cfg.trainer.cuda_graphs == "on":
-        why = graph_refusal(cfg, device, distilling) or model_refusal(model_dir, cfg.policy.trust_remote_code)
-        if not why and cfg.policy.exact_forward:
-            why = exact_refusal(cfg, model_dir)
-        if why:
-            raise ConfigError(f"trainer.cuda_graphs=on: {why}")
+def check_graph_settings(cfg: RecipeConfig, device: str, distilling: bool = False) -> None:
+    """Refuse `trainer.cuda_graphs=on` where the settings cannot be captured, naming what to change (as the run
+    starts, before its model is resolved)."""
+    why = graph_refusal(cfg, device, distilling) if cfg.trainer.cuda_graphs == "on" else ""
+    if why:
+        raise ConfigError(f"trainer.cuda_graphs=on: {why}")
+
+
+def check_graph_model(cfg: RecipeConfig, model_dir: str) -> None:
+    """Refuse `trainer.cuda_graphs=on` where the model's forward cannot be captured (before the memory plan and
+    before anything loads)."""
+    if cfg.trainer.cuda_graphs != "on":
+        return
+    why = model_refusal(model_dir, cfg.policy.trust_remote_code)
+    if not why and cfg.policy.exact_forward:
+        why = exact_refusal(cfg, model_dir)
+    if why:
+        raise ConfigError(f"trainer.cuda_graphs=on: {why}")
 
 
 def check_graph_budget(cfg: RecipeConfig, decided: str) -> None:

@@ -37,7 +37,7 @@ from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, holds_kv_cache_scales,
                              merges_adapters, serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
-from qarl.graphs import check_cuda_graphs, check_graph_budget
+from qarl.graphs import check_graph_budget, check_graph_model, check_graph_settings
 from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
@@ -460,9 +460,10 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
                checks: Callable[[RecipeConfig], None], frozen_model: FrozenShape, distilling: bool) -> Run:
     plan = plan_run_dir(cfg.run.dir, cfg.trainer.resume, cfg.run.overwrite, hashes=True)
     cfg = pinned_start(cfg, plan)
+    check_graph_settings(cfg, default_device().type, distilling)
     resolved = check_run_settings(cfg)
     checks(cfg)
-    check_cuda_graphs(cfg, default_device().type, resolved.model_dir, distilling)
+    check_graph_model(cfg, resolved.model_dir)
     task = build_task(cfg.task, cfg.run.seed)
     longest = check_prompt_lengths(resolved.prompts, asked_problems(cfg, task), cfg.policy.generation)["train"]
     cfg, memory = planned(cfg, resolved, frozen_model, longest)

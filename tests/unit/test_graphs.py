@@ -11,7 +11,8 @@ import torch
 
 from qarl.config import ConfigError, RecipeConfig, TrainerConfig
 from qarl.generation import Completion
-from qarl.graphs import check_cuda_graphs, check_graph_budget, graph_refusal, model_refusal, static_shape
+from qarl.graphs import (check_graph_budget, check_graph_model, check_graph_settings, graph_refusal, model_refusal,
+                         static_shape)
 from qarl.grpo import grpo_loss, sequence_weights
 from qarl.optim import PolicyOptimizer
 from qarl.scoring import StaticShape, completion_mask, host_rows, micro_batches, on_grid, score_completions
@@ -144,11 +145,12 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(tiny_dir):
     for name, (cfg, needle) in cases.items():
         device = "cpu" if name == "cpu" else "cuda"
         with pytest.raises(ConfigError, match="trainer.cuda_graphs=on") as refused:
-            check_cuda_graphs(cfg, device, tiny_dir)
+            check_graph_settings(cfg, device)
         assert needle in str(refused.value), name
     assert "QAD" in graph_refusal(recipe(), "cuda", distilling=True)
-    check_cuda_graphs(recipe(trainer__cuda_graphs="off"), "cpu", tiny_dir)  # off: nothing to refuse
-    check_cuda_graphs(recipe(), "cuda", tiny_dir)  # the tiny model's forward can be captured
+    check_graph_settings(recipe(trainer__cuda_graphs="off"), "cpu")  # off: nothing to refuse
+    check_graph_model(recipe(trainer__cuda_graphs="off"), tiny_dir)
+    check_graph_model(recipe(), tiny_dir)  # the tiny model's forward can be captured
     # a budget left to auto and decided 0 (by rows) is refused once decided, with why it was
     with pytest.raises(ConfigError, match=r"is 0 here \(auto: the CPU\)"):
         check_graph_budget(recipe(trainer__max_tokens_per_micro_batch=0), "auto: the CPU")
@@ -210,3 +212,14 @@ def test_the_exact_forwards_static_layout_is_its_layout_padded():
         assert sum(-(-n // BLOCK_SIZE) for n in lengths) <= blocks
     with pytest.raises(ValueError, match="prefill"):
         PagedLayout.host([10, 20], [5, 20], static=(8, 32))
+
+
+def test_the_setting_reads_on_and_off_as_recipes_spell_them():
+    """YAML reads a bare on/off as a boolean: `trainer.cuda_graphs=on` is "on", as every on/off setting."""
+    from qarl.config import load_recipe
+
+    for spelled, read in (("on", "on"), ("off", "off"), ("true", "on")):
+        cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [f"trainer.cuda_graphs={spelled}"], RecipeConfig)
+        assert cfg.trainer.cuda_graphs == read, spelled
+    with pytest.raises(ConfigError, match=r"must be off \| on"):
+        load_recipe("recipes/qa_grpo_tiny.yaml", ["trainer.cuda_graphs=auto"], RecipeConfig)
