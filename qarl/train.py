@@ -124,7 +124,7 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
     every = micro_batches(comps, trained, t.micro_batch_size, t.token_budget)
     mine = policy.local_share(every)  # this process's micro-batches (data parallel); each weighted for the whole step
     graphed = GraphedMicroBatches(policy, optimizer, cfg, mine) if t.cuda_graphs == "on" else None
-    grids = graphed.grids if graphed else [None] * len(mine)  # the [rows, completion] every tensor of one is laid on
+    grid = graphed.grid if graphed else None  # graphed: the [sequences, completion] grid every micro-batch is laid on
 
     def score(model: torch.nn.Module, mb: MicroBatch) -> TokenScores:
         if graphed:  # laid out as the graphs lay it out: the same rows and row counts, the same bits
@@ -134,10 +134,10 @@ def policy_update(policy: Policy, reference: torch.nn.Module | None, optimizer: 
                                  pack=t.token_budget > 0)
 
     # the rollout-time log-probs: the engine's, the reference's, and (later passes compare with it) the policy's own
-    engine_lp = [mb.engine_logprobs(policy.device, grid) for mb, grid in zip(mine, grids)]
+    engine_lp = [mb.engine_logprobs(policy.device, grid) for mb in mine]
     weights = [sequence_weights(completion_mask(mb.tokens, grid), t.loss_type, len(trained), longest, total_tokens,
-                                len(every), sum(len(tokens) for tokens in mb.tokens)) for mb, grid in zip(mine, grids)]
-    moved = to_device([on_grid(advantages[mb.rows], grid) for mb, grid in zip(mine, grids)] + weights, policy.device)
+                                len(every), sum(len(tokens) for tokens in mb.tokens)) for mb in mine]
+    moved = to_device([on_grid(advantages[mb.rows], grid) for mb in mine] + weights, policy.device)
     advantage, weights = moved[: len(mine)], moved[len(mine):]
     with torch.no_grad():
         ref_lp = [score(reference, mb).logprobs if reference is not None else None for mb in mine]
@@ -203,7 +203,7 @@ class GraphedMicroBatches:
     def __init__(self, policy: Policy, optimizer: PolicyOptimizer, cfg: RecipeConfig, mine: list[MicroBatch]):
         self.policy, self.optimizer, self.cfg = policy, optimizer, cfg
         self.shape = static_shape(mine, cfg.trainer.token_budget, cfg.policy.generation.max_new_tokens)
-        self.grids = [(self.shape.sequences, self.shape.completion)] * len(mine)
+        self.grid = (self.shape.sequences, self.shape.completion)
         self.static_layout = getattr(policy.model, "qarl_static_layout", None)
         self.layout_sizes: tuple | None = None
         self.calls = CapturedCalls(self.micro_batch, policy.device)

@@ -86,7 +86,7 @@ def test_a_replay_computes_the_captured_call_bit_for_bit(task):
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, cuda_graphs="on"))
     mb = micro_batches(batch.completions, [0, 1, 2], 8, cfg.trainer.token_budget)[0]
     graphed = GraphedMicroBatches(policy, optimizer, cfg, [mb, mb])
-    grid = graphed.grids[0]
+    grid = graphed.grid
     engine = mb.engine_logprobs(policy.device, grid)
     advantage = on_grid(advantages[mb.rows], grid).to(policy.device)
     weights = (completion_mask(mb.tokens, grid).sum(1).clamp(min=1) ** -1).to(policy.device)
@@ -122,7 +122,7 @@ def test_the_exact_forward_replayed_gives_its_eager_log_probs_bit_for_bit(task, 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, cuda_graphs="on"))
     mine = micro_batches(batch.completions, list(range(len(batch.completions))), 8, cfg.trainer.token_budget)
     graphed = GraphedMicroBatches(policy, optimizer, cfg, mine)
-    pad, grid = policy.tokenizer.pad_token_id, graphed.grids[0]
+    pad, grid = policy.tokenizer.pad_token_id, graphed.grid
     policy.model.train()
     optimizer.zero_grad()
     for k, mb in enumerate(mine):

@@ -74,7 +74,7 @@ def test_a_static_micro_batch_gives_the_packed_loss_and_gradients(task, tiny_dir
         optimizer.zero_grad()
         losses[static], scores[static] = [], []
         for mb in mine:
-            grid = graphed.grids[0] if static else None
+            grid = graphed.grid if static else None
             engine = mb.engine_logprobs(policy.device, grid)
             weights = sequence_weights(completion_mask(mb.tokens, grid), loss_type, len(comps), 32, total, len(mine),
                                        sum(len(t) for t in mb.tokens))
