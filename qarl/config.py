@@ -450,8 +450,10 @@ class TrainerConfig:
     # "on": each micro-batch's scoring, loss and backward replayed as one CUDA graph instead of launched by the host
     # (qarl/graphs.py): a GPU, QA-GRPO on the HF backend in bfloat16 with float32 masters, micro-batches by tokens,
     # logprob_chunk_tokens > 0 (the exact forward too), no LoRA, gradient checkpointing or experts; refused otherwise,
-    # naming what to change. Its memory pool is counted in the plan (docs/guides/cuda-graphs.md).
-    cuda_graphs: str = knob("off", choices=("off", "on"))
+    # naming what to change. Its memory pool is counted in the plan (docs/guides/cuda-graphs.md). "auto": on where
+    # "on" would run and its pool fits, else off; the run's start-up line says which and why (qarl/run.py
+    # decide_fast_settings).
+    cuda_graphs: str = knob("auto", choices=SWITCH_MODES)
     lr: float = knob(1e-4, gt=0)  # AdamW learning rate
     weight_decay: float = knob(0.0, ge=0)  # AdamW weight decay (decoupled)
     max_grad_norm: float = knob(1.0, gt=0)  # gradients are clipped to this global L2 norm
@@ -500,7 +502,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume).lower()  # YAML reads a bare true/false as a boolean
-        self.cuda_graphs = switch_mode(self.cuda_graphs, "trainer.cuda_graphs", ("off", "on"))
+        self.cuda_graphs = switch_mode(self.cuda_graphs, "trainer.cuda_graphs")
         self.max_tokens_per_micro_batch = parse_token_budget(self.max_tokens_per_micro_batch)  # "auto" or an int
 
     @property

@@ -31,32 +31,42 @@ DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers reads the longest positio
 OFF = "set trainer.cuda_graphs=off"
 
 
-def graph_refusal(cfg: RecipeConfig, device: str, distilling: bool = False) -> str:
-    """Why `trainer.cuda_graphs=on` cannot run with these settings, as the fix to make; "" if it can. A token budget
-    left to `auto` is judged once decided (`check_graph_budget`)."""
+Refusal = tuple[str, str]  # (a short reason, for `auto`'s start-up line; the fix, for `on`'s error)
+
+
+def graph_refusals(cfg: RecipeConfig, device: str, distilling: bool = False) -> list[Refusal]:
+    """What in these settings refuses `trainer.cuda_graphs`: `on` raises the first fix, `auto` is off for the first
+    reason (qarl/run.py decide_fast_settings). A token budget left to `auto` is judged once decided."""
     p, t = cfg.policy, cfg.trainer
     refusals = (
-        (device != "cuda", f"it captures the update on a GPU and this machine has none: {OFF}"),
-        (distilling, f"QAD's update (qarl/distill.py) is not captured, QA-GRPO's is: {OFF}"),
-        (p.backend != "hf", f"it captures the HF backend's update, not policy.backend={p.backend}: {OFF}"),
-        (t.max_tokens_per_micro_batch == 0, "it replays packed micro-batches of one token budget: set trainer."
-                                            f"max_tokens_per_micro_batch (auto, or a number of tokens), or {OFF}"),
-        (p.logprob_chunk_tokens <= 0, f"it scores the completion tokens in chunks: set policy.logprob_chunk_tokens "
-                                      f"> 0, or {OFF}"),
-        (p.dtype != "bfloat16", f"it captures bfloat16 compute (float16's loss scale changes between replays), not "
-                                f"policy.dtype={p.dtype}: {OFF}"),
-        (p.master_dtype == p.dtype, "its gradients accumulate in the compute dtype beside float32 master weights: "
-                                    f"set policy.master_dtype=float32, or {OFF}"),
-        (p.lora.mode != "none", f"it captures full training, not policy.lora.mode={p.lora.mode}: {OFF}"),
-        (p.gradient_checkpointing == "on", "it keeps every activation of a micro-batch in its memory pool: set "
-                                           f"policy.gradient_checkpointing=off or auto, or {OFF}"),
+        (device != "cuda", "the CPU", f"it captures the update on a GPU and this machine has none: {OFF}"),
+        (distilling, "QAD's update is not captured", f"QAD's update (qarl/distill.py) is not captured, QA-GRPO's is: "
+                                                     f"{OFF}"),
+        (p.backend != "hf", f"policy.backend={p.backend}", f"it captures the HF backend's update, not "
+                                                           f"policy.backend={p.backend}: {OFF}"),
+        (t.max_tokens_per_micro_batch == 0, "micro-batches by rows", "it replays packed micro-batches of one token "
+                                                                     "budget: set trainer.max_tokens_per_micro_batch "
+                                                                     f"(auto, or a number of tokens), or {OFF}"),
+        (p.logprob_chunk_tokens <= 0, "policy.logprob_chunk_tokens=0", "it scores the completion tokens in chunks: set "
+                                                                       f"policy.logprob_chunk_tokens > 0, or {OFF}"),
+        (p.dtype != "bfloat16", f"policy.dtype={p.dtype}", "it captures bfloat16 compute (float16's loss scale changes "
+                                                           f"between replays), not policy.dtype={p.dtype}: {OFF}"),
+        (p.master_dtype == p.dtype, f"policy.master_dtype={p.master_dtype}", "its gradients accumulate in the compute "
+                                                                             "dtype beside float32 master weights: set "
+                                                                             f"policy.master_dtype=float32, or {OFF}"),
+        (p.lora.mode != "none", f"policy.lora.mode={p.lora.mode}", f"it captures full training, not "
+                                                                   f"policy.lora.mode={p.lora.mode}: {OFF}"),
+        (p.gradient_checkpointing == "on", "gradient checkpointing on", "it keeps every activation of a micro-batch "
+                                                                        "in its memory pool: set "
+                                                                        "policy.gradient_checkpointing=off or auto, "
+                                                                        f"or {OFF}"),
     )
-    return next((why for refused, why in refusals if refused), "")
+    return [(short, fix) for refused, short, fix in refusals if refused]
 
 
-def model_refusal(model_dir: str, trust_remote_code: bool = False) -> str:
-    """Why the model's forward cannot be captured (it asks the GPU for a value mid-forward, or is scored whole), as
-    the fix to make; "" if it can. Read from its config and its architecture on the meta device."""
+def model_refusal(model_dir: str, trust_remote_code: bool = False) -> Refusal | None:
+    """Why the model's forward cannot be captured (it asks the GPU for a value mid-forward, or is scored whole), or
+    None if it can. Read from its config and its architecture on the meta device."""
     from transformers import AutoConfig
 
     from qarl.models.checks import load_pretrained, meta_model
@@ -65,18 +75,22 @@ def model_refusal(model_dir: str, trust_remote_code: bool = False) -> str:
 
     config = load_pretrained(AutoConfig, model_dir, trust_remote_code).get_text_config()
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
     if config_has_experts(config):
-        return f"a Mixture-of-Experts layer asks the GPU which experts its tokens chose: {OFF}"
-    if rope.get("rope_type", rope.get("type")) in DYNAMIC_ROPE:
-        return f"its {rope.get('rope_type', rope.get('type'))} rotary embedding reads the longest position back: {OFF}"
+        return ("a Mixture-of-Experts model",
+                f"a Mixture-of-Experts layer asks the GPU which experts its tokens chose: {OFF}")
+    if rope_type in DYNAMIC_ROPE:
+        return (f"a {rope_type} rotary embedding", f"its {rope_type} rotary embedding reads the longest position "
+                                                   f"back: {OFF}")
     if body_and_head(meta_model(model_dir, trust_remote_code)) is None:
-        return f"its logits are changed after the head (soft-capping, logit scaling) and are scored whole: {OFF}"
-    return ""
+        return ("the model's logits are scored whole", "its logits are changed after the head (soft-capping, logit "
+                                                       f"scaling) and are scored whole: {OFF}")
+    return None
 
 
-def exact_refusal(cfg: RecipeConfig, model_dir: str) -> str:
-    """Why the exact forward's static layout cannot hold this model, as the fix to make; "" if it can: it computes
-    every token as a prefill, so the engine must decode the model's attention shape with the prefill's bits."""
+def exact_refusal(cfg: RecipeConfig, model_dir: str) -> Refusal | None:
+    """Why the exact forward's static layout cannot hold this model, or None if it can: it computes every token as a
+    prefill, so the engine must decode the model's attention shape with the prefill's bits (a probe on the GPU)."""
     from transformers import AutoConfig
 
     from qarl.backends.exact_forward import check_exact_forward, decodes_as_prefill
@@ -87,29 +101,34 @@ def exact_refusal(cfg: RecipeConfig, model_dir: str) -> str:
     check_exact_forward(load_pretrained(AutoConfig, model_dir, cfg.policy.trust_remote_code))  # its own refusals first
     fp8_cache = quantizes_kv_cache(resolve_format(cfg.policy.quant_cfg))
     if decodes_as_prefill(model_dir, cfg.policy.trust_remote_code, cfg.policy.dtype, fp8_cache):
-        return ""
-    return ("with policy.exact_forward the engine decodes this model's attention shape with other FlashAttention "
+        return None
+    return ("the engine decodes this attention shape with other tiles than it prefills",
+            "with policy.exact_forward the engine decodes this model's attention shape with other FlashAttention "
             f"tiles than it prefills, which the static layout does not lay out: {OFF}")
+
+
+def model_graph_refusal(cfg: RecipeConfig, model_dir: str) -> Refusal | None:
+    """What in the model refuses `trainer.cuda_graphs` (its forward, then the exact forward's layout), or None."""
+    found = model_refusal(model_dir, cfg.policy.trust_remote_code)
+    if found is None and cfg.policy.exact_forward:
+        found = exact_refusal(cfg, model_dir)
+    return found
 
 
 def check_graph_settings(cfg: RecipeConfig, device: str, distilling: bool = False) -> None:
     """Refuse `trainer.cuda_graphs=on` where the settings cannot be captured, naming what to change (as the run
     starts, before its model is resolved)."""
-    why = graph_refusal(cfg, device, distilling) if cfg.trainer.cuda_graphs == "on" else ""
-    if why:
-        raise ConfigError(f"trainer.cuda_graphs=on: {why}")
+    found = graph_refusals(cfg, device, distilling) if cfg.trainer.cuda_graphs == "on" else []
+    if found:
+        raise ConfigError(f"trainer.cuda_graphs=on: {found[0][1]}")
 
 
 def check_graph_model(cfg: RecipeConfig, model_dir: str) -> None:
     """Refuse `trainer.cuda_graphs=on` where the model's forward cannot be captured (before the memory plan and
     before anything loads)."""
-    if cfg.trainer.cuda_graphs != "on":
-        return
-    why = model_refusal(model_dir, cfg.policy.trust_remote_code)
-    if not why and cfg.policy.exact_forward:
-        why = exact_refusal(cfg, model_dir)
-    if why:
-        raise ConfigError(f"trainer.cuda_graphs=on: {why}")
+    found = model_graph_refusal(cfg, model_dir) if cfg.trainer.cuda_graphs == "on" else None
+    if found is not None:
+        raise ConfigError(f"trainer.cuda_graphs=on: {found[1]}")
 
 
 def check_graph_budget(cfg: RecipeConfig, decided: str) -> None:

@@ -37,10 +37,12 @@ from qarl.distributed import is_main_process
 from qarl.generation import (Completion, PackedBase, RefitTiming, VLLMEngine, engine_mode, holds_kv_cache_scales,
                              merges_adapters, serves_packed_base, sleeps_between_rollouts, training_engine_rank)
 from qarl.generation.packed_base import EXPORT_TARGET as PACKED_EXPORT_TARGET
-from qarl.graphs import check_graph_budget, check_graph_model, check_graph_settings
+from qarl.graphs import (check_graph_budget, check_graph_model, check_graph_settings, graph_refusals,
+                         model_graph_refusal)
 from qarl.learning_signal import Alarm
 from qarl.lora import ADAPTER_PARAMS, check_lora
 from qarl.memory import GiB, FrozenModel, MemoryPlan, ModelShape, checkpoint_bytes, plan_memory
+from qarl.memory import plan as memory_plan
 from qarl.metrics import (DriverPeak, MetricsLog, MismatchWatch, ProgressFigures, check_loggers, device_memory_gib,
                           free_device_bytes, report_run, weight_memory)
 from qarl.models.experts import fused_parameter
@@ -229,13 +231,12 @@ def asked_problems(cfg: RecipeConfig, task: Task) -> dict[str, list[Problem]]:
 FrozenShape = Callable[[RecipeConfig, ModelShape], FrozenModel | None]  # the loop's frozen model, for the plan
 
 
-def planned(cfg: RecipeConfig, resolved: Resolved, frozen_model: FrozenShape, longest_prompt: int
+def planned(cfg: RecipeConfig, shape: ModelShape, frozen_model: FrozenShape, longest_prompt: int
             ) -> tuple[RecipeConfig, MemoryPlan]:
     """The memory plan of the run, before anything loads (with the loop's frozen model as `frozen_model` counts it,
     rows of the longest training prompt, in tokens, + max_new_tokens), and the recipe with `gradient_checkpointing`
     decided. (`trainer.max_tokens_per_micro_batch: auto` is planned as micro-batches of rows,
     `TrainerConfig.token_budget` reading it as 0: `decide_fast_settings` gives it those rows' tokens.)"""
-    shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
     cfg, memory = plan_memory(cfg, shape, longest_prompt, frozen_model(cfg, shape))
     print(f"memory plan: {memory.describe()}; gradient checkpointing {cfg.policy.gradient_checkpointing}")
     print(checkpoint_line(cfg, memory))
@@ -294,20 +295,27 @@ class FastSettings:
     compile_layers: str  # on | off
     compile_scores: str  # on | off
     tokens_per_micro_batch: int  # 0: micro-batches by rows
-    why: tuple[str, str, str]
+    cuda_graphs: str  # on | off
+    why: tuple[str, str, str, str]
 
     def line(self) -> str:
         """The run's start-up line."""
         tokens = self.tokens_per_micro_batch
         budget = f"micro-batches of {tokens} tokens" if tokens else "micro-batches by rows"
-        parts = (f"compile_layers {self.compile_layers}", f"compile_scores {self.compile_scores}", budget)
+        parts = (f"compile_layers {self.compile_layers}", f"compile_scores {self.compile_scores}", budget,
+                 f"cuda_graphs {self.cuda_graphs}")
         return "fast settings: " + ", ".join(f"{part} ({why})" for part, why in zip(parts, self.why))
 
     def applied(self, cfg: RecipeConfig) -> RecipeConfig:
         """`cfg` with these values in place of `auto`."""
         policy = dataclasses.replace(cfg.policy, compile_layers=self.compile_layers, compile_scores=self.compile_scores)
-        trainer = dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=self.tokens_per_micro_batch)
+        trainer = dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=self.tokens_per_micro_batch,
+                                      cuda_graphs=self.cuda_graphs)
         return dataclasses.replace(cfg, policy=policy, trainer=trainer)
+
+    def graphs_off(self, why: str) -> "FastSettings":
+        """These settings with `auto`'s CUDA graphs turned off after all (`why`: what turned them off)."""
+        return dataclasses.replace(self, cuda_graphs="off", why=(*self.why[:3], f"auto: {why}"))
 
 
 def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fmt: QuantFormat | None,
@@ -316,7 +324,7 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
     settings allow it, off wherever `on` would be refused (or, for micro-batches by tokens, would not pack through
     varlen FlashAttention). Never an error: a recipe's own `on` is refused where it is read, as before.
 
-    On a CPU all three are off (the run is what it was before they took `auto`). On a GPU:
+    On a CPU all four are off (the run is what it was before they took `auto`). On a GPU:
       * compile_layers: the HF backend, no exact forward, Triton, none of `compile_refusals` (compiled norms or MLPs,
         the weight cache off, LoRA), a stack of dense decoder layers whose quantized layers the compiler leaves out
         (checked on the model built on the meta device with `fmt`'s quantizers: the very checks `on` fails);
@@ -327,13 +335,17 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
         this torch, a model whose attention it serves and whose head is separable; then `rows_tokens`, what the
         memory plan gives a micro-batch of micro_batch_size rows of the longest prompt + max_new_tokens: the same
         planned peak, without padding (at the Qwen3-1.7B recipe's shape 8 x 1,124 = 8,992 tokens; 9,216 was
-        measured fastest).
+        measured fastest);
+      * cuda_graphs: none of `graph_refusals` (QA-GRPO on the HF backend, bf16 compute beside fp32 masters, full
+        training, no checkpointing), a token budget as decided above, a model whose forward can be captured
+        (`model_graph_refusal`, with the exact forward's probe on the GPU); `with_fast_settings` then turns it off
+        if its memory pool would not fit.
     QAD's teacher and the KL reference are built with the decided settings and score the same packed rows: a
     teacher other than the policy's own model (the warm-start one or policy.model_name) is not inspected, so
     compile_layers and the token budget stay off beside it."""
     p, t = cfg.policy, cfg.trainer
     wanted = {"compile_layers": p.compile_layers == "auto", "compile_scores": p.compile_scores == "auto",
-              "tokens": t.max_tokens_per_micro_batch == "auto"}
+              "tokens": t.max_tokens_per_micro_batch == "auto", "graphs": t.cuda_graphs == "auto"}
     off: dict[str, str] = {}  # knob -> why auto is off
 
     def refuse(knob: str, why: str) -> None:
@@ -342,7 +354,7 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
 
     common = ("the CPU" if machine.device != "cuda" else f"policy.backend={p.backend}" if p.backend != "hf"
               else "policy.exact_forward" if p.exact_forward else "")
-    for knob in wanted:
+    for knob in ("compile_layers", "compile_scores", "tokens"):  # graphs capture the exact forward too
         refuse(knob, common)
     for knob in ("compile_layers", "compile_scores"):
         refuse(knob, "" if machine.compiler else "no Triton for torch.compile")
@@ -357,6 +369,8 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
     other_teacher = distilling and cfg.teacher.model_name not in (WARM_START, cfg.policy.model_name)
     for knob in ("compile_layers", "tokens"):  # the teacher is built with the policy's settings: unseen here
         refuse(knob, "QAD's teacher is another model" if other_teacher else "")
+    refuse("graphs", next((short for short, _ in graph_refusals(cfg, machine.device, distilling)), ""))
+    refuse("graphs", "policy.quant_weight_cache=false" if not p.quant_weight_cache else "")
     if any(wanted[knob] and knob not in off for knob in wanted):
         for knob, why in _model_refusals(cfg, model_dir, fmt).items():
             refuse(knob, why)
@@ -374,12 +388,16 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
         tokens, tokens_why = 0, f"auto: {off['tokens']}"
     else:
         tokens, tokens_why = rows_tokens, "auto: the memory plan's micro-batch of rows"
-    return FastSettings(layers, scores, tokens, (layers_why, scores_why, tokens_why))
+    refuse("graphs", "" if tokens else "micro-batches by rows")
+    if wanted["graphs"] and "graphs" not in off:
+        refuse("graphs", next(iter(model_graph_refusal(cfg, model_dir) or ()), ""))
+    graphs, graphs_why = decided("graphs", t.cuda_graphs)
+    return FastSettings(layers, scores, tokens, graphs, (layers_why, scores_why, tokens_why, graphs_why))
 
 
 def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) -> dict[str, str]:
     """What the model turns off, read from its architecture on the meta device with `fmt`'s quantizers inserted as
-    the policy inserts them (no weights): by knob, why."""
+    the policy inserts them (no weights): by knob, why (`model_graph_refusal` adds the rest for the graphs)."""
     from qarl.backends.hf import refuse_traced_quantized_layers
     from qarl.lora import matches_targets
     from qarl.models.checks import load_pretrained, meta_model
@@ -403,8 +421,8 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
     try:
         if layers is not None:
             refuse_traced_quantized_layers(layers)
-    except ConfigError:
-        out["compile_layers"] = "quantized layers with a forward of their own (policy.quant_cfg)"
+    except ConfigError:  # what a capture would record is ModelOpt's forward, not qarl's kernels
+        out["compile_layers"] = out["graphs"] = "quantized layers with a forward of their own (policy.quant_cfg)"
     parts = body_and_head(model)
     head_name = next((n for n, m in model.named_modules() if parts is not None and m is parts[1]), "")
     if p.lora.mode != "none" and head_name and matches_targets(head_name, p.lora.target_modules):
@@ -425,14 +443,24 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
 
 
 def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, distilling: bool = False,
-                       machine: Machine | None = None) -> RecipeConfig:
-    """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once."""
+                       machine: Machine | None = None, replan: Callable[[RecipeConfig], MemoryPlan] | None = None
+                       ) -> tuple[RecipeConfig, MemoryPlan]:
+    """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once, and its
+    memory plan: `replan`'s for CUDA graphs that `auto` turned on (their pool counted), or they are turned off again
+    where it does not fit."""
     fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
                                 memory.tokens_per_micro_batch, distilling)
+    if fast.why[3] == "auto" and replan is not None:
+        with_graphs = replan(fast.applied(cfg))
+        if with_graphs.fits():
+            memory = with_graphs
+            print(f"memory plan with CUDA graphs: {memory.describe()}")
+        else:
+            fast = fast.graphs_off(f"their memory pool does not fit ({with_graphs.describe()})")
     print(fast.line())
     decided = fast.applied(cfg)
     check_graph_budget(decided, fast.why[2])
-    return decided
+    return decided, memory
 
 
 def start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task], Any] = lambda cfg, policy, task: None,
@@ -466,8 +494,10 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     check_graph_model(cfg, resolved.model_dir)
     task = build_task(cfg.task, cfg.run.seed)
     longest = check_prompt_lengths(resolved.prompts, asked_problems(cfg, task), cfg.policy.generation)["train"]
-    cfg, memory = planned(cfg, resolved, frozen_model, longest)
-    cfg = with_fast_settings(cfg, resolved, memory, distilling)
+    shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
+    cfg, memory = planned(cfg, shape, frozen_model, longest)
+    cfg, memory = with_fast_settings(cfg, resolved, memory, distilling, replan=lambda decided: memory_plan(
+        decided, shape, longest, False, frozen_model(decided, shape)))
     if is_main_launch():
         recipe = to_dict(cfg)
         claim_run_dir(plan, recipe, OmegaConf.to_yaml(recipe))

@@ -17,7 +17,8 @@ from qarl.run import FastSettings, Machine, decide_fast_settings
 
 GPU, CPU = Machine("cuda"), Machine("cpu")
 ROWS = 8 * 1124  # the memory plan's micro-batch of rows at the Qwen3-1.7B recipe's shape
-ALL_ON = ("auto", "auto", "auto: the memory plan's micro-batch of rows")
+ALL_ON = ("auto", "auto", "auto: the memory plan's micro-batch of rows", "auto")
+OWN_FORWARD = "quantized layers with a forward of their own (policy.quant_cfg)"
 
 
 def recipe(*overrides: str, name: str = "recipes/qa_grpo_tiny.yaml") -> RecipeConfig:
@@ -68,25 +69,28 @@ def test_a_yaml_file_with_booleans_keeps_working(tmp_path):
 
 def test_a_cpu_keeps_everything_off_and_a_recipes_own_values():
     fast = decide(recipe(), CPU)
-    assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch) == ("off", "off", 0)
+    assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch, fast.cuda_graphs) == (
+        "off", "off", 0, "off")
     assert fast.line() == ("fast settings: compile_layers off (auto: the CPU), compile_scores off (auto: the CPU), "
-                           "micro-batches by rows (auto: the CPU)")
+                           "micro-batches by rows (auto: the CPU), cuda_graphs off (auto: the CPU)")
     own = decide(recipe("policy.compile_layers=on", "trainer.max_tokens_per_micro_batch=64"), CPU)
-    assert (own.compile_layers, own.compile_scores, own.tokens_per_micro_batch) == ("on", "off", 64)
-    assert own.why == ("set", "auto: the CPU", "set")
+    assert (own.compile_layers, own.compile_scores, own.tokens_per_micro_batch, own.cuda_graphs) == (
+        "on", "off", 64, "off")
+    assert own.why == ("set", "auto: the CPU", "set", "auto: the CPU")
 
 
-def test_a_gpu_turns_all_three_on_for_dense_models_of_each_family(families):
+def test_a_gpu_turns_all_four_on_for_dense_models_of_each_family(families):
     for family, model_dir in families.items():
         fast = decide(recipe(), GPU, model_dir)
-        assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch) == ("on", "on", ROWS), family
+        assert (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch, fast.cuda_graphs) == (
+            "on", "on", ROWS, "on"), family
         assert fast.why == ALL_ON
     fast = decide(recipe())
     assert fast.line() == ("fast settings: compile_layers on (auto), compile_scores on (auto), micro-batches of "
-                           f"{ROWS} tokens (auto: the memory plan's micro-batch of rows)")
+                           f"{ROWS} tokens (auto: the memory plan's micro-batch of rows), cuda_graphs on (auto)")
     cfg = fast.applied(recipe())
-    assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch) == (
-        "on", "on", ROWS)
+    assert (cfg.policy.compile_layers, cfg.policy.compile_scores, cfg.trainer.max_tokens_per_micro_batch,
+            cfg.trainer.cuda_graphs) == ("on", "on", ROWS, "on")
     # what the backends and the loops read
     assert cfg.policy.compiles_layers and cfg.policy.compiles_scores and cfg.trainer.token_budget == ROWS
 
@@ -103,45 +107,54 @@ def _config_dir(tmp_path: Path, tiny_dir: str, **changes) -> str:
 
 # (overrides, machine, model: None = the recipe's, fmt: "recipe" = the recipe's, distilling) -> why each is off
 # (None: on under auto)
+ROWS_ONLY, QAD = "micro-batches by rows", "QAD's update is not captured"
 CASES = {
-    "megatron": (["policy.backend=megatron"], GPU, None, "recipe", False,
-                 ("policy.backend=megatron", "policy.backend=megatron", "policy.backend=megatron")),
+    "megatron": (["policy.backend=megatron"], GPU, None, "recipe", False, ("policy.backend=megatron",) * 4),
     "exact forward": (["policy.exact_forward=true"], GPU, None, "recipe", False,
-                      ("policy.exact_forward", "policy.exact_forward", "policy.exact_forward")),
+                      ("policy.exact_forward", "policy.exact_forward", "policy.exact_forward", ROWS_ONLY)),
     "no Triton": ([], Machine("cuda", compiler=False), None, "recipe", False,
-                  ("no Triton for torch.compile", "no Triton for torch.compile", None)),
+                  ("no Triton for torch.compile", "no Triton for torch.compile", None, None)),
     "no varlen": ([], Machine("cuda", varlen=False), None, "recipe", False,
-                  (None, None, "no varlen attention in this torch")),
+                  (None, None, "no varlen attention in this torch", ROWS_ONLY)),
     "compiled norms": (["policy.compile_norms=true"], GPU, None, "recipe", False,
-                       ("policy.compile_norms or compile_mlp set", None, None)),
+                       ("policy.compile_norms or compile_mlp set", None, None, None)),
     "compiled MLPs": (["policy.compile_mlp=true"], GPU, None, "recipe", False,
-                      ("policy.compile_norms or compile_mlp set", None, None)),
+                      ("policy.compile_norms or compile_mlp set", None, None, None)),
     "weight cache off": (["policy.quant_weight_cache=false"], GPU, None, "recipe", False,
-                         ("policy.quant_weight_cache=false", None, None)),
-    "qlora": (["policy.lora.mode=qlora"], GPU, None, "recipe", False, ("policy.lora.mode=qlora", None, None)),
+                         ("policy.quant_weight_cache=false", None, None, "policy.quant_weight_cache=false")),
+    "qlora": (["policy.lora.mode=qlora"], GPU, None, "recipe", False,
+              ("policy.lora.mode=qlora", None, None, "policy.lora.mode=qlora")),
     "qlora on the head": (["policy.lora.mode=qlora", "policy.lora.target_modules=[q_proj,lm_head]"], GPU, None,
-                          "recipe", False, ("policy.lora.mode=qlora", "LoRA on the head", None)),
+                          "recipe", False, ("policy.lora.mode=qlora", "LoRA on the head", None,
+                                            "policy.lora.mode=qlora")),
     "whole-vocabulary scoring": (["policy.logprob_chunk_tokens=0"], GPU, None, "recipe", False,
-                                 (None, "policy.logprob_chunk_tokens=0", "policy.logprob_chunk_tokens=0")),
-    "fp32": (["policy.dtype=float32"], GPU, None, "recipe", False, (None, None, "policy.dtype=float32")),
+                                 (None,) + ("policy.logprob_chunk_tokens=0",) * 3),
+    "fp32": (["policy.dtype=float32"], GPU, None, "recipe", False,
+             (None, None, "policy.dtype=float32", "policy.dtype=float32")),
     "bnpo": (["trainer.loss_type=bnpo"], GPU, None, "recipe", False,
-             (None, None, "trainer.loss_type=bnpo (its token mean is per micro-batch)")),
+             (None, None, "trainer.loss_type=bnpo (its token mean is per micro-batch)", ROWS_ONLY)),
     "QAD, an fp32 teacher": (["teacher.dtype=float32"], GPU, None, "recipe", True,
-                             (None, "QAD's KL is not compiled", "teacher.dtype=float32")),
-    "QAD": (["teacher.dtype=bfloat16"], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None)),
+                             (None, "QAD's KL is not compiled", "teacher.dtype=float32", QAD)),
+    "QAD": (["teacher.dtype=bfloat16"], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None, QAD)),
     "QAD, another teacher": (["teacher.dtype=bfloat16", "teacher.model_name=/elsewhere"], GPU, None, "recipe", True,
                              ("QAD's teacher is another model", "QAD's KL is not compiled",
-                              "QAD's teacher is another model")),
+                              "QAD's teacher is another model", QAD)),
     "MoE": (["policy.model_name=embedded:tiny-qwen3moe"], GPU, None, "recipe", False,
-            ("a Mixture-of-Experts model", None, None)),
+            ("a Mixture-of-Experts model", None, None, "a Mixture-of-Experts model")),
     "ModelOpt's own forward": ([], GPU, None, "W4A8_AWQ_BETA_CFG", False,
-                               ("quantized layers with a forward of their own (policy.quant_cfg)",
-                                "the head is not a plain linear map", None)),
+                               (OWN_FORWARD, "the head is not a plain linear map", None, OWN_FORWARD)),
     "sliding window": ([], GPU, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0,
                                  "layer_types": ["sliding_attention"] * 2}, "recipe", False,
-                       (None, None, "the model's attention (a sliding window, soft-capping or dropout)")),
+                       (None, None, "the model's attention (a sliding window, soft-capping or dropout)", ROWS_ONLY)),
     "soft-capped logits": ([], GPU, {"final_logit_softcapping": 30.0}, "recipe", False,
-                           (None, "the logits are changed after the head", "the model's logits are scored whole")),
+                           (None, "the logits are changed after the head", "the model's logits are scored whole",
+                            ROWS_ONLY)),
+    "bf16 masters": (["policy.master_dtype=bfloat16"], GPU, None, "recipe", False,
+                     (None, None, None, "policy.master_dtype=bfloat16")),
+    "checkpointing": (["policy.gradient_checkpointing=on"], GPU, None, "recipe", False,
+                      (None, None, None, "gradient checkpointing on")),
+    "dynamic rotary": ([], GPU, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "recipe", False,
+                       (None, None, None, "a dynamic rotary embedding")),
 }
 
 
@@ -152,8 +165,9 @@ def test_auto_is_off_wherever_on_is_refused_and_says_why(case, tmp_path, tiny_di
     cfg = recipe(*overrides, name=name)
     fmt = resolve_format(fmt) if fmt != "recipe" else fmt
     fast = decide(cfg, machine, _config_dir(tmp_path, tiny_dir, **model) if model else None, fmt, distilling)
-    got = (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch)
-    assert got == tuple("off" if w else "on" for w in why_off[:2]) + (0 if why_off[2] else ROWS,)
+    got = (fast.compile_layers, fast.compile_scores, fast.tokens_per_micro_batch, fast.cuda_graphs)
+    on_off = tuple("off" if w else "on" for w in why_off)
+    assert got == (*on_off[:2], 0 if why_off[2] else ROWS, on_off[3])
     assert fast.why == tuple(f"auto: {w}" if w else on for w, on in zip(why_off, ALL_ON))
     fast.applied(cfg)  # what auto picks is a recipe that loads: nothing in it is refused
 
@@ -194,13 +208,33 @@ def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsy
     cfg = recipe(f"run.dir={tmp_path / 'run'}")
     resolved = run_module.resolve_recipe(cfg)
     memory = MemoryPlan({}, {}, 0, "rollout.gpu_memory_utilization", 1, False, ROWS, 0)
-    decided = run_module.with_fast_settings(cfg, resolved, memory, False, GPU)
+    decided, planned = run_module.with_fast_settings(cfg, resolved, memory, False, GPU)
     assert (decided.policy.compile_layers, decided.policy.compile_scores,
-            decided.trainer.max_tokens_per_micro_batch) == ("on", "on", ROWS)
-    assert capsys.readouterr().out.count("fast settings: ") == 1
-    here = run_module.with_fast_settings(cfg, resolved, memory, False, CPU)
-    assert (here.policy.compile_layers, here.trainer.max_tokens_per_micro_batch) == ("off", 0)
+            decided.trainer.max_tokens_per_micro_batch, decided.trainer.cuda_graphs) == ("on", "on", ROWS, "on")
+    assert capsys.readouterr().out.count("fast settings: ") == 1 and planned is memory
+    here, _ = run_module.with_fast_settings(cfg, resolved, memory, False, CPU)
+    assert (here.policy.compile_layers, here.trainer.max_tokens_per_micro_batch, here.trainer.cuda_graphs) == (
+        "off", 0, "off")
     assert dataclasses.replace(here.trainer).max_tokens_per_micro_batch == 0
+    # CUDA graphs that auto turned on are planned again with their pool: kept where it fits, off where it does not
+    seen = []
+
+    def replan(available: int):
+        def plan(decided_cfg):
+            seen.append(decided_cfg.trainer.cuda_graphs)
+            return MemoryPlan({"weights": 10}, {"CUDA graph pool": 5}, 0, "x", available, False, ROWS, 0)
+        return plan
+
+    fits, with_pool = run_module.with_fast_settings(cfg, resolved, memory, False, GPU, replan(15))
+    assert fits.trainer.cuda_graphs == "on" and with_pool.update_parts == {"CUDA graph pool": 5}
+    out = capsys.readouterr().out
+    assert "memory plan with CUDA graphs: " in out and "cuda_graphs on (auto)" in out
+    tight, kept = run_module.with_fast_settings(cfg, resolved, memory, False, GPU, replan(14))
+    assert tight.trainer.cuda_graphs == "off" and kept is memory and seen == ["on", "on"]
+    assert "cuda_graphs off (auto: their memory pool does not fit (update ~" in capsys.readouterr().out
+    own, _ = run_module.with_fast_settings(recipe("trainer.cuda_graphs=on", f"run.dir={tmp_path / 'run'}"), resolved,
+                                           memory, False, GPU, replan(14))
+    assert own.trainer.cuda_graphs == "on" and seen == ["on", "on"]  # a recipe's own on was planned with its pool
 
 
 def test_the_frozen_model_is_built_with_the_decided_recipe(tmp_path, monkeypatch):
@@ -210,8 +244,15 @@ def test_the_frozen_model_is_built_with_the_decided_recipe(tmp_path, monkeypatch
     from qarl import run as run_module
 
     cfg = recipe(f"run.dir={tmp_path / 'run'}", "warm_start.enabled=false", "policy.compile_layers=auto")
-    seen = []
-    monkeypatch.setattr(run_module, "with_fast_settings", lambda cfg, *a, **k: dataclasses.replace(
-        cfg, policy=dataclasses.replace(cfg.policy, compile_scores="off", compile_layers="off")))
+    seen, replanned = [], []
+
+    def decided(cfg, resolved, memory, distilling=False, machine=None, replan=None):
+        graphs = dataclasses.replace(cfg.trainer, cuda_graphs="on", max_tokens_per_micro_batch=256)
+        replanned.append(replan(dataclasses.replace(cfg, trainer=graphs)))  # what auto's graphs are planned with
+        return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, compile_scores="off",
+                                                                   compile_layers="off")), memory
+
+    monkeypatch.setattr(run_module, "with_fast_settings", decided)
     run_module.start_run(cfg, frozen=lambda decided, policy, task: seen.append(decided))
     assert [c.policy.compile_layers for c in seen] == ["off"] and cfg.policy.compile_layers == "auto"
+    assert "CUDA graph pool" in replanned[0].update_parts and replanned[0].tokens_per_micro_batch == 256
