@@ -43,6 +43,10 @@
 #   graph_probe  one user-shape micro-batch of the update (W4A4 exact forward, then W4A16 default) against a CUDA
 #             graph: its host synchronizations by qarl frame, one capture and, if it holds, replay against eager bits
 #             and time (benchmarks/graph_probe.py; issue 74's first measurement)
+#   update_profile [FORMAT ...]  one step's whole update at the user shape with CUDA graphs on and off, each in its own
+#             process: the host's busy time against the GPU's (torch.profiler) and the update's MFU
+#             (benchmarks/update_profile.py; formats: none, nvfp4_a16 (default path), nvfp4_w4a4_exact, fp8_w8a8_exact;
+#             default nvfp4_a16 nvfp4_w4a4_exact)
 #   kv_cache_exact  the FP8 KV cache's GPU tests (refits in place under graphs; the exact forward's parity with the
 #             cache), then `qarl parity` of the 0.5B model with the cache, exact forward on and off (issue 73 item 2)
 #   kv_cache_user_shape  the FP8 KV cache at the user shape: cache capacity and decode tokens/s after 1k/4k/16k-token
@@ -283,6 +287,16 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       python3 benchmarks/gpu_rollout.py --model "$shape_dir" --prompt-tokens $((length - 256)) --tokens 256 \
         --batches "$@" --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
         --out "$out/kv_cache_user_shape_$length.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
+    done
+    ;;
+  update_profile)  # issue 74: host against GPU time of a graphed and an eager update at the user shape
+    python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
+    formats=("${@:3}"); [ "${#formats[@]}" = 0 ] && formats=(nvfp4_a16 nvfp4_w4a4_exact)
+    for fmt in "${formats[@]}"; do
+      quant="quant_configs/${fmt%_exact}.yaml"; [ "$fmt" = none ] && quant=none
+      exact=(); [ "$fmt" != "${fmt%_exact}" ] && exact=(--exact)
+      python3 benchmarks/update_profile.py --model "$shape_dir" --format "$quant" "${exact[@]}" \
+        --out "$out/update_profile_$fmt.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
     done
     ;;
   parity_graphs)
