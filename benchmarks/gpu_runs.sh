@@ -61,8 +61,8 @@
 #             each: split them over calls): grpo_eager, w4a16_eager (compilation, token budgets and graphs off, the
 #             settings before auto), grpo_auto, w4a16_auto (the defaults: CUDA graphs on), grpo_no_graphs,
 #             w4a16_no_graphs (the defaults but trainer.cuda_graphs=off), w4a4_exact, fp8_exact (the exact forward:
-#             micro-batches by rows, so no graphs), w4a4_exact_graphs, fp8_exact_graphs (with micro-batches of 9,216
-#             tokens, graphs on); then the table of every row run on this machine so far
+#             micro-batches by rows, so no graphs), w4a4_exact_graphs, fp8_exact_graphs (trainer.cuda_graphs=on,
+#             micro-batches of 9,216 tokens); then the table of every row run on this machine so far
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
@@ -496,10 +496,10 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         w4a16_no_graphs) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml trainer.cuda_graphs=off) ;;
         w4a4_exact) settings=(policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true) ;;
         w4a4_exact_graphs) settings=(policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true
-                                     trainer.max_tokens_per_micro_batch=9216) ;;
+                                     trainer.cuda_graphs=on trainer.max_tokens_per_micro_batch=9216) ;;
         fp8_exact) settings=(policy.quant_cfg=quant_configs/fp8_w8a8.yaml policy.exact_forward=true) ;;
         fp8_exact_graphs) settings=(policy.quant_cfg=quant_configs/fp8_w8a8.yaml policy.exact_forward=true
-                                    trainer.max_tokens_per_micro_batch=9216) ;;
+                                    trainer.cuda_graphs=on trainer.max_tokens_per_micro_batch=9216) ;;
         *) echo "fast_table: unknown row $row" >&2; exit 2 ;;
       esac
       user_run train benchmarks/recipes/user_shape_grpo.yaml "fast_table_$row" "${settings[@]}" run.overwrite=true

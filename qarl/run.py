@@ -289,8 +289,9 @@ class Machine:
 
 @dataclass(frozen=True)
 class FastSettings:
-    """`policy.compile_layers`, `policy.compile_scores` and `trainer.max_tokens_per_micro_batch` as a run uses them,
-    each with why: "set" (the recipe's own value), "auto", or "auto: <what turned it off>"."""
+    """`policy.compile_layers`, `policy.compile_scores`, `trainer.max_tokens_per_micro_batch` and
+    `trainer.cuda_graphs` as a run uses them, each with why: "set" (the recipe's own value), "auto", or
+    "auto: <what turned it off>"."""
 
     compile_layers: str  # on | off
     compile_scores: str  # on | off
@@ -388,7 +389,8 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
         tokens, tokens_why = 0, f"auto: {off['tokens']}"
     else:
         tokens, tokens_why = rows_tokens, "auto: the memory plan's micro-batch of rows"
-    refuse("graphs", "" if tokens else "micro-batches by rows")
+    refuse("graphs", "" if tokens else "micro-batches by rows: " + (
+        off["tokens"] if "tokens" in off else "trainer.max_tokens_per_micro_batch=0"))
     if wanted["graphs"] and "graphs" not in off:
         refuse("graphs", next(iter(model_graph_refusal(cfg, model_dir) or ()), ""))
     graphs, graphs_why = decided("graphs", t.cuda_graphs)
@@ -442,15 +444,15 @@ def _model_refusals(cfg: RecipeConfig, model_dir: str, fmt: QuantFormat | None) 
     return out
 
 
-def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan, distilling: bool = False,
-                       machine: Machine | None = None, replan: Callable[[RecipeConfig], MemoryPlan] | None = None
-                       ) -> tuple[RecipeConfig, MemoryPlan]:
+def with_fast_settings(cfg: RecipeConfig, resolved: Resolved, memory: MemoryPlan,
+                       replan: Callable[[RecipeConfig], MemoryPlan], distilling: bool = False,
+                       machine: Machine | None = None) -> tuple[RecipeConfig, MemoryPlan]:
     """The run's recipe with its fast settings decided (`decide_fast_settings` on this machine), said once, and its
     memory plan: `replan`'s for CUDA graphs that `auto` turned on (their pool counted), or they are turned off again
     where it does not fit."""
     fast = decide_fast_settings(cfg, machine or Machine.here(), resolved.model_dir, resolved.policy_format,
                                 memory.tokens_per_micro_batch, distilling)
-    if fast.why[3] == "auto" and replan is not None:
+    if fast.why[3] == "auto":
         with_graphs = replan(fast.applied(cfg))
         if with_graphs.fits():
             memory = with_graphs
@@ -496,8 +498,8 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     longest = check_prompt_lengths(resolved.prompts, asked_problems(cfg, task), cfg.policy.generation)["train"]
     shape = ModelShape.of(resolved.model_dir, cfg.policy.trust_remote_code)
     cfg, memory = planned(cfg, shape, frozen_model, longest)
-    cfg, memory = with_fast_settings(cfg, resolved, memory, distilling, replan=lambda decided: memory_plan(
-        decided, shape, longest, False, frozen_model(decided, shape)))
+    cfg, memory = with_fast_settings(cfg, resolved, memory, lambda decided: memory_plan(
+        decided, shape, longest, False, frozen_model(decided, shape)), distilling)
     if is_main_launch():
         recipe = to_dict(cfg)
         claim_run_dir(plan, recipe, OmegaConf.to_yaml(recipe))
@@ -676,10 +678,14 @@ def update_or_name_the_knob(steps: Steps, step: int, batch: Rollout, memory: Mem
     try:
         return steps.update(step, batch)
     except torch.OutOfMemoryError as e:
+        lower = ("set trainer.cuda_graphs=off (its pool holds a micro-batch's activations through the step), or lower "
+                 "trainer.max_tokens_per_micro_batch or policy.logprob_chunk_tokens"
+                 if "CUDA graph pool" in memory.update_parts else
+                 "lower trainer.micro_batch_size or policy.logprob_chunk_tokens, or set policy.gradient_checkpointing=on")
         raise RuntimeError(
             f"out of memory in the update of step {step} ({memory.tokens_per_micro_batch} tokens a micro-batch; "
-            f"the plan: {memory.describe()}): lower trainer.micro_batch_size or policy.logprob_chunk_tokens, or set "
-            f"policy.gradient_checkpointing=on; resume from the last checkpoint with trainer.resume=true. ({e})") from e
+            f"the plan: {memory.describe()}): {lower}; resume from the last checkpoint with trainer.resume=true. "
+            f"({e})") from e
 
 
 def world_row(cfg: RecipeConfig) -> dict[str, int]:

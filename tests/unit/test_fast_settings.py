@@ -1,4 +1,5 @@
-"""The fast settings' `auto` (policy.compile_layers, policy.compile_scores, trainer.max_tokens_per_micro_batch),
+"""The fast settings' `auto` (policy.compile_layers, policy.compile_scores, trainer.max_tokens_per_micro_batch,
+trainer.cuda_graphs),
 decided once as a run starts (qarl/run.py `decide_fast_settings`): on where a GPU, the model and the other settings
 allow, off on a CPU and wherever `on` is refused, which stays an error when a recipe asks for it. The machine is an
 argument, so the GPU's decisions are tested here on a CPU (the model is read on the meta device)."""
@@ -107,15 +108,19 @@ def _config_dir(tmp_path: Path, tiny_dir: str, **changes) -> str:
 
 # (overrides, machine, model: None = the recipe's, fmt: "recipe" = the recipe's, distilling) -> why each is off
 # (None: on under auto)
-ROWS_ONLY, QAD = "micro-batches by rows", "QAD's update is not captured"
+QAD = "QAD's update is not captured"
+ROWS_ONLY = "micro-batches by rows: {}".format
+BNPO = "trainer.loss_type=bnpo (its token mean is per micro-batch)"
+WINDOW = "the model's attention (a sliding window, soft-capping or dropout)"
+WHOLE = "the model's logits are scored whole"
 CASES = {
     "megatron": (["policy.backend=megatron"], GPU, None, "recipe", False, ("policy.backend=megatron",) * 4),
     "exact forward": (["policy.exact_forward=true"], GPU, None, "recipe", False,
-                      ("policy.exact_forward", "policy.exact_forward", "policy.exact_forward", ROWS_ONLY)),
+                      ("policy.exact_forward",) * 3 + (ROWS_ONLY("policy.exact_forward"),)),
     "no Triton": ([], Machine("cuda", compiler=False), None, "recipe", False,
                   ("no Triton for torch.compile", "no Triton for torch.compile", None, None)),
     "no varlen": ([], Machine("cuda", varlen=False), None, "recipe", False,
-                  (None, None, "no varlen attention in this torch", ROWS_ONLY)),
+                  (None, None, "no varlen attention in this torch", ROWS_ONLY("no varlen attention in this torch"))),
     "compiled norms": (["policy.compile_norms=true"], GPU, None, "recipe", False,
                        ("policy.compile_norms or compile_mlp set", None, None, None)),
     "compiled MLPs": (["policy.compile_mlp=true"], GPU, None, "recipe", False,
@@ -132,7 +137,7 @@ CASES = {
     "fp32": (["policy.dtype=float32"], GPU, None, "recipe", False,
              (None, None, "policy.dtype=float32", "policy.dtype=float32")),
     "bnpo": (["trainer.loss_type=bnpo"], GPU, None, "recipe", False,
-             (None, None, "trainer.loss_type=bnpo (its token mean is per micro-batch)", ROWS_ONLY)),
+             (None, None, BNPO, ROWS_ONLY(BNPO))),
     "QAD, an fp32 teacher": (["teacher.dtype=float32"], GPU, None, "recipe", True,
                              (None, "QAD's KL is not compiled", "teacher.dtype=float32", QAD)),
     "QAD": (["teacher.dtype=bfloat16"], GPU, None, "recipe", True, (None, "QAD's KL is not compiled", None, QAD)),
@@ -145,10 +150,9 @@ CASES = {
                                (OWN_FORWARD, "the head is not a plain linear map", None, OWN_FORWARD)),
     "sliding window": ([], GPU, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0,
                                  "layer_types": ["sliding_attention"] * 2}, "recipe", False,
-                       (None, None, "the model's attention (a sliding window, soft-capping or dropout)", ROWS_ONLY)),
+                       (None, None, WINDOW, ROWS_ONLY(WINDOW))),
     "soft-capped logits": ([], GPU, {"final_logit_softcapping": 30.0}, "recipe", False,
-                           (None, "the logits are changed after the head", "the model's logits are scored whole",
-                            ROWS_ONLY)),
+                           (None, "the logits are changed after the head", WHOLE, ROWS_ONLY(WHOLE))),
     "bf16 masters": (["policy.master_dtype=bfloat16"], GPU, None, "recipe", False,
                      (None, None, None, "policy.master_dtype=bfloat16")),
     "checkpointing": (["policy.gradient_checkpointing=on"], GPU, None, "recipe", False,
@@ -208,11 +212,12 @@ def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsy
     cfg = recipe(f"run.dir={tmp_path / 'run'}")
     resolved = run_module.resolve_recipe(cfg)
     memory = MemoryPlan({}, {}, 0, "rollout.gpu_memory_utilization", 1, False, ROWS, 0)
-    decided, planned = run_module.with_fast_settings(cfg, resolved, memory, False, GPU)
+    never = lambda decided: pytest.fail("planned again for graphs it did not turn on")  # noqa: E731
+    decided, planned = run_module.with_fast_settings(cfg, resolved, memory, lambda c: memory, False, GPU)
     assert (decided.policy.compile_layers, decided.policy.compile_scores,
             decided.trainer.max_tokens_per_micro_batch, decided.trainer.cuda_graphs) == ("on", "on", ROWS, "on")
     assert capsys.readouterr().out.count("fast settings: ") == 1 and planned is memory
-    here, _ = run_module.with_fast_settings(cfg, resolved, memory, False, CPU)
+    here, _ = run_module.with_fast_settings(cfg, resolved, memory, never, False, CPU)
     assert (here.policy.compile_layers, here.trainer.max_tokens_per_micro_batch, here.trainer.cuda_graphs) == (
         "off", 0, "off")
     assert dataclasses.replace(here.trainer).max_tokens_per_micro_batch == 0
@@ -225,16 +230,16 @@ def test_a_gpu_training_run_picks_them_as_it_starts(tmp_path, monkeypatch, capsy
             return MemoryPlan({"weights": 10}, {"CUDA graph pool": 5}, 0, "x", available, False, ROWS, 0)
         return plan
 
-    fits, with_pool = run_module.with_fast_settings(cfg, resolved, memory, False, GPU, replan(15))
+    fits, with_pool = run_module.with_fast_settings(cfg, resolved, memory, replan(15), False, GPU)
     assert fits.trainer.cuda_graphs == "on" and with_pool.update_parts == {"CUDA graph pool": 5}
     out = capsys.readouterr().out
     assert "memory plan with CUDA graphs: " in out and "cuda_graphs on (auto)" in out
-    tight, kept = run_module.with_fast_settings(cfg, resolved, memory, False, GPU, replan(14))
+    tight, kept = run_module.with_fast_settings(cfg, resolved, memory, replan(14), False, GPU)
     assert tight.trainer.cuda_graphs == "off" and kept is memory and seen == ["on", "on"]
     assert "cuda_graphs off (auto: their memory pool does not fit (update ~" in capsys.readouterr().out
     own, _ = run_module.with_fast_settings(recipe("trainer.cuda_graphs=on", f"run.dir={tmp_path / 'run'}"), resolved,
-                                           memory, False, GPU, replan(14))
-    assert own.trainer.cuda_graphs == "on" and seen == ["on", "on"]  # a recipe's own on was planned with its pool
+                                           memory, never, False, GPU)
+    assert own.trainer.cuda_graphs == "on"  # a recipe's own on: the first plan counted its pool already
 
 
 def test_the_frozen_model_is_built_with_the_decided_recipe(tmp_path, monkeypatch):
@@ -246,7 +251,7 @@ def test_the_frozen_model_is_built_with_the_decided_recipe(tmp_path, monkeypatch
     cfg = recipe(f"run.dir={tmp_path / 'run'}", "warm_start.enabled=false", "policy.compile_layers=auto")
     seen, replanned = [], []
 
-    def decided(cfg, resolved, memory, distilling=False, machine=None, replan=None):
+    def decided(cfg, resolved, memory, replan, distilling=False, machine=None):
         graphs = dataclasses.replace(cfg.trainer, cuda_graphs="on", max_tokens_per_micro_batch=256)
         replanned.append(replan(dataclasses.replace(cfg, trainer=graphs)))  # what auto's graphs are planned with
         return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, compile_scores="off",
