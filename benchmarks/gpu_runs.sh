@@ -59,10 +59,9 @@
 #             (K: a pytest -k expression picking some runs)
 #   fast_table [ROW ...]  the fast settings' table at the user shape (3 steps a row; default every row, ~3.5 min
 #             each: split them over calls): grpo_eager, w4a16_eager (compilation, token budgets and graphs off, the
-#             settings before auto), grpo_auto, w4a16_auto (the defaults: CUDA graphs on), grpo_no_graphs,
-#             w4a16_no_graphs (the defaults but trainer.cuda_graphs=off), w4a4_exact, fp8_exact (the exact forward:
-#             micro-batches by rows, so no graphs), w4a4_exact_graphs, fp8_exact_graphs (trainer.cuda_graphs=on,
-#             micro-batches of 9,216 tokens); then the table of every row run on this machine so far
+#             settings before auto), grpo_auto, w4a16_auto (the defaults), grpo_graphs, w4a16_graphs (the defaults
+#             and trainer.cuda_graphs=on), w4a4_exact, fp8_exact (the exact forward), w4a4_exact_graphs,
+#             fp8_exact_graphs (trainer.cuda_graphs=on, micro-batches of 9,216 tokens); then the table of every row run on this machine so far
 #   user_shape FMT  a user's shape (benchmarks/user_shape.py): the Qwen3-1.7B shape (151,936 vocabulary) made
 #             locally, then the shipped recipe, 256 x 1,024 tokens, micro-batch 8, 3 steps, in format FMT (none: GRPO);
 #             further arguments: recipe overrides; TAG=_x names the run user_shape_FMT_x; SHAPE=llama3.2-1b another shape
@@ -483,8 +482,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     eager=(policy.compile_layers=off policy.compile_scores=off trainer.max_tokens_per_micro_batch=0
            trainer.cuda_graphs=off)
-    all=(grpo_eager w4a16_eager grpo_auto w4a16_auto grpo_no_graphs w4a16_no_graphs w4a4_exact w4a4_exact_graphs
-         fp8_exact fp8_exact_graphs)
+    all=(grpo_eager w4a16_eager grpo_auto w4a16_auto grpo_graphs w4a16_graphs w4a4_exact w4a4_exact_graphs fp8_exact
+         fp8_exact_graphs)
     rows=("${@:3}"); [ "${#rows[@]}" = 0 ] && rows=("${all[@]}")
     for row in "${rows[@]}"; do
       case "$row" in
@@ -492,8 +491,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         w4a16_eager) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml "${eager[@]}") ;;
         grpo_auto) settings=(policy.quant_cfg=none) ;;
         w4a16_auto) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml) ;;
-        grpo_no_graphs) settings=(policy.quant_cfg=none trainer.cuda_graphs=off) ;;
-        w4a16_no_graphs) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml trainer.cuda_graphs=off) ;;
+        grpo_graphs) settings=(policy.quant_cfg=none trainer.cuda_graphs=on) ;;
+        w4a16_graphs) settings=(policy.quant_cfg=quant_configs/nvfp4_a16.yaml trainer.cuda_graphs=on) ;;
         w4a4_exact) settings=(policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true) ;;
         w4a4_exact_graphs) settings=(policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml policy.exact_forward=true
                                      trainer.cuda_graphs=on trainer.max_tokens_per_micro_batch=9216) ;;

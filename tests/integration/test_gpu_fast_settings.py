@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["trainer.steps=2", "warm_start.steps=5", "eval.every=0", "checkpoint.every=1000", "policy.dtype=bfloat16",
-         "policy.generation.enforce_eager=true"]
+         "policy.generation.enforce_eager=true", "trainer.cuda_graphs=auto"]  # (graphs' default: off)
 ON = "compile_layers on (auto), compile_scores on (auto), micro-batches of"
 GRAPHS = "cuda_graphs on (auto)"
 CASES = {  # command, recipe, overrides, what the start-up line says (the first three settings, then the graphs)

@@ -23,7 +23,7 @@ OWN_FORWARD = "quantized layers with a forward of their own (policy.quant_cfg)"
 
 
 def recipe(*overrides: str, name: str = "recipes/qa_grpo_tiny.yaml") -> RecipeConfig:
-    return load_recipe(name, ["policy.dtype=bfloat16", *overrides], RecipeConfig)
+    return load_recipe(name, ["policy.dtype=bfloat16", "trainer.cuda_graphs=auto", *overrides], RecipeConfig)
 
 
 def decide(cfg: RecipeConfig, machine: Machine = GPU, model_dir: str | None = None, fmt: object = "recipe",

@@ -218,7 +218,7 @@ def test_the_setting_reads_on_and_off_as_recipes_spell_them():
     """YAML reads a bare on/off as a boolean: `trainer.cuda_graphs=on` is "on", as every on/off setting."""
     from qarl.config import load_recipe
 
-    assert load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig).trainer.cuda_graphs == "auto"  # the default
+    assert load_recipe("recipes/qa_grpo_tiny.yaml", [], RecipeConfig).trainer.cuda_graphs == "off"  # the default
     for spelled, read in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
         cfg = load_recipe("recipes/qa_grpo_tiny.yaml", [f"trainer.cuda_graphs={spelled}"], RecipeConfig)
         assert cfg.trainer.cuda_graphs == read, spelled
