@@ -224,3 +224,24 @@ def test_the_setting_reads_on_and_off_as_recipes_spell_them():
         assert cfg.trainer.cuda_graphs == read, spelled
     with pytest.raises(ConfigError, match=r"must be auto \| on \| off"):
         load_recipe("recipes/qa_grpo_tiny.yaml", ["trainer.cuda_graphs=sometimes"], RecipeConfig)
+
+
+def test_out_of_memory_in_an_update_names_the_setting_to_change():
+    """A run's update out of memory names what lowers its peak: with the graphs' pool planned, turning them off
+    first (checkpointing is refused beside them); without, the micro-batch and checkpointing."""
+    from types import SimpleNamespace
+
+    from qarl.memory import MemoryPlan
+    from qarl.run import update_or_name_the_knob
+
+    def oom(step, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    steps = SimpleNamespace(update=oom)
+    for parts, needle, absent in (({"CUDA graph pool": 1}, "set trainer.cuda_graphs=off", "gradient_checkpointing"),
+                                  ({"activations": 1}, "policy.gradient_checkpointing=on", "cuda_graphs")):
+        memory = MemoryPlan({"weights": 1}, parts, 0, "x", 10, False, 256, 0)
+        with pytest.raises(RuntimeError, match="out of memory in the update of step 3") as error:
+            update_or_name_the_knob(steps, 3, None, memory)
+        assert needle in str(error.value) and absent not in str(error.value) and "trainer.resume=true" in str(
+            error.value)
