@@ -392,7 +392,8 @@ def decide_fast_settings(cfg: RecipeConfig, machine: Machine, model_dir: str, fm
     refuse("graphs", "" if tokens else "micro-batches by rows: " + (
         off["tokens"] if "tokens" in off else "trainer.max_tokens_per_micro_batch=0"))
     if wanted["graphs"] and "graphs" not in off:
-        refuse("graphs", next(iter(model_graph_refusal(cfg, model_dir) or ()), ""))
+        found = model_graph_refusal(cfg, model_dir)
+        refuse("graphs", found[0] if found else "")
     graphs, graphs_why = decided("graphs", t.cuda_graphs)
     return FastSettings(layers, scores, tokens, graphs, (layers_why, scores_why, tokens_why, graphs_why))
 
@@ -678,10 +679,11 @@ def update_or_name_the_knob(steps: Steps, step: int, batch: Rollout, memory: Mem
     try:
         return steps.update(step, batch)
     except torch.OutOfMemoryError as e:
-        lower = ("set trainer.cuda_graphs=off (its pool holds a micro-batch's activations through the step), or lower "
-                 "trainer.max_tokens_per_micro_batch or policy.logprob_chunk_tokens"
+        lower = ("set trainer.cuda_graphs=off (its pool holds a micro-batch's activations through the step), or "
+                 "lower trainer.max_tokens_per_micro_batch or policy.logprob_chunk_tokens"
                  if "CUDA graph pool" in memory.update_parts else
-                 "lower trainer.micro_batch_size or policy.logprob_chunk_tokens, or set policy.gradient_checkpointing=on")
+                 "lower trainer.micro_batch_size or policy.logprob_chunk_tokens, or set "
+                 "policy.gradient_checkpointing=on")
         raise RuntimeError(
             f"out of memory in the update of step {step} ({memory.tokens_per_micro_batch} tokens a micro-batch; "
             f"the plan: {memory.describe()}): {lower}; resume from the last checkpoint with trainer.resume=true. "

@@ -157,8 +157,8 @@ CASES = {
                      (None, None, None, "policy.master_dtype=bfloat16")),
     "checkpointing": (["policy.gradient_checkpointing=on"], GPU, None, "recipe", False,
                       (None, None, None, "gradient checkpointing on")),
-    "dynamic rotary": ([], GPU, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "recipe", False,
-                       (None, None, None, "a dynamic rotary embedding")),
+    "dynamic rotary": ([], GPU, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+                       "recipe", False, (None, None, None, "a dynamic rotary embedding")),
 }
 
 
