@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
@@ -32,9 +34,9 @@ def test_misspelt_key_in_file_is_named(tmp_path):
         load_recipe(tmp_path / "r.yaml", [], RecipeConfig)
 
 
-def test_shipped_recipes_load():
-    for name in ["qa_grpo_tiny", "grpo_tiny_bf16", "parity_tiny"]:
-        load_recipe(f"recipes/{name}.yaml", [], RecipeConfig)
+@pytest.mark.parametrize("recipe", sorted(p.name for p in Path("recipes").glob("*.yaml")))
+def test_shipped_recipes_load(recipe):
+    load_recipe(f"recipes/{recipe}")
 
 
 @pytest.mark.parametrize("spec", ["quant_configs/nvfp4_a16.yaml", "nvfp4_w4a4", "fp8_w8a8", "NVFP4_DEFAULT_CFG",
