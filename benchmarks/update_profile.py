@@ -11,7 +11,8 @@ forward; micro-batches of `--budget` tokens; bf16 compute, fp32 masters), each `
 own (the exact forward puts its process in vLLM's batch-invariant mode for good). One warm-up update, `--repeats`
 timed ones (median), then one under torch.profiler: the GPU's busy time (kernels' own time) and the host's (the
 operators' own CPU time less what they spent waiting for the GPU: synchronizations and device-to-host copies), each
-beside the update's wall time. MFU: 6 x parameters x tokens / wall time / 989 TFLOP/s (H100's and H200's dense bf16
+beside the update's wall time; with `--out`, the profiler's tables (the top operators by GPU and by host time) go
+beside it, one file per `--graphs` setting. MFU: 6 x parameters x tokens / wall time / 989 TFLOP/s (H100's and H200's dense bf16
 peak). On a GPU only.
 """
 
@@ -70,6 +71,10 @@ def measure(args: argparse.Namespace, graphs: str) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         profiled = _timed(update)
     events = prof.key_averages()
+    if args.out:  # where the time goes: the operators and kernels that take the most GPU time, and the most host time
+        tables = [events.table(sort_by=key, row_limit=30, max_name_column_width=70)
+                  for key in ("self_device_time_total", "self_cpu_time_total")]
+        args.out.with_suffix(f".graphs_{graphs}.txt").write_text("\n\n".join(tables) + "\n")
     gpu = sum(e.self_device_time_total for e in events) / 1e6
     host_all = sum(e.self_cpu_time_total for e in events) / 1e6
     waiting = sum(e.self_cpu_time_total for e in events if any(w in e.key for w in WAITS)) / 1e6
