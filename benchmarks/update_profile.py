@@ -12,8 +12,8 @@ own (the exact forward puts its process in vLLM's batch-invariant mode for good)
 timed ones (median), then one under torch.profiler: the GPU's busy time (kernels' own time) and the host's (the
 operators' own CPU time less what they spent waiting for the GPU: synchronizations and device-to-host copies), each
 beside the update's wall time; with `--out`, the profiler's tables (the top operators by GPU and by host time) go
-beside it, one file per `--graphs` setting. MFU: 6 x parameters x tokens / wall time / 989 TFLOP/s (H100's and H200's dense bf16
-peak). On a GPU only.
+beside it, one file per `--graphs` setting. MFU: 6 x parameters x tokens / wall time / 989 TFLOP/s (H100's and
+H200's dense bf16 peak). On a GPU only.
 """
 
 from __future__ import annotations

@@ -34,9 +34,12 @@ def test_misspelt_key_in_file_is_named(tmp_path):
         load_recipe(tmp_path / "r.yaml", [], RecipeConfig)
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in Path("recipes").glob("*.yaml")))
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
 def test_shipped_recipes_load(recipe):
-    load_recipe(f"recipes/{recipe}")
+    load_recipe(RECIPES / recipe)
 
 
 @pytest.mark.parametrize("spec", ["quant_configs/nvfp4_a16.yaml", "nvfp4_w4a4", "fp8_w8a8", "NVFP4_DEFAULT_CFG",
