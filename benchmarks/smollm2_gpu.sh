@@ -238,7 +238,7 @@ case "$stage" in
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
-    matrix "$last" matrix_smollm2_kv_cache grpo_bf16 qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
+    matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot; or one that never is
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do
