@@ -335,8 +335,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     python3 benchmarks/exact_step_time.py --completions 128 --prompt-tokens 20 --completion-tokens 6 \
       --profile "$out/short" 2>&1 | grep -v -i warn | tail -3
     ;;
-  pytest)  # arguments: pytest's (test files, -k ...)
-    python3 -m pytest -q -p no:cacheprovider "${@:3}" 2>&1 | tee -a "$out/pytest.log" | grep -E "^E |passed|failed|error" \
+  pytest)  # arguments: pytest's (test files, -k ...); -rP: what passing tests print (their measured figures) in the log
+    python3 -m pytest -q -rP -p no:cacheprovider "${@:3}" 2>&1 | tee -a "$out/pytest.log" | grep -E "^E |passed|failed|error" \
       | tail -12  # the whole output in OUT/pytest.log
     ;;
   host_waits_ab)  # issue 74: one user-shape micro-batch's forward + backward (exact_step_time.py: the exact forward and

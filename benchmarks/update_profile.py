@@ -29,12 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_time import _timed  # noqa: E402
 from user_shape import H100_BF16_DENSE_FLOPS  # noqa: E402
 
-WAITS = ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense")  # host ops that wait for the GPU
+# host ops that wait for the GPU; "Command Buffer Full": a launch (a graph replay) blocked until the GPU drains its queue
+WAITS = ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense", "Command Buffer Full")
 
 
 def measure(args: argparse.Namespace, graphs: str) -> dict[str, float]:
     """One update's seconds (wall, GPU busy, host busy) and its MFU, in this process."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from qarl.config import RecipeConfig, TrainerConfig
@@ -75,7 +77,9 @@ def measure(args: argparse.Namespace, graphs: str) -> dict[str, float]:
         tables = [events.table(sort_by=key, row_limit=30, max_name_column_width=70)
                   for key in ("self_device_time_total", "self_cpu_time_total")]
         args.out.with_suffix(f".graphs_{graphs}.txt").write_text("\n\n".join(tables) + "\n")
-    gpu = sum(e.self_device_time_total for e in events) / 1e6
+    # the kernels' own time: an operator's row repeats its kernels' time, so only the device's rows count (as the
+    # profiler's own "Self CUDA time total")
+    gpu = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
     host_all = sum(e.self_cpu_time_total for e in events) / 1e6
     waiting = sum(e.self_cpu_time_total for e in events if any(w in e.key for w in WAITS)) / 1e6
     params = sum(t.numel() for t in policy.model.parameters())

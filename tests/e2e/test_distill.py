@@ -1,5 +1,5 @@
 """QAD's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a qarl checkpoint serves as a teacher,
-and QAD trains a QLoRA adapter over the frozen quantized student. What QAD shares with GRPO (a few steps, exact
+and QAD trains a QLoRA adapter over the frozen quantized student (`-m slow`). What QAD shares with GRPO (a few steps, exact
 resume after SIGKILL): tests/e2e/test_loops.py; its loss and input checks: tests/unit/test_distill_loss.py,
 tests/unit/test_loop_checks.py."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import subprocess
+
+import pytest
 
 from qarl.config import RecipeConfig, load_recipe
 from qarl.distill import teacher_source
@@ -20,6 +22,7 @@ def test_a_qarl_checkpoint_is_a_teacher(loop_runs, tmp_path):
     assert teacher_source(cfg) == str(run_dir / "checkpoints" / "step_3" / "policy")
 
 
+@pytest.mark.slow  # QLoRA runs and refits: tests/e2e/test_lora_runs.py; QAD's loop: tests/e2e/test_loops.py
 def test_qad_trains_a_qlora_adapter_over_the_frozen_quantized_student(tmp_path):
     """QAD with policy.lora: only the adapter learns (the checkpoint is an adapter on the warm-started
     base), the engine serves it (mismatch at the floor), and the KL is finite at every step."""

@@ -1,6 +1,7 @@
 """Training on several nodes, simulated on this host: two torchrun agents, each one "node" of one process, meet at a
 c10d rendezvous (as agents on two machines would, `docs/guides/megatron.md`) and train the Megatron backend's QA-GRPO
-as one world of two data-parallel ranks (gloo), the vLLM engine spanning both. The run reports the world it found."""
+as one world of two data-parallel ranks (gloo), the vLLM engine spanning both. The run reports the world it found
+(`-m slow`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from qarl.metrics import read_metrics
 
@@ -26,6 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two ranks of one world in one agent: tests/e2e/test_megatron_train.py (tp2); here torchrun's rendezvous
 def test_two_nodes_train_as_one_world_and_report_it(tmp_path: Path):
     endpoint = f"127.0.0.1:{free_port()}"
     command = GRPO.command(tmp_path / "run", *SHORT)

@@ -1,7 +1,8 @@
 """The Megatron backend in the training loops (`policy.backend=megatron`), end to end on the embedded default with
 real megatron-core, ModelOpt, vLLM and torch.distributed: QA-GRPO at TP=2 (two processes under torchrun, gloo,
 vLLM's external launcher) follows the HF backend's run and resumes exactly after SIGKILL (`-m slow`, as does
-the data-parallel layout); checkpoints are Hugging Face ones with fp32 master weights; QAD runs on it."""
+the data-parallel layout); checkpoints are Hugging Face ones with fp32 master weights; QAD and a mixture of experts
+run on it (`-m slow`)."""
 
 from __future__ import annotations
 
@@ -136,6 +137,8 @@ def test_megatron_mixed_precision_checkpoint_holds_fp32_masters(runs):
     assert all(abs(r["mismatch/kl"]) < 1e-3 for r in rows if r.get("mismatch/kl") is not None)
 
 
+@pytest.mark.slow  # the loops never branch on the backend: QAD's loop in tests/e2e/test_loops.py, the Megatron
+# backend's calibration (amax equal to the HF backend's) in tests/integration/test_megatron.py
 def test_qad_runs_on_the_megatron_backend(tmp_path):
     """QAD (NVFP4 W4A4 student) on the Megatron backend: the teacher is measured, the engine stays synced, and the
     student was calibrated exactly as the HF backend calibrates it (the same padded batches, padding masked as
@@ -161,6 +164,7 @@ def test_qad_runs_on_the_megatron_backend(tmp_path):
             assert torch.allclose(ours[name], amax, rtol=1e-5, atol=0), name
 
 
+@pytest.mark.slow  # MoE at TP=2 against the HF backend (trained three steps) and refits: tests/integration/test_megatron.py
 def test_megatron_qa_grpo_of_a_mixture_of_experts_in_two_processes(tmp_path):
     """Qwen3-MoE QA-GRPO (NVFP4 W4A16) at TP=2, the engine spanning both processes: every refit reaches the engine's
     experts (policy and engine log-probs agree to the fp32 floor at every step), and the checkpoint is a Hugging Face

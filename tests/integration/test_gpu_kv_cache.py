@@ -2,9 +2,7 @@
 and value scales at every refit, in place (a captured graph reads the new ones), and samples within the bf16 floor of
 the policy (allowed with policy.generation.allow_quant_mismatch: vLLM's GPU kernels round the queries too); without
 it (and without the exact forward, whose FP8-cache parity is tests/integration/test_gpu_exact.py's), the cache is
-refused. Skipped without CUDA. On one H200 (2026-12-05) the engine
-started and the scales matched in place; the run stopped at the format switch (the test held the engine's modules,
-fixed since), so the mismatch bound is still to be set from a GPU run."""
+refused. Skipped without CUDA. Passed on one H100 (2026-12-06, benchmarks/results/gpu/h100_2026-12-06)."""
 
 from __future__ import annotations
 
