@@ -49,10 +49,10 @@
 #             default nvfp4_a16 nvfp4_w4a4_exact)
 #   kv_cache_exact  the FP8 KV cache's GPU tests (refits in place under graphs; the exact forward's parity with the
 #             cache), then `qarl parity` of the 0.5B model with the cache, exact forward on and off (issue 73 item 2)
-#   kv_cache_user_shape  the FP8 KV cache at the user shape: cache capacity and decode tokens/s after 1k/4k/16k-token
-#             contexts, bf16 cache against FP8, plain vLLM beside qarl's engine (issue 73 item 5); for QA-GRPO with
-#             and without the cache: exact_grpo OUT nvfp4_a16_kv_fp8 true|false (false needs
-#             policy.generation.allow_quant_mismatch=true: EXTRA)
+#   kv_cache_user_shape [LENGTH ...]  the FP8 KV cache at the user shape: cache capacity and decode tokens/s after
+#             16k/4k/1k-token contexts (arguments: some of 16384 4096 1024), bf16 cache against FP8, plain vLLM
+#             beside qarl's engine (issue 73 item 5); for QA-GRPO with and without the cache: exact_grpo OUT
+#             nvfp4_a16_kv_fp8 true|false (false needs policy.generation.allow_quant_mismatch=true: EXTRA)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   fast_settings [K]  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
@@ -277,14 +277,19 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
       --no-plain --formats nvfp4_w4a4 --exact --out "$out/rollout_user_shape_exact.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
     ;;
   kv_cache_user_shape)  # issue 73 item 5: the FP8 KV cache at the user shape, 256 tokens decoded after prompts that
-    # fill 1k, 4k and 16k-token contexts: each engine's cache in tokens and sequences, tokens/s, bf16 cache against
-    # FP8, plain vLLM beside qarl's engine (each a fifth of the GPU)
+    # fill 16k, 4k and 1k-token contexts (arguments: some of 16384 4096 1024; 16k first, the issue's bar; four engines
+    # a context): each engine's cache in tokens and sequences, tokens/s, bf16 cache against FP8, plain vLLM beside
+    # qarl's engine (each a fifth of the GPU)
+    lengths=("${@:3}"); [ "${#lengths[@]}" = 0 ] && lengths=(16384 4096 1024)
+    for length in "${lengths[@]}"; do
+      [[ " 16384 4096 1024 " == *" $length "* ]] \
+        || { echo "kv_cache_user_shape: contexts are 16384, 4096 or 1024 tokens (got $length)" >&2; exit 2; }
+    done
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
-    for context in "1024 256" "4096 64" "16384 16 32"; do
-      set -- $context
-      length="$1"; shift
+    for length in "${lengths[@]}"; do
+      case "$length" in 16384) batches=(16 32) ;; 4096) batches=(64) ;; 1024) batches=(256) ;; esac
       python3 benchmarks/gpu_rollout.py --model "$shape_dir" --prompt-tokens $((length - 256)) --tokens 256 \
-        --batches "$@" --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
+        --batches "${batches[@]}" --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
         --out "$out/kv_cache_user_shape_$length.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
     done
     ;;
