@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_time import _timed  # noqa: E402
 from user_shape import H100_BF16_DENSE_FLOPS  # noqa: E402
 
-# host ops that wait for the GPU; "Command Buffer Full": a launch (a graph replay) blocked until the GPU drains its queue
+# host ops that wait for the GPU ("Command Buffer Full": a launch, e.g. a graph replay, blocked on a full queue)
 WAITS = ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense", "Command Buffer Full")
 
 

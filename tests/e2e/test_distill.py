@@ -1,6 +1,6 @@
 """QAD's own end-to-end checks (real vLLM, real ModelOpt, in subprocesses): a qarl checkpoint serves as a teacher,
-and QAD trains a QLoRA adapter over the frozen quantized student (`-m slow`). What QAD shares with GRPO (a few steps, exact
-resume after SIGKILL): tests/e2e/test_loops.py; its loss and input checks: tests/unit/test_distill_loss.py,
+and QAD trains a QLoRA adapter over the frozen quantized student (`-m slow`). What QAD shares with GRPO (a few
+steps, exact resume after SIGKILL): tests/e2e/test_loops.py; its loss and input checks: tests/unit/test_distill_loss.py,
 tests/unit/test_loop_checks.py."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # two ranks of one world in one agent: tests/e2e/test_megatron_train.py (tp2); here torchrun's rendezvous
+@pytest.mark.slow  # two ranks of one world in one agent: test_megatron_train.py (tp2); here torchrun's rendezvous
 def test_two_nodes_train_as_one_world_and_report_it(tmp_path: Path):
     endpoint = f"127.0.0.1:{free_port()}"
     command = GRPO.command(tmp_path / "run", *SHORT)

@@ -164,7 +164,7 @@ def test_qad_runs_on_the_megatron_backend(tmp_path):
             assert torch.allclose(ours[name], amax, rtol=1e-5, atol=0), name
 
 
-@pytest.mark.slow  # MoE at TP=2 against the HF backend (trained three steps) and refits: tests/integration/test_megatron.py
+@pytest.mark.slow  # MoE at TP=2 against the HF backend (trained 3 steps), refits: tests/integration/test_megatron.py
 def test_megatron_qa_grpo_of_a_mixture_of_experts_in_two_processes(tmp_path):
     """Qwen3-MoE QA-GRPO (NVFP4 W4A16) at TP=2, the engine spanning both processes: every refit reaches the engine's
     experts (policy and engine log-probs agree to the fp32 floor at every step), and the checkpoint is a Hugging Face
