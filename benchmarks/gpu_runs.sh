@@ -280,16 +280,16 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     # fill 16k, 4k and 1k-token contexts (arguments: some of 16384 4096 1024; 16k first, the issue's bar; four engines
     # a context): each engine's cache in tokens and sequences, tokens/s, bf16 cache against FP8, plain vLLM beside
     # qarl's engine (each a fifth of the GPU)
+    declare -A batches=([16384]="16 32" [4096]=64 [1024]=256)  # the batches timed at each context length
     lengths=("${@:3}"); [ "${#lengths[@]}" = 0 ] && lengths=(16384 4096 1024)
     for length in "${lengths[@]}"; do
-      [[ " 16384 4096 1024 " == *" $length "* ]] \
+      [ -n "${batches[$length]:-}" ] \
         || { echo "kv_cache_user_shape: contexts are 16384, 4096 or 1024 tokens (got $length)" >&2; exit 2; }
     done
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     for length in "${lengths[@]}"; do
-      case "$length" in 16384) batches=(16 32) ;; 4096) batches=(64) ;; 1024) batches=(256) ;; esac
       python3 benchmarks/gpu_rollout.py --model "$shape_dir" --prompt-tokens $((length - 256)) --tokens 256 \
-        --batches "${batches[@]}" --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
+        --batches ${batches[$length]} --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
         --out "$out/kv_cache_user_shape_$length.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
     done
     ;;
