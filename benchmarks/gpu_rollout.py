@@ -110,8 +110,11 @@ def qarl_engine(fmt_name: str, model_dir: str, dtype: str, tokens: int, eager: b
 
     torch.manual_seed(0)
     lora = LoraConfig(mode="qlora" if qlora else "none")
-    policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, quant_cfg=fmt_name, quant_calib_size=64,
-                                       lora=lora, exact_forward=exact),
+    # the policy only refits the engine: no wider master copy (but fp16's, which cannot train), so that it leaves the
+    # engines started after it room
+    masters = "float32" if dtype == "float16" else dtype
+    policy = build_policy(PolicyConfig(model_name=model_dir, dtype=dtype, master_dtype=masters, quant_cfg=fmt_name,
+                                       quant_calib_size=64, lora=lora, exact_forward=exact),
                           ArithmeticTask(num_train=400, num_eval=32, seed=0).calibration_texts(64), model_dir=model_dir)
     settings = GenerationConfig(max_new_tokens=tokens, max_model_len=_max_model_len(tokens, prompt_tokens),
                                 gpu_memory_utilization=memory, enforce_eager="true" if eager else "auto",

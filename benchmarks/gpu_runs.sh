@@ -176,12 +176,19 @@ timed_steps() { # NAME LABEL OVERRIDES...: 10 QA-GRPO steps of the 0.5B recipe a
   keep "runs/$name" "$name"
   show_steps "runs/$name" "$label"
 }
+logged() { # NAME COMMAND...: run a command, its whole output kept in OUT/NAME.log, its exit status and the lines
+  # that tell why it failed shown (a traceback's last line is not always among a log's last lines)
+  local name="$1"; shift
+  "$@" > "$out/$name.log" 2>&1
+  local status=$?
+  echo "exit $status ($name)"; grep -E "memory plan|Error|error:|out of memory" "$out/$name.log" | tail -5
+  return $status
+}
 user_run() { # COMMAND RECIPE NAME OVERRIDES...: a run on the user-shape model, its log and metrics kept, its report;
   # RUN_LIMIT=SECONDS stops the run after that long and keeps what it wrote (a call's time limit would keep nothing)
   local command="$1" recipe="$2" name="$3"; shift 3
-  timeout "${RUN_LIMIT:-0}" python3 -m qarl.cli "$command" "$recipe" "policy.model_name=$shape_dir" "run.dir=runs/$name" \
-    "$@" > "$out/$name.log" 2>&1
-  echo "exit $? ($name)"; grep -E "memory plan|Error|error:|out of memory" "$out/$name.log" | tail -5
+  logged "$name" timeout "${RUN_LIMIT:-0}" python3 -m qarl.cli "$command" "$recipe" "policy.model_name=$shape_dir" \
+    "run.dir=runs/$name" "$@"
   keep "runs/$name" "$name"
   python3 benchmarks/user_shape.py report "runs/$name" | tee "$out/$name.txt"
 }
@@ -288,9 +295,10 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     done
     python3 benchmarks/user_shape.py make "$shape_dir" --shape "$shape" 2>&1 | tail -1
     for length in "${lengths[@]}"; do
-      python3 benchmarks/gpu_rollout.py --model "$shape_dir" --prompt-tokens $((length - 256)) --tokens 256 \
-        --batches ${batches[$length]} --repeats 2 --memory 0.2 --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 \
-        --out "$out/kv_cache_user_shape_$length.md" 2>&1 | grep -v -i "warn\|it/s\]" | tail -7
+      logged "kv_cache_user_shape_$length" python3 benchmarks/gpu_rollout.py --model "$shape_dir" \
+        --prompt-tokens $((length - 256)) --tokens 256 --batches ${batches[$length]} --repeats 2 --memory 0.2 \
+        --plain-kv-cache fp8 --formats nvfp4_a16 nvfp4_a16_kv_fp8 --out "$out/kv_cache_user_shape_$length.md" \
+        && cat "$out/kv_cache_user_shape_$length.md"
     done
     ;;
   update_profile)  # issue 74: host against GPU time of a graphed and an eager update at the user shape

@@ -91,6 +91,7 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
     """`None`/"none" -> no quantization; a ModelOpt config name or a YAML path -> a QuantFormat."""
     if spec is None or str(spec).strip().lower() in NO_QUANT:
         return None
+    modelopt_compat.import_modelopt()  # every quantized flow passes here first: its stack is kept off the import
     spec = str(spec).strip()
     path = find_quant_yaml(spec)
     if path is None:

@@ -12,7 +12,10 @@ accessors called at every forward are plain attribute reads.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import sys
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -53,6 +56,31 @@ _VERSION = _installed_version()
 if _VERSION is not None:
     require_tested_version("nvidia-modelopt", _VERSION, ".".join(_VERSION.split(".")[:2]) in TESTED_VERSIONS,
                            ", ".join(f"{v}.x" for v in TESTED_VERSIONS))
+
+
+def import_modelopt() -> None:
+    """Import ModelOpt's quantization package, once, on a thread of its own. Some libraries it imports keep the
+    errors of their optional imports with the errors' tracebacks (pulp, ModelOpt's solver: each missing solver's, on
+    the solver's class; vLLM's audio module, through ModelOpt's vLLM plugin: torchcodec's), and a traceback holds
+    every frame that was on the stack at that import. Imported from a caller's stack, whatever those frames held when
+    they returned was never freed: the first quantized policy a process built, where that build imported ModelOpt
+    (a benchmark's engines, a notebook's policies). A thread of its own has none of the caller's frames on its stack.
+    Checked: ModelOpt 0.47.0 with pulp 3.3.2 and vLLM 0.32.0, CPU."""
+    if "modelopt.torch.quantization" in sys.modules:
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            importlib.import_module("modelopt.torch.quantization")
+        except BaseException as e:  # raised again in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="qarl: importing ModelOpt")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 # --- classes and helpers ModelOpt does not export ---------------------------------------------------------

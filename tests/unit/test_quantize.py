@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -170,3 +174,27 @@ def test_static_block_formats_round_trip_through_the_quantizer_state(task, tiny_
     assert restored.is_nvfp4_static and isinstance(restored, WeightCacheMixin)
     before, after = dict(folded_weights(policy.model)), dict(folded_weights(fresh.model))
     assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)
+
+
+def test_a_model_quantized_by_the_first_import_of_modelopt_is_freed_when_dropped():
+    """A process's first quantizing call imports ModelOpt, whose libraries keep their optional imports' errors with
+    the tracebacks, and so every frame on the stack at that import (modelopt_compat.import_modelopt imports it on a
+    thread of its own): the model quantized there is freed once the caller drops it, as every later one is."""
+    code = textwrap.dedent("""
+        import gc, sys, weakref
+        import torch.nn as nn
+        from qarl.quant.formats import insert_quantizers, resolve_format
+
+        def quantized():
+            model = nn.Sequential(nn.Linear(32, 32))
+            insert_quantizers(model, resolve_format("nvfp4_a16"))
+            return weakref.ref(model)
+
+        assert "modelopt" not in sys.modules, "ModelOpt imported before the first quantizing call"
+        ref = quantized()
+        gc.collect()
+        print("freed" if ref() is None else "kept")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "freed"
