@@ -16,6 +16,8 @@ from qarl.scoring import score_completions
 from qarl.tasks import ArithmeticTask
 from tests.loops import Runs
 
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
+
 FORMATS = ["quant_configs/nvfp4_a16.yaml", "quant_configs/nvfp4_w4a4.yaml", "quant_configs/fp8_w8a8.yaml"]
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import REPO
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
-ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["trainer.steps=2", "warm_start.steps=5", "eval.every=0", "checkpoint.every=1000", "policy.dtype=bfloat16",
          "policy.generation.enforce_eager=true", "trainer.cuda_graphs=auto"]  # (graphs' default: off)
 ON = "compile_layers on (auto), compile_scores on (auto), micro-batches of"
@@ -57,7 +57,7 @@ def test_auto_picks_and_the_run_trains(case, tmp_path):
     command, recipe, overrides, said, graphs = CASES[case]
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "qarl.cli", command, recipe, f"run.dir={run_dir}", *SHORT,
-                             *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                             *overrides], cwd=REPO, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     line = next(x for x in output.splitlines() if x.startswith("fast settings: "))

@@ -12,15 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from qarl.quant.kernels import gpu as gk
 from qarl.quant import resolve_format
+from tests.conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NVFP4_OP_ARGS = (4, 2, 8, 4)
@@ -251,6 +250,6 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 def test_nvfp4_kernel_in_triton_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

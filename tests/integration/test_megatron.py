@@ -20,9 +20,8 @@ from transformers import AutoModelForCausalLM
 from qarl.models.experts import split_expert_weights
 from qarl.models.resolve import resolve_model_dir
 from qarl.quant import folded_weights, quantize_policy, quantizer_state, resolve_format
-from tests.conftest import FORMATS
+from tests.conftest import FORMATS, REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 # -- real megatron-core models in real torch.distributed processes ---------------------------------

@@ -22,10 +22,10 @@ from qarl.config import ConfigError, PolicyConfig, RecipeConfig, load_recipe
 from qarl.run import pinned_start
 from qarl.run_dir import (MANIFEST, RunDirPlan, checkpoint_damage, checkpoint_step, claim_run_dir, latest_checkpoint,
                           plan_run_dir, resolve_checkpoint)
-from tests.conftest import W4A16, tiny_policy
+from tests.conftest import REPO, W4A16, tiny_policy
 
 MODEL = "policy/model.safetensors"
-TINY = Path(__file__).resolve().parents[2] / "recipes" / "qa_grpo_tiny.yaml"
+TINY = REPO / "recipes" / "qa_grpo_tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from qarl.config import ConfigError, RecipeConfig, load_recipe
 from qarl.quant import check_generation_matches, resolve_format
+from tests.conftest import REPO
 
 
 def test_defaults_inheritance_and_overrides(tmp_path):
@@ -34,7 +33,7 @@ def test_misspelt_key_in_file_is_named(tmp_path):
         load_recipe(tmp_path / "r.yaml", [], RecipeConfig)
 
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = REPO / "recipes"
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))

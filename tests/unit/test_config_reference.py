@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
 from qarl import __version__
 from qarl.config import RecipeConfig, load_recipe, schema_keys
 from qarl.config_schema import markdown, sections
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _qarl(*args: str) -> subprocess.CompletedProcess:

@@ -16,15 +16,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from qarl.config import ConfigError
 from qarl.dir_lock import LOCK_FILE, beside, held, owning, take_lock
 from qarl.run_dir import is_main_launch, named_checkpoint, own_run_dir
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = "recipes/qa_grpo_tiny.yaml"
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from qarl.distributed import local_device
 from qarl.models.resolve import default_device
+from tests.conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -55,7 +54,7 @@ def test_the_megatron_parity_benchmark_puts_rank_1s_inputs_on_gpu_1(two_gpus, mo
     def move(tensor: torch.Tensor, device: torch.device | str, *args: object, **kwargs: object) -> torch.Tensor:
         raise Moved(torch.device(device))
 
-    spec = importlib.util.spec_from_file_location("megatron_parity", ROOT / "benchmarks" / "megatron_parity.py")
+    spec = importlib.util.spec_from_file_location("megatron_parity", REPO / "benchmarks" / "megatron_parity.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     monkeypatch.setattr(sys, "argv", ["megatron_parity.py", "--model", "embedded:tiny"])

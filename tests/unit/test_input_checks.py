@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from qarl.outputs import check_writable
 from qarl.quant_cfg import builtin_config_names, check_quant_yaml, schema_fields, shipped_names
 from qarl.tasks import ArithmeticTask, check_prompt_lengths, model_prompt_format
 from qarl.tasks.dataset import check_data_files, load_problems
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 # -- quant configs: the light check reads ModelOpt's own names and fields ---------------------------------------

@@ -12,8 +12,9 @@ import pytest
 from qarl.config import ConfigError, NoLearningSignal, check_qad_recipe, load_recipe
 from qarl.learning_signal import NoSignalWatch, Settings, read_window, training_rows
 from qarl.metrics import read_metrics
+from tests.conftest import REPO
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "results"
 SMOLLM2 = sorted((RESULTS / "gpu" / "smollm2").rglob("*.metrics.jsonl"))
 OTHER_MODELS = [RESULTS / "gpu" / f"qa_grpo_0p5b_{run}.metrics.jsonl" for run in (
     "bf16", "fp16", "nvfp4_a16_exact_false", *(f"nvfp4_w4a4_exact_{e}_seed{s}" for e in ("false", "true")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
+
 TINY = "recipes/qa_grpo_tiny.yaml"
 
 

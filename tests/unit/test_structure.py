@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "qarl"
+from tests.conftest import REPO
+
+PACKAGE = REPO / "qarl"
 FENCES = {"qarl.generation.vllm_compat": "vLLM", "qarl.quant.modelopt_compat": "ModelOpt", "qarl.torch_compat": "torch"}
 
 
 def modules() -> dict[str, Path]:
     found = {}
     for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = path.relative_to(REPO).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -107,7 +108,7 @@ def test_private_names_live_only_in_their_fence(fence):
         if name == fence:
             continue
         code = code_of(path)
-        offenders += [f"{path.relative_to(ROOT)}: {n}" for n in sorted(names) if mentions(code, n)]
+        offenders += [f"{path.relative_to(REPO)}: {n}" for n in sorted(names) if mentions(code, n)]
     assert not offenders, f"{FENCES[fence]} internals outside {fence}: {offenders}"
 
 
@@ -117,7 +118,7 @@ def imports_outside(fence: str) -> Iterator[tuple[str, ast.Import | ast.ImportFr
         if name != fence:
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    yield f"{path.relative_to(ROOT)}:{node.lineno}", node
+                    yield f"{path.relative_to(REPO)}:{node.lineno}", node
 
 
 def test_vllm_is_reached_only_through_its_public_api_outside_the_fence():

@@ -18,8 +18,8 @@ from qarl.rewards import resolve_reward
 from qarl.tasks.word_problems import (GRADED_NAMES, GRADED_THINGS, LEVELS, TRAINING_TEMPLATES, TRANSFER_KINDS,
                                       TRANSFER_NAMES, TRANSFER_TEMPLATES, TRANSFER_THINGS, write_graded_problems,
                                       write_transfer_problems)
+from tests.conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # the shipped files: recipes/qa_grpo_smollm2.yaml's task data, and the arguments that wrote them
 SHIPPED = ("recipes/data/smollm2_mix", "mix", 2000, 1000, 0)
@@ -57,17 +57,17 @@ def test_the_gsm8k_verifier_takes_the_reference_and_refuses_a_wrong_number(tmp_p
 
 def test_the_shipped_files_are_the_generators_and_the_recipe_reads_them(tmp_path):
     directory, level, num_train, num_eval, seed = SHIPPED
-    task = load_recipe(ROOT / "recipes/qa_grpo_smollm2.yaml", schema=RecipeConfig).task
+    task = load_recipe(REPO / "recipes/qa_grpo_smollm2.yaml", schema=RecipeConfig).task
     assert (task.train_data, task.eval_data) == (f"{directory}/train.jsonl", f"{directory}/test.jsonl")
     fresh = write_graded_problems(tmp_path, level, num_train=num_train, num_eval=num_eval, seed=seed)
     for split, path in fresh.items():
-        assert (ROOT / directory / f"{split}.jsonl").read_bytes() == path.read_bytes()
+        assert (REPO / directory / f"{split}.jsonl").read_bytes() == path.read_bytes()
 
 
 # -- the transfer split -----------------------------------------------------------------------------------------------
 # words a template of each split may share: articles, prepositions, pronouns, auxiliaries, quantifiers
 FUNCTION_WORDS = {"a", "and", "does", "each", "how", "in", "many", "of", "on", "out", "the", "them", "then", "with"}
-TRANSFER = ROOT / "recipes/data/smollm2_mix/transfer.jsonl"
+TRANSFER = REPO / "recipes/data/smollm2_mix/transfer.jsonl"
 
 
 def _words(template: str) -> list[str]:
@@ -117,7 +117,7 @@ def test_the_shipped_transfer_split_is_the_generators_and_disjoint_from_training
     the distractor kinds' questions hold one number the solution does not use, the three-step kinds take three."""
     assert TRANSFER.read_bytes() == write_transfer_problems(tmp_path).read_bytes()
     transfer = _rows(TRANSFER)
-    directory = ROOT / SHIPPED[0]
+    directory = REPO / SHIPPED[0]
     trained = _rows(directory / "train.jsonl") + _rows(directory / "test.jsonl")
     assert len(transfer) == 1000 and len({r["question"] for r in transfer}) == 1000
     training_matchers = [_matcher(t) for t in TRAINING_TEMPLATES]
@@ -146,7 +146,7 @@ def test_the_shipped_transfer_split_is_the_generators_and_disjoint_from_training
 
 
 def test_the_smollm2_recipe_reads_the_transfer_split():
-    task = load_recipe(ROOT / "recipes/qa_grpo_smollm2.yaml", schema=RecipeConfig).task
+    task = load_recipe(REPO / "recipes/qa_grpo_smollm2.yaml", schema=RecipeConfig).task
     assert task.transfer_data == f"{SHIPPED[0]}/transfer.jsonl"
 
 
@@ -156,7 +156,7 @@ def test_a_task_has_train_test_and_optionally_transfer_splits(tmp_path):
     from qarl.config import ConfigError, TaskConfig
     from qarl.tasks import ArithmeticTask, DatasetTask, eval_splits
 
-    directory = ROOT / SHIPPED[0]
+    directory = REPO / SHIPPED[0]
     files = dict(name="dataset", train_data=str(directory / "train.jsonl"), eval_data=str(directory / "test.jsonl"),
                  prompt_column="question", answer_column="answer")
     task = DatasetTask(TaskConfig(**files, transfer_data=str(TRANSFER)))
