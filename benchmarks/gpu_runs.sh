@@ -287,7 +287,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     # fill 16k, 4k and 1k-token contexts (arguments: some of 16384 4096 1024; 16k first, the issue's bar; four engines
     # a context): each engine's cache in tokens and sequences, tokens/s, bf16 cache against FP8, plain vLLM beside
     # qarl's engine (each a fifth of the GPU)
-    declare -A batches=([16384]="16 32" [4096]=64 [1024]=256)  # the batches timed at each context length
+    declare -A batches=([16384]=16 [4096]=64 [1024]=256)  # the batch timed at each context length (more than
+    # either cache holds at 16k: ~5 and ~10 sequences in a fifth of an H100)
     lengths=("${@:3}"); [ "${#lengths[@]}" = 0 ] && lengths=(16384 4096 1024)
     for length in "${lengths[@]}"; do
       [ -n "${batches[$length]:-}" ] \
