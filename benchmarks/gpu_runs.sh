@@ -53,6 +53,8 @@
 #             16k/4k/1k-token contexts (arguments: some of 16384 4096 1024), bf16 cache against FP8, plain vLLM
 #             beside qarl's engine (issue 73 item 5); for QA-GRPO with and without the cache: exact_grpo OUT
 #             nvfp4_a16_kv_fp8 true|false (false needs policy.generation.allow_quant_mismatch=true: EXTRA)
+#   kv_cache_export  the exact_grpo checkpoints of nvfp4_a16_kv_fp8 and nvfp4_a16 (exact forward on) exported, ModelOpt
+#             and compressed-tensors, and served by vLLM, with its FP8 cache where the export has KV scales (issue 73)
 #   profile   where the time goes: a no-grad scoring pass per activation format (benchmarks/gpu_profile_update.py
 #             --score) and a rollout at batch 512 with and without log-probs and seeds (gpu_profile_rollout.py)
 #   fast_settings [K]  what `auto` decides for each kind of run on a GPU (start-up lines, 2 steps each), its tests
@@ -386,6 +388,23 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         "policy.generation.allow_quant_mismatch=$([ $exact = true ] && echo false || echo true)" \
         "parity.formats=$kv_formats" --json > "$out/$name.json" 2> "$out/$name.log"
       echo "== FP8 KV cache, exact forward $exact"; tail -3 "$out/$name.log"; show_parity "$out/$name.json"
+    done
+    ;;
+  kv_cache_export)  # issue 73 item 3: the exact_grpo runs' checkpoints with and without the FP8 KV cache (run those
+    # first: exact_grpo OUT nvfp4_a16_kv_fp8 true, exact_grpo OUT nvfp4_a16 true), exported to ModelOpt and
+    # compressed-tensors NVFP4 W4A16 and served by vLLM (with its FP8 cache where the export carries KV scales):
+    # the scales on disk against the policy's, vLLM's log-probs against the policy's
+    for run in nvfp4_a16_kv_fp8 nvfp4_a16; do
+      [ -d "runs/qa_grpo_0p5b_${run}_exact_true/checkpoints" ] || { echo "== no run qa_grpo_0p5b_${run}_exact_true"; continue; }
+      for target in nvfp4_w4a16_modelopt nvfp4_w4a16_compressed_tensors; do
+        name="export_${run}_$target"
+        qarl export "runs/qa_grpo_0p5b_${run}_exact_true" --target "export/$target.yaml" --out "exports/$name" \
+          --overwrite --then-verify --vllm > "$out/$name.json" 2> "$out/$name.log"
+        echo "== $name exit $?"
+        python3 -c "import json, sys; v = json.load(open(sys.argv[1]))['verify']; print('kv_cache', v.get('kv_cache'), \
+          'vllm', v['loaders'].get('vllm'))" "$out/$name.json"
+        rm -rf "exports/$name"
+      done
     done
     ;;
   megatron)
