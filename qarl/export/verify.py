@@ -316,14 +316,19 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
         if proc.returncode != 0 or not answer.is_file():
             errors = [line for line in proc.stderr.splitlines() if "Error" in line] or proc.stderr.splitlines()[-1:]
             return {"status": "error", "error": (errors[-1] if errors else f"exit {proc.returncode}")[:400]}
-        logprobs = json.loads(answer.read_text())["logprobs"]
+        answered = json.loads(answer.read_text())
+        logprobs = answered["logprobs"]
+    if kv_cache and not answered["kv_cache_dtype"].startswith("fp8"):  # the scales would go unread
+        return {"status": "error", "error": f"vLLM started with kv_cache_dtype={answered['kv_cache_dtype']}, not "
+                "its FP8 cache, though the export has KV cache scales"}
     reference_lp = torch.log_softmax(reference, dim=-1)
     worst = 0.0
     for row, positions in enumerate(logprobs):
         for i, dist in enumerate(positions):  # dist: the distribution of token i+1 given tokens <= i
             got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
             worst = max(worst, float((got - reference_lp[row, i]).abs().nan_to_num(0.0).max()))
-    return {"status": "ok", "dtype": "bfloat16", "max_abs_logprob_diff": worst}
+    return {"status": "ok", "dtype": "bfloat16", "kv_cache_dtype": answered["kv_cache_dtype"],
+            "max_abs_logprob_diff": worst}
 
 
 def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,

@@ -4,7 +4,7 @@ Run by the verifier in a subprocess (vLLM changes process-wide state: threads, s
 REQUEST holds {"model": dir, "prompts": [[token ids]], "dtype": ...} and, optionally, the engine's
 "gpu_memory_utilization" (vLLM's default otherwise) and "kv_cache_dtype" ("fp8": the export's FP8 KV cache); the
 answer, next to it in answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of
-token i.
+token i, and the KV cache's dtype as vLLM started it ("auto": the model's dtype).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def main(request_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    from qarl.generation.vllm_compat import kv_cache_dtype
+
     request = json.loads(Path(request_path).read_text())
     config = json.loads((Path(request["model"]) / "config.json").read_text())
     vocab = int(config["vocab_size"])
@@ -29,7 +31,8 @@ def main(request_path: str) -> None:
                            SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
     logprobs = [[{str(t): lp.logprob for t, lp in position.items()} for position in out.prompt_logprobs[1:]]
                 for out in outputs]
-    (Path(request_path).parent / "answer.json").write_text(json.dumps({"logprobs": logprobs}))
+    (Path(request_path).parent / "answer.json").write_text(json.dumps({"logprobs": logprobs,
+                                                                       "kv_cache_dtype": kv_cache_dtype(llm)}))
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "cpu_router", "_softmax_topk", "Qwen2MoeMLP", "expert_gate", "gate_up_proj(",
     # the scheduler's limits
     "scheduler_config", "max_num_batched_tokens",
-    # the KV cache's size
-    "cache_config", "num_gpu_blocks",
+    # the KV cache's size and dtype
+    "cache_config", "num_gpu_blocks", ".cache_dtype",
     # model loading and layers
     "register_model_loader", "DefaultModelLoader", "LinearBase",
     # the exact forward's kernels and settings
@@ -304,6 +304,14 @@ def kv_cache_tokens(llm: Any) -> int:
     check_version()
     cache = llm.llm_engine.vllm_config.cache_config
     return cache.num_gpu_blocks * cache.block_size
+
+
+def kv_cache_dtype(llm: Any) -> str:
+    """What an engine's KV cache holds its keys and values in, as vLLM started it (`cache_config.cache_dtype`:
+    "auto" for the model's dtype, "fp8" / "fp8_e4m3" / "fp8_e5m2"). Checked: 0.32.0 (CPU); 0.26.0 (GPU) by
+    tests/integration/test_gpu_kv_cache.py's export test, not yet run."""
+    check_version()
+    return str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
 
 
 def attention_layers(model: nn.Module) -> dict[str, nn.Module]:

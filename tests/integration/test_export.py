@@ -204,6 +204,7 @@ def test_vllm_loads_modelopt_fp8_on_cpu(exports):
     assert report["ok"] and report["weights"]["quantized"]["max_abs_diff"] == 0.0
     vllm = report["loaders"]["vllm"]
     assert vllm["status"] == "ok", vllm
+    assert vllm["kv_cache_dtype"] == "auto"  # no KV scales in this export: vLLM's cache in the model's dtype
     assert vllm["max_abs_logprob_diff"] < 0.2  # bf16 activations against the fp32 fake-quant policy
 
 

@@ -2,7 +2,9 @@
 and value scales at every refit, in place (a captured graph reads the new ones), and samples within the bf16 floor of
 the policy (allowed with policy.generation.allow_quant_mismatch: vLLM's GPU kernels round the queries too); without
 it (and without the exact forward, whose FP8-cache parity is tests/integration/test_gpu_exact.py's), the cache is
-refused. Skipped without CUDA. Passed on one H100 (2026-12-06, benchmarks/results/gpu/h100_2026-12-06)."""
+refused. An export with the cache is served by vLLM with it and the export's scales. Skipped without CUDA. The first
+three passed on one H100 (2026-12-06, benchmarks/results/gpu/h100_2026-12-06); the export's, not yet run as a test, ran
+as `qarl export --then-verify --vllm` on one H200 (2026-12-06, benchmarks/results/gpu/h200_2026-12-06)."""
 
 from __future__ import annotations
 
@@ -68,3 +70,23 @@ def test_a_gpu_engine_refuses_a_kv_cache_unless_a_mismatch_is_allowed(task):
         VLLMEngine(resolve_model_dir(MODEL), GenerationConfig(), "bfloat16", 0,
                    quant_format=tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_a16_kv_fp8.yaml",
                                             model_name=MODEL, dtype="bfloat16").format)
+
+
+@pytest.mark.parametrize("target", ["nvfp4_w4a16_modelopt", "nvfp4_w4a16_compressed_tensors"])
+def test_vllm_serves_an_export_with_its_fp8_kv_cache(task, tmp_path, target):
+    """Both NVFP4 W4A16 targets carry the trained scales, bit for bit, and vLLM serves each with its FP8 cache (a
+    ModelOpt export turns it on by itself, compressed-tensors with kv_cache_dtype="fp8"; the verifier reports the
+    cache vLLM started with, and an export with scales served without the cache is an error)."""
+    from qarl.export import export_policy, verify_export
+    from qarl.models.resolve import resolve_model_dir
+
+    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_a16_kv_fp8.yaml", model_name=MODEL,
+                         dtype="bfloat16")
+    export_policy(policy, target, tmp_path / "out")
+    report = verify_export(tmp_path / "out", policy=policy, vllm=True)
+    served = report["loaders"]["vllm"]
+    print(f"{target}: kv_cache {report['kv_cache']}, vllm {served}")
+    assert report["kv_cache"]["equal"] and report["kv_cache"]["scales"] > 0, report["kv_cache"]
+    assert served["status"] == "ok" and served["kv_cache_dtype"].startswith("fp8"), served
+    assert served["max_abs_logprob_diff"] < 1.0, served  # the default-mode FP8 attention's gap (queries rounded too)
+    assert report["ok"]

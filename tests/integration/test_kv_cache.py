@@ -57,6 +57,7 @@ def test_vllm_cpu_serves_an_export_with_its_fp8_kv_cache(task, tiny_dir, tmp_pat
     report = verify_export(tmp_path / "out", policy=policy, vllm=True)
     assert report["kv_cache"]["equal"] and report["kv_cache"]["scales"] == 4, report["kv_cache"]
     assert report["loaders"]["vllm"]["status"] == "ok", report["loaders"]["vllm"]
+    assert report["loaders"]["vllm"]["kv_cache_dtype"] == "fp8"  # vLLM's one-byte cache, with the export's scales
     assert report["ok"]
 
 
