@@ -56,7 +56,12 @@
 #     600` until it is done, then `keep`). QAD at 50 steps starts stage 3 below the 100-step QAD's 49.0 %: the
 #     100-step runs read 43-46 % at step 50 (more_seeds/, matrix/; an estimate, their cosine schedule ran over 100):
 #       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" ARGS_qad_w4a4="trainer.steps=50" \
-#         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40" bash benchmarks/smollm2_gpu.sh start
+#         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40 trainer.micro_batch_size=32" \
+#         bash benchmarks/smollm2_gpu.sh start
+#     (The third stage updates in micro-batches of 32 rows, not SHARED's 8: the exact forward's update of this small
+#     model waits on kernel launches, a fixed cost per micro-batch (8.6 s of its 9.75 s step whatever the answers'
+#     length, with 32 micro-batches), and its three runs share the GPU alone by then; the plan gives 16.6 GiB each.
+#     Not yet measured: an estimate of ~4 min for that stage instead of ~8.5.)
 #     (matrix_smollm2_qad.yaml runs beside the third stage, ~4 min; the whole chain as shipped: the same without the
 #     ARGS_, ~28 min.)
 #   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first steps (80 + 60
