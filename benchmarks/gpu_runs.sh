@@ -395,7 +395,8 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     # compressed-tensors NVFP4 W4A16 and served by vLLM (with its FP8 cache where the export carries KV scales):
     # the scales on disk against the policy's, vLLM's log-probs against the policy's
     for run in nvfp4_a16_kv_fp8 nvfp4_a16; do
-      [ -d "runs/qa_grpo_0p5b_${run}_exact_true/checkpoints" ] || { echo "== no run qa_grpo_0p5b_${run}_exact_true"; continue; }
+      [ -d "runs/qa_grpo_0p5b_${run}_exact_true/checkpoints" ] \
+        || { echo "== no run qa_grpo_0p5b_${run}_exact_true"; continue; }
       for target in nvfp4_w4a16_modelopt nvfp4_w4a16_compressed_tensors; do
         name="export_${run}_$target"
         qarl export "runs/qa_grpo_0p5b_${run}_exact_true" --target "export/$target.yaml" --out "exports/$name" \
