@@ -219,7 +219,7 @@ case "$stage" in
     ;;
   grpo)
     mkdir -p runs
-    python3 benchmarks/warm_start_sweep.py recipes/qa_grpo_0p5b_gpu.yaml --steps 10 20 40 80 2>&1 \
+    python3 benchmarks/warm_start_sweep.py recipes/qa_grpo_0p5b_gpu.yaml --steps 40 60 80 2>&1 \
       | grep -v -i "warn\|it/s\]" | tee "$out/warm_start_sweep.md" | tail -7
     grep -o "steps=[0-9]*" "$out/warm_start_sweep.md" | tail -1 | cut -d= -f2 > runs/warm_start_steps
     qarl train recipes/qa_grpo_0p5b_gpu.yaml "warm_start.steps=$(cat runs/warm_start_steps)" 2>&1 \
