@@ -20,9 +20,11 @@
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
 #             W4A16 and its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
-#             FP8 KV cache, qa_grpo_w4a16_kv_fp8). Each run's exit status goes to runs/smollm2/NAME.rc; a run whose
-#             start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so do its own dependents'), and so is a
-#             matrix with a run that did not succeed; pipeline.log names the failed run.
+#             FP8 KV cache, qa_grpo_w4a16_kv_fp8), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
+#             after them, each W4A4 model trained and exported: the W4A4 study's table). Each run's exit status goes
+#             to runs/smollm2/NAME.rc; a run whose start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so
+#             do its own dependents'), and so is a matrix with a run that did not succeed; pipeline.log names the
+#             failed run.
 #             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
 #             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
 #             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
@@ -244,6 +246,7 @@ case "$stage" in
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
+    matrix "$last" matrix_smollm2_w4a4_chain grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 &
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot; or one that never is
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do

@@ -187,24 +187,50 @@ def resolve_model_source(path: str) -> ModelSource:
     raise ConfigError(f"model {path!r} is neither a qarl run/checkpoint nor a Hugging Face model directory")
 
 
+def _stages(source: ModelSource) -> list[tuple[str, RecipeConfig]]:
+    """The recipe of `source`'s run, then of each run it started from, where its policy.model_name names another
+    run's checkpoint (a pipeline's later stage: QA-GRPO from a QAD checkpoint, itself from the base), as (the run,
+    its recipe); empty for a model no qarl run made."""
+    from qarl.run_dir import named_checkpoint
+
+    stages: list[tuple[str, RecipeConfig]] = []
+    run, checkpoint, visited = source.path, source.checkpoint, set()
+    while checkpoint is not None and checkpoint.resolve() not in visited:
+        visited.add(checkpoint.resolve())
+        config = checkpoint.parent.parent / "config.yaml"
+        if not config.is_file():
+            break
+        stages.append((run, load_recipe(config, [], RecipeConfig)))
+        run = stages[-1][1].policy.model_name
+        path = Path(run).expanduser()
+        if not path.exists() and path.parent.name == "checkpoints" and path.name.startswith("step_"):
+            raise ConfigError(f"{stages[-1][0]} started from the checkpoint {run}, which is gone: the matrix cannot "
+                              "tell which base its gain is over. Keep the earlier stage's run, or set matrix.base to "
+                              "a model directory")
+        checkpoint = named_checkpoint(run, hashes=False) if is_run_or_checkpoint(path) else None
+    return stages
+
+
 def _check_run(source: ModelSource, held_out: set[str], base_key: str | None) -> None:
-    """A run must not have trained on the matrix's held-out prompts (a run of another task split has), and,
-    when the base is the recipe's warm start, must have started from that very model."""
+    """A run, and each earlier stage it started from, must not have trained on the matrix's held-out prompts (a run
+    of another task split has), and, when the base is the recipe's warm start, the first stage must have started
+    from that very model."""
     from qarl.tasks import build_task
     from qarl.run import initial_model_key
 
-    config = source.checkpoint.parent.parent / "config.yaml" if source.checkpoint is not None else None
-    if config is None or not config.is_file():
+    stages = _stages(source)
+    for run, run_cfg in stages:
+        seen = {p.prompt for p in build_task(run_cfg.task, run_cfg.run.seed).train} & held_out
+        if seen:
+            raise ConfigError(f"{run} trained on {len(seen)} of the matrix's held-out prompts (e.g. "
+                              f"{sorted(seen)[0]!r}): its task split differs. Train with the matrix recipe's task "
+                              "(pin task.seed) or give the matrix that run's task settings.")
+    if not stages or base_key is None:
         return
-    run_cfg = load_recipe(config, [], RecipeConfig)
-    run_task = build_task(run_cfg.task, run_cfg.run.seed)
-    seen = {p.prompt for p in run_task.train} & held_out
-    if seen:
-        raise ConfigError(f"{source.path} trained on {len(seen)} of the matrix's held-out prompts (e.g. "
-                          f"{sorted(seen)[0]!r}): its task split differs. Train with the matrix recipe's task "
-                          "(pin task.seed) or give the matrix that run's task settings.")
-    if base_key is not None and initial_model_key(run_cfg, run_task) != base_key:
-        raise ConfigError(f"{source.path} did not start from the matrix's base (another model, warm start or "
+    first, first_cfg = stages[-1]
+    if initial_model_key(first_cfg, build_task(first_cfg.task, first_cfg.run.seed)) != base_key:
+        via = f" (the first stage of {source.path})" if first != source.path else ""
+        raise ConfigError(f"{first}{via} did not start from the matrix's base (another model, warm start or "
                           "warm_start.seed): its gain would be measured against the wrong model. Pin "
                           "warm_start.seed in both, or set matrix.base to that run's starting model.")
 

@@ -96,6 +96,32 @@ def test_bad_input_is_refused_before_any_model_loads(models, tmp_path):
         plan_matrix(_cfg(models, formats=[str(blocky)]))
 
 
+def test_a_later_stage_is_traced_to_the_base_through_the_runs_it_started_from(models, tmp_path):
+    """A pipeline's later stage (QA-GRPO from a QAD checkpoint) names the earlier run's checkpoint as its model: the
+    matrix follows that chain to the first stage, whose start must be the base; a first stage from another base, or an
+    earlier stage's checkpoint that is gone, is refused by name."""
+    def stage(name: str, overrides: list[str]) -> Path:
+        run = tmp_path / name
+        shutil.copytree(models["same"], run)
+        recipe = load_recipe("recipes/matrix_tiny.yaml", overrides, RecipeConfig)
+        (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(recipe)))
+        return run
+
+    first = stage("first", [])
+    second = stage("second", [f"policy.model_name={first / 'checkpoints' / 'step_1'}"])
+    third = stage("third", [f"policy.model_name={second}"])  # a run directory: its newest checkpoint
+    plan_matrix(_cfg(models, base="warm-start", models={"chain": [str(third)]}))
+
+    elsewhere = stage("elsewhere", ["warm_start.seed=5"])
+    later = stage("later", [f"policy.model_name={elsewhere / 'checkpoints' / 'step_1'}"])
+    with pytest.raises(ConfigError, match=r"elsewhere/checkpoints/step_1 \(the first stage of .*later\) did not start"):
+        plan_matrix(_cfg(models, base="warm-start", models={"later": [str(later)]}))
+
+    orphan = stage("orphan", [f"policy.model_name={tmp_path / 'deleted' / 'checkpoints' / 'step_9'}"])
+    with pytest.raises(ConfigError, match="started from the checkpoint .*deleted.* which is gone"):
+        plan_matrix(_cfg(models, base="warm-start", models={"orphan": [str(orphan)]}))
+
+
 @pytest.fixture(scope="module")
 def small_matrix(models):
     return run_matrix(_cfg(models))
