@@ -24,7 +24,7 @@
 #             after them, each W4A4 model trained and exported: the W4A4 study's table). Each run's exit status goes
 #             to runs/smollm2/NAME.rc; a run whose start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so
 #             do its own dependents'), and so is a matrix with a run that did not succeed; pipeline.log names the
-#             failed run.
+#             failed run. MATRICES="NAME ..." runs only these matrices (each still when its runs are done).
 #             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
 #             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
 #             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
@@ -79,6 +79,8 @@ SEEDS="${SEEDS:-0 1 2}"
 RUNS="${RUNS:-grpo_bf16 qa_grpo_w4a16 qad_w4a4 qa_grpo_fp8 qa_grpo_w4a4}"
 MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 GiB of an H200 each
 KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
+MATRICES="${MATRICES:-}"  # the matrices to run (recipe names, e.g. matrix_smollm2_w4a4_chain); empty: every one whose
+# kinds RUNS has (a matrix shares the GPU with the runs still training: fewer, for a short session)
 NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 [ "$NGPU" -ge 1 ] || NGPU=1
 ENGINE=(policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")  # runs, matrices
@@ -127,6 +129,11 @@ check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2
     [ -z "$first" ] || [[ "$names" == *" $first "* ]] \
       || refuse "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS"
   done < <(planned)
+  for name in $MATRICES; do  # a misspelled matrix would be skipped without a word
+    [[ "$name" == matrix_smollm2* && -f "recipes/$name.yaml" ]] \
+      || refuse "MATRICES: $name is none of the pipeline's matrices: $(cd recipes && ls matrix_smollm2*.yaml \
+                | sed 's/\.yaml$//' | xargs)"
+  done
   for var in $(compgen -v ARGS_); do  # a misspelled kind would leave its runs at the recipe's settings
     [[ "$kinds" == *" ${var#ARGS_} "* ]] \
       || refuse "$var: ${var#ARGS_} is not a kind in RUNS (RUNS=\"$RUNS\"): spell it as RUNS does, or add it there"
@@ -205,6 +212,7 @@ seeds_of() { local seed; for seed in $SEEDS; do echo "$1_s$seed"; done; }
 matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once their runs have all succeeded, `qarl
   local gpu="$1" name="$2" kind; shift 2  # matrix recipes/RECIPE.yaml` into runs/smollm2/RECIPE
   for kind in "$@"; do [[ " $RUNS " == *" $kind "* ]] || return 0; done
+  [ -z "$MATRICES" ] || [[ " $MATRICES " == *" $name "* ]] || return 0
   local runs=() failed=() run
   for kind in "$@"; do runs+=($(seeds_of "$kind")); done
   wait_for "${runs[@]}"
