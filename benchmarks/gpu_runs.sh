@@ -186,6 +186,11 @@ logged() { # NAME COMMAND...: run a command, its whole output kept in OUT/NAME.l
   echo "exit $status ($name)"; grep -E "memory plan|Error|error:|out of memory" "$out/$name.log" | tail -5
   return $status
 }
+served_export() { # RUN TARGET NAME: the run's checkpoint exported to export/TARGET.yaml in exports/NAME, verified and
+  # served by vLLM: its report in OUT/NAME.json, its log in OUT/NAME.log; returns qarl export's exit status
+  qarl export "$1" --target "export/$2.yaml" --out "exports/$3" --overwrite --then-verify --vllm \
+    > "$out/$3.json" 2> "$out/$3.log"
+}
 user_run() { # COMMAND RECIPE NAME OVERRIDES...: a run on the user-shape model, its log and metrics kept, its report;
   # RUN_LIMIT=SECONDS stops the run after that long and keeps what it wrote (a call's time limit would keep nothing)
   local command="$1" recipe="$2" name="$3"; shift 3
@@ -253,8 +258,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     ;;
   export)
     for target in nvfp4_w4a16_modelopt nvfp4_w4a16_compressed_tensors; do
-      qarl export runs/qa_grpo_0p5b --target "export/$target.yaml" --out "exports/$target" --overwrite \
-        --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
+      served_export runs/qa_grpo_0p5b "$target" "export_$target"
       echo "== $target"; tail -25 "$out/export_$target.json"
     done
     ;;
@@ -264,8 +268,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     qarl train recipes/qa_grpo_0p5b_gpu.yaml policy.quant_cfg=fp8_w8a8 run.dir=runs/qa_grpo_0p5b_fp8 \
       trainer.steps=10 eval.every=10 "warm_start.steps=${WARM_START_STEPS:-80}" 2>&1 | grep -v -i "warn\|it/s\]" | tail -4
     for target in fp8_w8a8_modelopt fp8_w8a8_compressed_tensors; do
-      qarl export runs/qa_grpo_0p5b_fp8 --target "export/$target.yaml" --out "exports/$target" --overwrite \
-        --then-verify --vllm > "$out/export_$target.json" 2> "$out/export_$target.log"
+      served_export runs/qa_grpo_0p5b_fp8 "$target" "export_$target"
       echo "== $target"; grep -A4 '"vllm"\|qarl-decode' "$out/export_$target.json" | head -20
     done
     ;;
@@ -399,8 +402,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
         || { echo "== no run qa_grpo_0p5b_${run}_exact_true"; continue; }
       for target in nvfp4_w4a16_modelopt nvfp4_w4a16_compressed_tensors; do
         name="export_${run}_$target"
-        qarl export "runs/qa_grpo_0p5b_${run}_exact_true" --target "export/$target.yaml" --out "exports/$name" \
-          --overwrite --then-verify --vllm > "$out/$name.json" 2> "$out/$name.log"
+        served_export "runs/qa_grpo_0p5b_${run}_exact_true" "$target" "$name"
         echo "== $name exit $?"
         python3 -c "import json, sys; v = json.load(open(sys.argv[1]))['verify']; print('kv_cache', v.get('kv_cache'), \
           'vllm', v['loaders'].get('vllm'))" "$out/$name.json"
@@ -613,8 +615,7 @@ print('sleep=$sleep', {k: round(med(k), 2) for k in ('perf/gpu_mem_after_rollout
     echo "train exit $?"; grep -E "Error|error:" "$out/moe_export_run.log" | tail -3
     targets="${*:3}"; [ -n "$targets" ] || targets="nvfp4_w4a16_compressed_tensors nvfp4_w4a16_modelopt"
     for target in $targets; do
-      qarl export runs/moe_export_run --target "export/$target.yaml" --out "exports/moe_$target" \
-        --overwrite --then-verify --vllm > "$out/export_moe_$target.json" 2> "$out/export_moe_$target.log"
+      served_export runs/moe_export_run "$target" "export_moe_$target"
       echo "== $target (exit $?)"; grep -E "Error|error:" "$out/export_moe_$target.log" | tail -3
       tail -25 "$out/export_moe_$target.json"
     done
