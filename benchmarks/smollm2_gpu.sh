@@ -20,7 +20,8 @@
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
 #             W4A16 and its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
-#             FP8 KV cache, qa_grpo_w4a16_kv_fp8), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
+#             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
+#             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
 #             after them, each W4A4 model trained and exported: the W4A4 study's table). Each run's exit status goes
 #             to runs/smollm2/NAME.rc; a run whose start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so
 #             do its own dependents'), and so is a matrix with a run that did not succeed; pipeline.log names the
@@ -88,7 +89,9 @@ SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8 
 # each kind of run: its command and recipe
 declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a16]="train recipes/qa_grpo_smollm2.yaml"
                 [qa_grpo_fp8]="train recipes/qa_grpo_smollm2_fp8.yaml" [qa_grpo_w4a4]="train recipes/qa_grpo_smollm2_w4a4.yaml"
-                [qa_grpo_w4a16_kv_fp8]="train recipes/qa_grpo_smollm2_kv_fp8.yaml"
+                [qa_grpo_w4a16_kv_fp8]="train recipes/qa_grpo_smollm2_kv_fp8.yaml trainer.micro_batch_size=32"
+                [qa_grpo_w4a16_kv_fp8_default]="train recipes/qa_grpo_smollm2_kv_fp8.yaml policy.exact_forward=false
+                                                policy.generation.allow_quant_mismatch=true"
                 [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml"
                 [qad_base_w4a16]="distill recipes/qad_smollm2_w4a16_from_base.yaml"
                 [qad_then_qa_grpo_w4a16]="train recipes/qad_then_qa_grpo_smollm2.yaml"
@@ -254,6 +257,7 @@ case "$stage" in
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
+    matrix "$last" matrix_smollm2_kv_cache_default qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8_default &
     matrix "$last" matrix_smollm2_w4a4_chain grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 &
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot; or one that never is
       gpu="$(free_gpu)"

@@ -156,10 +156,11 @@ def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat
     if torch.cuda.is_available() and not exact and not allow_mismatch:
         raise ConfigError(f"{fmt.source} quantizes the KV cache, which a GPU engine does not do as the policy's fake "
                           "quant does: vLLM's FP8-cache attention kernels round the queries to FP8 too "
-                          "(FlashAttention 3, Triton), or read the scales once and not at each refit (FlashInfer). "
-                          "Train with policy.exact_forward=true (the policy then computes the engine's FP8-cache "
-                          "attention, on Hopper), roll out with it anyway with "
-                          "policy.generation.allow_quant_mismatch=true (mismatch/kl measures it), or drop the "
+                          "(FlashAttention 3, Triton; FlashAttention 3 the softmax probabilities as well), or read "
+                          "the scales once and not at each refit (FlashInfer). Train with policy.exact_forward=true "
+                          "(the policy then computes the engine's FP8-cache attention, on Hopper), roll out with it "
+                          "anyway with policy.generation.allow_quant_mismatch=true (mismatch/kl measures it; on "
+                          "SmolLM2 it cost 4.8 points of accuracy: docs/guides/kv-cache.md), or drop the "
                           "k/v_bmm_quantizer entries")
     if not torch.cuda.is_available():
         from transformers import AutoConfig
