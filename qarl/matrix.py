@@ -219,8 +219,9 @@ def _check_run(source: ModelSource, held_out: set[str], base_key: str | None) ->
     from qarl.run import initial_model_key
 
     stages = _stages(source)
-    for run, run_cfg in stages:
-        seen = {p.prompt for p in build_task(run_cfg.task, run_cfg.run.seed).train} & held_out
+    tasks = [build_task(run_cfg.task, run_cfg.run.seed) for _, run_cfg in stages]
+    for (run, _), task in zip(stages, tasks):
+        seen = {p.prompt for p in task.train} & held_out
         if seen:
             raise ConfigError(f"{run} trained on {len(seen)} of the matrix's held-out prompts (e.g. "
                               f"{sorted(seen)[0]!r}): its task split differs. Train with the matrix recipe's task "
@@ -228,7 +229,7 @@ def _check_run(source: ModelSource, held_out: set[str], base_key: str | None) ->
     if not stages or base_key is None:
         return
     first, first_cfg = stages[-1]
-    if initial_model_key(first_cfg, build_task(first_cfg.task, first_cfg.run.seed)) != base_key:
+    if initial_model_key(first_cfg, tasks[-1]) != base_key:
         via = f" (the first stage of {source.path})" if first != source.path else ""
         raise ConfigError(f"{first}{via} did not start from the matrix's base (another model, warm start or "
                           "warm_start.seed): its gain would be measured against the wrong model. Pin "
