@@ -1,5 +1,5 @@
-"""The no-signal watch (qarl/learning_signal.py) applied to every recorded GRPO run: does it fire, on which evidence,
-and did the run learn? Prints the markdown table of benchmarks/results/no_signal_watch.md.
+"""The no-signal watch (qarl/learning_signal.py) applied to every recorded GRPO run: does it fire, by which rule, at
+which step, on which evidence, and did the run learn? Prints the markdown table of benchmarks/results/no_signal_watch.md.
 
     python benchmarks/no_signal_watch.py                          # every run under benchmarks/results
     python benchmarks/no_signal_watch.py --window 12 PATH ...     # another window, other metrics files
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qarl.learning_signal import read_window, training_rows  # noqa: E402
+from qarl.learning_signal import NoSignalWatch, Settings, read_shrink, read_window, training_rows  # noqa: E402
 from qarl.metrics import read_metrics  # noqa: E402
 
 LEARNED = 0.25  # the share of the distance to 100 % held-out accuracy a run that learned closes
@@ -32,23 +32,43 @@ def held_out(rows: list[dict]) -> tuple[float, float, int]:
     return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"], evals[-1]["step"]
 
 
+def told(rows: list[dict], window: int) -> tuple[int, dict] | None:
+    """The step and row at which the watch, run over the whole of `rows` as `qarl train` runs it, first fires."""
+    watch = NoSignalWatch(window, Settings(quantized=True, num_generations=8, temperature=1.0, lr=1e-5, stop=False))
+    for row in rows:
+        row = dict(row)
+        if watch(row["step"], row):
+            return row["step"], row
+    return None
+
+
 def table(paths: list[Path], window: int) -> list[str]:
-    lines = ["| run | fires | cause | at step | zero-std share | entropy drop | reward rise (start stds) | "
-             "held-out, step 0 -> last | learned |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | fires | cause | at step | zero-std share (window) | entropy drop | reward rise (start stds) | "
+             "answers at their shortest (share of the start's) | held-out, step 0 -> last | learned |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         rows = read_metrics(path)
         trained = training_rows(rows)
         if len(trained) < window:
             continue
         judged = read_window(trained[:window])
+        fired = told(trained, window)
+        cause = "" if fired is None else judged.cause or "collapse"
         start, last, at = held_out(rows)
         learned = "too short" if at < LONG_ENOUGH else "yes" if (last - start) / (1 - start) >= LEARNED else "**no**"
-        fires = judged.cause is not None
         lines.append(f"| {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} | "
-                     f"{'**yes**' if fires else 'no'} | {judged.cause or ''} | {judged.last_step if fires else ''} | "
+                     f"{'**yes**' if fired else 'no'} | {cause} | {fired[0] if fired else ''} | "
                      f"{judged.zero_std_share:.3f} | {judged.entropy_drop:+.2f} | {judged.reward_gain_sd:+.2f} | "
-                     f"{start:.3f} -> {last:.3f} (step {at}) | {learned} |")
+                     f"{shortest(trained, window)} | {start:.3f} -> {last:.3f} (step {at}) | {learned} |")
     return lines
+
+
+def shortest(rows: list[dict], window: int) -> str:
+    """The lowest mean answer length over any `RECENT` steps after the window, as a share of the start's (what the
+    collapse rule compares with `SHRINK`); empty where the rows record no lengths."""
+    readings = [read_shrink(rows[: i + 1], window) for i in range(window, len(rows))]
+    shares = [r.length_now / r.length_start for r in readings if r is not None]
+    return f"{min(shares):.3f}" if shares else ""
 
 
 def main() -> None:

@@ -491,9 +491,10 @@ class TrainerConfig:
     # in a row stop the run with an error. fp16 loss-scale overflows are skipped but not counted.
     max_nonfinite_steps: int = knob(3, ge=1)
     # GRPO: at the end of the first no_signal_window steps, judge whether the run has a learning signal (enough
-    # groups whose completions got different rewards, a reward that rises as the policy sharpens;
-    # qarl/learning_signal.py). A start without one is said on the console with what to change and recorded in the
-    # metrics row (no_signal/*); "stop" then ends the run with an error, "off" judges nothing.
+    # groups whose completions got different rewards, a reward that rises as the policy sharpens), and after them
+    # whether its answers collapsed (shrank to 12 % of the start's with the task's signal scarce;
+    # qarl/learning_signal.py). A run without one is said on the console with what to change, once, and recorded in
+    # the metrics row (no_signal/*); "stop" then ends the run with an error, "off" judges nothing.
     no_signal_watch: str = knob("warn", choices=("warn", "stop", "off"))
     no_signal_window: int = knob(15, ge=3)  # the steps judged, from step 0 (a run of fewer steps is not judged)
     # Continue the run in run.dir from its newest complete checkpoint: "true" (an error when there is none), "auto"

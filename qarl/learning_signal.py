@@ -1,4 +1,4 @@
-"""A start with no learning signal, told from a GRPO run's first metrics rows, and the watch that says so.
+"""A run with no learning signal, told from a GRPO run's metrics rows, and the watch that says so.
 
 GRPO learns only from groups whose completions got different rewards: a group that is all wrong (or all right) has
 zero advantage everywhere and adds nothing to the gradient. A quantized start that answers almost nothing right
@@ -16,6 +16,16 @@ to every recorded run (benchmarks/results/no_signal_watch.md). Runs with a signa
 without one) may gain slowly against their rewards' spread; the sharpening rule asks for a scarce signal first. The
 thresholds come from one model and one task, and the runs that learned sit at most 0.015 below the zero-std one, so
 `warn` is the default and `stop` a choice.
+
+With the soft overlong punishment the window cannot tell: every W4A16 start then has a signal (finished answers
+against truncated ones) and spends it shortening its answers. Two of the fifteen W4A16 runs on that recipe never got
+going (W4A16 seed 2 at 12.6 %, with the FP8 cache seed 0 at 29.2 %, against 48.9-57.0 % for the rest): after the
+window their answers shrank on to 7-8 % of the start's length (the window's first third: ~92 tokens; 7 tokens is
+`#### N` with next to no working) while about 80 % or more of the groups kept one task reward for all; no recorded
+run that learned went below 15.8 %. So after the window a second rule, **collapse**, judges each step's last `RECENT`
+rows: answers at `SHRINK` of the start's length or shorter, with at least `SCARCE_SIGNAL_SHARE` of the groups without
+a task signal (the task's reward, not the punishment's: `reward/frac_zero_std_task`). It fires at steps 23 and 28 of
+those two runs, on no other.
 """
 
 from __future__ import annotations
@@ -31,7 +41,11 @@ SCARCE_SIGNAL_SHARE = 0.80  # at or above this, a policy that sharpens without g
 ENTROPY_DROP = 0.15  # a fall of the entropy by this share of its start: the policy is committing
 REWARD_GAIN_SD = 0.10  # a reward that rose by less than this many of the start's reward stds did not rise
 
+SHRINK = 0.12  # answers this share of the start's length or shorter, the task's signal scarce: collapsed
+RECENT = 5  # the steps the collapse rule reads
+
 ZERO_STD, REWARD, REWARD_STD, ENTROPY = "reward/frac_zero_std", "reward/mean", "reward/std", "entropy"
+TASK_ZERO_STD, LENGTH = "reward/frac_zero_std_task", "completion/mean_length"  # the task's own share (a shaped reward)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,36 @@ class Window:
                 "no_signal/entropy_drop": self.entropy_drop, "no_signal/reward_gain_sd": self.reward_gain_sd}
 
 
+@dataclass(frozen=True)
+class Shrink:
+    """What the collapse rule reads at a step after the window: the answers' mean length at the start (the window's
+    first third) and over the last `RECENT` steps, and those steps' share of groups with one task reward for all."""
+
+    step: int
+    length_start: float
+    length_now: float
+    zero_std_share: float
+
+    @property
+    def collapsed(self) -> bool:
+        return self.length_now <= SHRINK * self.length_start and self.zero_std_share >= SCARCE_SIGNAL_SHARE
+
+    def metrics(self) -> dict[str, float]:
+        return {"no_signal/fired": 1.0, "no_signal/length_ratio": self.length_now / self.length_start,
+                "no_signal/zero_std_share": self.zero_std_share}
+
+
+def read_shrink(rows: list[dict[str, Any]], window: int) -> Shrink | None:
+    """The collapse rule's reading of `rows` (training rows, in order, the window's and later ones); None: no lengths
+    recorded, or not past the window."""
+    recent = rows[-RECENT:]
+    if len(rows) <= window or any(r.get(LENGTH) is None for r in rows[: max(1, window // 3)] + recent):
+        return None
+    start = _mean(rows[: max(1, window // 3)], LENGTH)
+    share = sum(r.get(TASK_ZERO_STD, r[ZERO_STD]) for r in recent) / len(recent)
+    return Shrink(rows[-1]["step"], start, _mean(recent, LENGTH), share) if start > 0 else None
+
+
 def training_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of training steps (not a final evaluation's), in step order."""
     return sorted((r for r in rows if r.get(ZERO_STD) is not None), key=lambda r: r["step"])
@@ -100,6 +144,7 @@ class Settings:
     temperature: float
     lr: float
     stop: bool  # trainer.no_signal_watch=stop
+    overlong_start_step: int | None = None  # trainer.soft_overlong_start_step; None: no overlong punishment
 
 
 def describe(window: Window, settings: Settings) -> str:
@@ -113,16 +158,26 @@ def describe(window: Window, settings: Settings) -> str:
         what = (f"the policy's entropy fell {percent(window.entropy_drop)} ({window.entropy_start:.2f} -> "
                 f"{window.entropy_end:.2f}) while the mean reward did not rise ({rewards}; {groups}): it is "
                 "sharpening on noise")
-    return f"no learning signal in steps 0-{window.last_step}: {what}. What to change: {advice(window, settings)}"
+    return f"no learning signal in steps 0-{window.last_step}: {what}. What to change: {advice(window.cause, settings)}"
+
+
+def describe_collapse(shrink: Shrink, settings: Settings) -> str:
+    """One line: how the answers shrank and what to change."""
+    return (f"no learning signal at step {shrink.step}: the answers shrank to {shrink.length_now:.0f} tokens (from "
+            f"{shrink.length_start:.0f} at the start) while {percent(shrink.zero_std_share)} of the groups of "
+            f"{settings.num_generations} completions got one task reward for all: the policy answers without working "
+            "the problem out and has almost nothing left to learn from. "
+            f"What to change: {advice('collapse', settings)}")
 
 
 def percent(share: float) -> str:
     return f"{share * 100:.0f} %"
 
 
-def advice(window: Window, settings: Settings) -> str:
+def advice(cause: str, settings: Settings) -> str:
     """The changes that give GRPO more groups with a signal: a better start (QAD for a quantized one), more
-    completions a prompt, more varied completions; and, for a policy sharpening on noise, smaller steps."""
+    completions a prompt, more varied completions; for a policy sharpening on noise, smaller steps; for answers that
+    collapsed under the overlong punishment, the punishment later."""
     fixes = [f"raise trainer.num_generations (now {settings.num_generations}) or policy.generation.temperature "
              f"(now {settings.temperature})"]
     if settings.quantized:
@@ -132,8 +187,11 @@ def advice(window: Window, settings: Settings) -> str:
                         "W4A4 their _w4a4 twins)")
     else:
         fixes.append("add a partial-credit reward beside the verifier")
-    if window.cause == "noise":
+    if cause == "noise":
         fixes.append(f"lower trainer.lr (now {settings.lr:g})")
+    if cause == "collapse" and settings.overlong_start_step is not None:
+        fixes.append("start the overlong punishment later (trainer.soft_overlong_start_step, now "
+                     f"{settings.overlong_start_step})")
     return "; ".join(fixes)
 
 
@@ -155,22 +213,34 @@ class Alarm:
 
 
 class NoSignalWatch:
-    """Judges the first `window` steps' rows once, at the window's last step: the row gets the judgement
-    (`no_signal/*`), and an `Alarm` comes back when the start has no learning signal. A run resumed inside the window
-    brings the rows it wrote before (`earlier`)."""
+    """Judges the first `window` steps' rows once, at the window's last step (the row gets the judgement,
+    `no_signal/*`), then each later step by the collapse rule; an `Alarm` comes back, once a run, when either finds no
+    learning signal (that row records it). A resumed run brings the rows it wrote before (`earlier`)."""
 
     def __init__(self, window: int, settings: Settings, earlier: Iterable[dict[str, Any]] = ()):
         self.window, self.settings = window, settings
         self.rows = training_rows(earlier)
+        self.told = any(r.get("no_signal/fired") for r in self.rows)
 
     def __call__(self, step: int, row: dict[str, Any]) -> Alarm | None:
-        if step >= self.window:
+        if self.told:
             return None
         self.rows.append(row)
+        rows = training_rows(self.rows)
+        del self.rows[self.window: -RECENT]  # the window's rows and the last few: all either rule reads
         if step < self.window - 1:
             return None
-        judged = read_window(training_rows(self.rows)[: self.window])
-        row.update(judged.metrics())
-        if judged.cause is None:
-            return None
-        return Alarm(describe(judged, self.settings), self.settings.stop)
+        if step == self.window - 1:
+            judged = read_window(rows[: self.window])
+            row.update(judged.metrics())
+            if judged.cause is None:
+                return None
+            line = describe(judged, self.settings)
+        else:
+            shrink = read_shrink(rows, self.window)
+            if shrink is None or not shrink.collapsed:
+                return None
+            row.update(shrink.metrics())
+            line = describe_collapse(shrink, self.settings)
+        self.told = True
+        return Alarm(line, self.settings.stop)

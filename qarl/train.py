@@ -98,13 +98,14 @@ class GRPOSteps:
 
 
 def no_signal_watch(run: Run) -> NoSignalWatch | None:
-    """The watch on the start's learning signal (qarl/learning_signal.py); a run resumed inside its window brings
-    the rows it wrote before. None: trainer.no_signal_watch=off, or a run resumed past the window."""
+    """The watch on the run's learning signal (qarl/learning_signal.py); a resumed run brings the rows it wrote
+    before. None: trainer.no_signal_watch=off."""
     cfg, t = run.cfg, run.cfg.trainer
-    if t.no_signal_watch == "off" or run.start_step >= t.no_signal_window:
+    if t.no_signal_watch == "off":
         return None
     settings = Settings(quantized=run.policy.format is not None, num_generations=t.num_generations,
-                        temperature=cfg.policy.generation.temperature, lr=t.lr, stop=t.no_signal_watch == "stop")
+                        temperature=cfg.policy.generation.temperature, lr=t.lr, stop=t.no_signal_watch == "stop",
+                        overlong_start_step=t.soft_overlong_start_step if t.soft_overlong_tokens else None)
     return NoSignalWatch(t.no_signal_window, settings,
                          read_metrics(run.dir / "metrics.jsonl") if run.start_step else ())
 
