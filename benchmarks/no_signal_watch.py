@@ -1,5 +1,5 @@
 """The no-signal watch (qarl/learning_signal.py) applied to every recorded GRPO run: does it fire, by which rule, at
-which step, on which evidence, and did the run learn? Prints the markdown table of benchmarks/results/no_signal_watch.md.
+which step, on which evidence, and did the run learn? Prints the table of benchmarks/results/no_signal_watch.md.
 
     python benchmarks/no_signal_watch.py                          # every run under benchmarks/results
     python benchmarks/no_signal_watch.py --window 12 PATH ...     # another window, other metrics files

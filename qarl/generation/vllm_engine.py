@@ -160,9 +160,8 @@ def check_kv_cache(model_dir: str, plan: dict[str, InputQuant], fmt: QuantFormat
                           "the scales once and not at each refit (FlashInfer). Train with policy.exact_forward=true "
                           "(the policy then computes the engine's FP8-cache attention, on Hopper), roll out with it "
                           "anyway with policy.generation.allow_quant_mismatch=true (mismatch/kl measures it; on "
-                          "SmolLM2 it cost 4.8 points of accuracy, under the exact forward none: docs/guides/kv-cache.md), "
-                          "or drop the "
-                          "k/v_bmm_quantizer entries")
+                          "SmolLM2 it cost 4.8 points of accuracy, under the exact forward none: "
+                          "docs/guides/kv-cache.md), or drop the k/v_bmm_quantizer entries")
     if not torch.cuda.is_available():
         from transformers import AutoConfig
 
