@@ -20,6 +20,8 @@ fi
 # uv ignores PIP_FIND_LINKS (where the CPU torch wheel lies on this kind of machine): pass it on.
 find_links=()
 for d in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$d"); done
-"$VENV/bin/python" -m uv pip install --python "$VENV/bin/python" "${find_links[@]}" \
+# --compile-bytecode: the libraries' .pyc files written once here. Without them a shell with PYTHONDONTWRITEBYTECODE
+# set (as CI's) compiles torch, vLLM and transformers from source in every process: ~12 s of each `qarl` start.
+"$VENV/bin/python" -m uv pip install --python "$VENV/bin/python" "${find_links[@]}" --compile-bytecode \
   --override scripts/overrides.txt "$TORCH_PIN" -e ".[$EXTRAS]"
 echo "$want" > "$stamp"
