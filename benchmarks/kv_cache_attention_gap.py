@@ -36,9 +36,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
+    from qarl.config import TaskConfig
     from qarl.models.resolve import resolve_model_dir
+    from qarl.tasks.chat import model_prompt_format
 
     torch.manual_seed(0)
     fp8 = torch.float8_e4m3fn
@@ -71,12 +73,12 @@ def main() -> None:
 
     AttentionInterface.register("qarl_fp8_emulation", attention)
     model_dir = resolve_model_dir(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ask = model_prompt_format(model_dir, TaskConfig())  # its chat template, no system turn
+    tokenizer = ask.tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="qarl_fp8_emulation").eval()
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()[: args.prompts]]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], tokenize=False,
-                                             add_generation_prompt=True) for r in rows]
+    prompts = [ask.text(r["question"]) for r in rows]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     with torch.no_grad():
         state["calibrate"] = True

@@ -24,14 +24,16 @@ DATA = "recipes/data/smollm2_mix/test.jsonl"
 E4M3_MAX = 448.0
 
 
-def prompts(tokenizer, n: int) -> list[str]:
-    rows = [json.loads(line) for line in Path(DATA).read_text().splitlines()[:n]]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], tokenize=False,
-                                          add_generation_prompt=True) for r in rows]
+def prompts(model_dir: str, n: int) -> list[str]:
+    """The first `n` test questions as the model reads them (its chat template, no system turn)."""
+    from qarl.config import TaskConfig
+    from qarl.tasks.chat import model_prompt_format
+
+    ask = model_prompt_format(model_dir, TaskConfig())
+    return [ask.text(json.loads(line)["question"]) for line in Path(DATA).read_text().splitlines()[:n]]
 
 
 def engine(cache: str, out: Path, samples: Path | None, n: int) -> None:
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from qarl.models.resolve import resolve_model_dir
@@ -40,7 +42,7 @@ def engine(cache: str, out: Path, samples: Path | None, n: int) -> None:
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_dtype=cache, enforce_eager=True, gpu_memory_utilization=0.3,
               max_model_len=512, seed=0)
     if samples is None:
-        done = llm.generate(prompts(AutoTokenizer.from_pretrained(model_dir), n),
+        done = llm.generate(prompts(model_dir, n),
                             SamplingParams(temperature=1.0, max_tokens=192, seed=0))
         sequences = [(o.prompt_token_ids, list(o.outputs[0].token_ids)) for o in done]
     else:
