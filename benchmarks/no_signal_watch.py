@@ -32,14 +32,10 @@ def held_out(rows: list[dict]) -> tuple[float, float, int]:
     return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"], evals[-1]["step"]
 
 
-def told(rows: list[dict], window: int) -> tuple[int, dict] | None:
-    """The step and row at which the watch, run over the whole of `rows` as `qarl train` runs it, first fires."""
+def told(rows: list[dict], window: int) -> int | None:
+    """The step at which the watch, run over the whole of `rows` as `qarl train` runs it, fires."""
     watch = NoSignalWatch(window, Settings(quantized=True, num_generations=8, temperature=1.0, lr=1e-5, stop=False))
-    for row in rows:
-        row = dict(row)
-        if watch(row["step"], row):
-            return row["step"], row
-    return None
+    return next((row["step"] for row in rows if watch(row["step"], dict(row))), None)
 
 
 def table(paths: list[Path], window: int) -> list[str]:
@@ -57,7 +53,7 @@ def table(paths: list[Path], window: int) -> list[str]:
         start, last, at = held_out(rows)
         learned = "too short" if at < LONG_ENOUGH else "yes" if (last - start) / (1 - start) >= LEARNED else "**no**"
         lines.append(f"| {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} | "
-                     f"{'**yes**' if fired else 'no'} | {cause} | {fired[0] if fired else ''} | "
+                     f"{'**yes**' if fired is not None else 'no'} | {cause} | {'' if fired is None else fired} | "
                      f"{judged.zero_std_share:.3f} | {judged.entropy_drop:+.2f} | {judged.reward_gain_sd:+.2f} | "
                      f"{shortest(trained, window)} | {start:.3f} -> {last:.3f} (step {at}) | {learned} |")
     return lines

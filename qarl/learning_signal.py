@@ -103,10 +103,10 @@ class Shrink:
 def read_shrink(rows: list[dict[str, Any]], window: int) -> Shrink | None:
     """The collapse rule's reading of `rows` (training rows, in order, the window's and later ones); None: no lengths
     recorded, or not past the window."""
-    recent = rows[-RECENT:]
-    if len(rows) <= window or any(r.get(LENGTH) is None for r in rows[: max(1, window // 3)] + recent):
+    start_rows, recent = rows[: max(1, window // 3)], rows[-RECENT:]
+    if len(rows) <= window or any(r.get(LENGTH) is None for r in start_rows + recent):
         return None
-    start = _mean(rows[: max(1, window // 3)], LENGTH)
+    start = _mean(start_rows, LENGTH)
     share = sum(r.get(TASK_ZERO_STD, r[ZERO_STD]) for r in recent) / len(recent)
     return Shrink(rows[-1]["step"], start, _mean(recent, LENGTH), share) if start > 0 else None
 
