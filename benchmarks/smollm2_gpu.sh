@@ -18,7 +18,7 @@
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order, each on the GPU with the fewest runs once it has a
 #             free slot and the run it starts from has succeeded (FROM below); each `qarl matrix` whose runs are all in
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
-#             W4A16 and its exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
+#             W4A16 and FP8 and their exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
 #             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
@@ -253,7 +253,7 @@ case "$stage" in
     rm -f runs/smollm2/*.rc runs/smollm2/*.gpu*  # `finished` and `running_on` read this pipeline's own runs
     mapfile -t pending < <(planned)
     last=$((NGPU - 1))
-    matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 &
+    matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 qa_grpo_fp8 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
