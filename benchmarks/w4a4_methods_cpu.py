@@ -16,7 +16,10 @@ token, and how often the two agree on the most likely token. The methods:
   - calibration beyond max: each layer's input amax searched for the smallest squared error of its quantized
     calibration inputs (MSE, 0.3-1.0 x max);
   - methods together (mixed precision with 4-over-6 or the MSE amax).
-The simulation is the format's definition, not the engine's exact path: it ranks methods, it is not a parity test.
+Per-token scales and 4-over-6 are qarl's own functions (qarl/quant/input_variants.py: the quant configs
+nvfp4_w4a4_per_token.yaml and nvfp4_w4a4_four_over_six.yaml, as the policy and the engine compute them); the other
+methods are simulated from the format's definition, not the engine's path: the screen ranks methods, it is not a
+parity test.
 """
 
 from __future__ import annotations
@@ -32,37 +35,17 @@ import torch
 from torch import nn
 
 from qarl.models.resolve import resolve_model_dir
+from qarl.quant.input_variants import Variant, fake_quant
 from qarl.quant.kernels.nvfp4_cpu import nvfp4_fake_quant
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data" / "smollm2_mix"
 SYSTEM = "Solve the problem. End your answer with '#### ' followed by the number."
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
 LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
-def nvfp4_mapped_to(x: torch.Tensor, amax: torch.Tensor, top: float) -> torch.Tensor:
-    """NVFP4 quantize-dequantize with each block's max mapped to `top` (6: the format as shipped; 4: 4-over-6's other
-    choice). With top=6 it equals qarl's kernel (checked in `main`)."""
-    global_scale = amax / 2688
-    blocks = x.reshape(*x.shape[:-1], -1, 16)
-    block_max = blocks.abs().amax(-1, keepdim=True)
-    scale = (block_max / (top * global_scale)).clamp(max=448).to(torch.float8_e4m3fn).float() * global_scale
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = E2M1[torch.bucketize((blocks / scale).abs().clamp(max=6), (E2M1[1:] + E2M1[:-1]) / 2)]
-    return (codes * torch.sign(blocks) * scale).reshape(x.shape)
-
-
-def four_over_six(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    six, four = nvfp4_mapped_to(x, amax, 6.0), nvfp4_mapped_to(x, amax, 4.0)
-    blocks = [t.reshape(*t.shape[:-1], -1, 16) for t in (x, six, four)]
-    better = ((blocks[2] - blocks[0]) ** 2).sum(-1, keepdim=True) < ((blocks[1] - blocks[0]) ** 2).sum(-1, keepdim=True)
-    return torch.where(better, blocks[2], blocks[1]).reshape(x.shape)
-
-
-def per_token(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4 with each row's own amax as the second-level scale."""
-    row_scale = 1.0 / x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-    return nvfp4_fake_quant(x * row_scale, torch.tensor(1.0)) / row_scale
+def variant(x: torch.Tensor, amax: torch.Tensor, per_token: bool = False, four_over_six: bool = False) -> torch.Tensor:
+    """qarl's NVFP4 input variants as the policy and the engine compute them (qarl/quant/input_variants.py)."""
+    return fake_quant(x, amax, Variant(per_token, four_over_six))
 
 
 def fp8_input(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -81,16 +64,18 @@ def mse_amax(inputs: list[torch.Tensor], amax: torch.Tensor) -> torch.Tensor:
 
 class Simulated(nn.Module):
     """A linear layer with its weight and input quantized as `mode` says: w4a4 | w4a16 | a4 | w4a4_tok | w4a4_46 |
-    w4a4_mse | w4fp8in | none. `online`: an orthogonal matrix its input is rotated by first (its weight rotated to
-    match)."""
+    w4a4_46in | w4a4_tok46 | w4a4_mse | w4fp8in | w4a4_up | w4a4_down | none (_up, _down: each input nudged by one
+    ulp before W4A4's quantization, the screen's own noise; _tok: per-token input scales; _46: 4-over-6 block scales of
+    weights and inputs, _46in of inputs only, as quant_configs/nvfp4_w4a4_four_over_six.yaml). `online`: an
+    orthogonal matrix its input is rotated by first (its weight rotated to match)."""
 
     def __init__(self, linear: nn.Linear, mode: str, online: torch.Tensor | None = None):
         super().__init__()
         self.mode, self.online = mode, online
         weight = linear.weight.data if online is None else (linear.weight.data.double() @ online.double()).float()
         amax = weight.abs().amax()
-        self.weight = (weight if mode in ("none", "a4") else four_over_six(weight, amax) if mode == "w4a4_46"
-                       else nvfp4_fake_quant(weight, amax))
+        self.weight = (weight if mode in ("none", "a4") else variant(weight, amax, four_over_six=True)
+                       if mode == "w4a4_46" else nvfp4_fake_quant(weight, amax))
         self.amax, self.calibrating, self.seen = torch.zeros(()), False, []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,10 +87,10 @@ class Simulated(nn.Module):
                 self.seen.append(x.detach().reshape(-1, x.shape[-1]))
         elif self.mode in ("w4a4", "a4", "w4a4_mse"):
             x = nvfp4_fake_quant(x, self.amax)
-        elif self.mode == "w4a4_tok":
-            x = per_token(x)
-        elif self.mode == "w4a4_46":
-            x = four_over_six(x, self.amax)
+        elif self.mode in ("w4a4_up", "w4a4_down"):  # the screen's noise: each input one ulp off first
+            x = nvfp4_fake_quant(x * (1 + (2 ** -23 if self.mode == "w4a4_up" else -2 ** -24)), self.amax)
+        elif self.mode in ("w4a4_tok", "w4a4_46", "w4a4_46in", "w4a4_tok46"):
+            x = variant(x, self.amax, per_token="tok" in self.mode, four_over_six="46" in self.mode)
         elif self.mode == "w4fp8in":
             x = fp8_input(x, self.amax)
         return x @ self.weight.T
@@ -200,9 +185,14 @@ def methods(hidden: int, intermediate: int, layers: int) -> list[tuple[str, Call
     return [
         ("W4A16 (reference)", same, everywhere("w4a16"), None),
         ("W4A4, as shipped", same, everywhere("w4a4"), None),
+        ("W4A4, each input one ulp up first (the screen's noise)", same, everywhere("w4a4_up"), None),
+        ("W4A4, each input one ulp down first (the screen's noise)", same, everywhere("w4a4_down"), None),
         ("A4 only (weights unquantized)", same, everywhere("a4"), None),
-        ("W4A4, per-token activation scales", same, everywhere("w4a4_tok"), None),
+        ("W4A4, per-token activation scales (quant_configs/nvfp4_w4a4_per_token.yaml)", same, everywhere("w4a4_tok"),
+         None),
         ("W4A4, 4-over-6 (weights and inputs)", same, everywhere("w4a4_46"), None),
+        ("W4A4, 4-over-6 (inputs; quant_configs/nvfp4_w4a4_four_over_six.yaml)", same, everywhere("w4a4_46in"), None),
+        ("W4A4, per-token scales and 4-over-6 (inputs)", same, everywhere("w4a4_tok46"), None),
         ("rotated (random orthogonal), unquantized", rot(orthogonal), everywhere("none"), None),
         ("rotated (random orthogonal), W4A16", rot(orthogonal), everywhere("w4a16"), None),
         ("rotated (random orthogonal), A4 only", rot(orthogonal), everywhere("a4"), None),
@@ -249,8 +239,6 @@ def main() -> None:
 
     held_out, calibration = batch("test", args.prompts), batch("train", 32)
     load = lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # noqa: E731
-    x = torch.randn(64, 576) * torch.rand(64, 1) * 3
-    assert torch.equal(nvfp4_mapped_to(x, x.abs().amax(), 6.0), nvfp4_fake_quant(x, x.abs().amax()))
     with torch.no_grad():
         reference = load()(**held_out).logits.float().log_softmax(-1)
     mask = held_out["attention_mask"].bool()

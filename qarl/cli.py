@@ -134,7 +134,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     from qarl.diagnose import markdown, run_diagnose
 
     with contextlib.redirect_stdout(sys.stderr):
-        report = run_diagnose(cfg, models, Path(args.out))
+        report = run_diagnose(cfg, models, Path(args.out), args.also)
     print(markdown(report))
     print(f"\n{args.out}/diagnose.json, diagnose.md, diagnose.png")
     return 0
@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="qarl runs, checkpoints, Hugging Face model directories, or warm-start (the recipe's "
                                "step-0 model), the first the reference; then a.b=c recipe overrides")
     diagnose.add_argument("--out", default="runs/diagnose", help="where diagnose.json/.md/.png go")
+    diagnose.add_argument("--also", nargs="+", default=[], metavar="QUANT_CFG",
+                          help="more activation formats whose input and output errors are reported beside NVFP4 "
+                               "W4A4's, e.g. quant_configs/nvfp4_w4a4_per_token.yaml")
     diagnose.set_defaults(func=_diagnose)
     config = sub.add_parser("config", help="print a recipe resolved (every default filled in), or every key's "
                                            "type, default, allowed values and meaning (--schema)")

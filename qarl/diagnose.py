@@ -6,7 +6,9 @@ layer, on the rows routed to that expert), on the recipe's calibration data:
   activations  the same two statistics of the layer's inputs;
   error        relative reconstruction error ||Q(t) - t|| / ||t|| of the weight and of the inputs in NVFP4
                and in FP8 (ModelOpt's own quantizers, max-calibrated), and of the layer's output when both
-               are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most.
+               are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most;
+               with `--also QUANT_CFG ...`, the input and output errors of more formats beside them (W4A4 with
+               per-token or 4-over-6 activation scales, mixed formats: what a method does to each layer).
 Several models (e.g. the base, then runs trained from it) are compared layer by layer: before vs after.
 Writes diagnose.json, diagnose.md and diagnose.png to --out.
 """
@@ -103,8 +105,19 @@ def expert_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]
     return {n: x for n, x in inputs.items() if len(x) >= MIN_EXPERT_ROWS}
 
 
-def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) -> dict[str, dict[str, Any]]:
-    """{layer: statistics} of one model (see the module docstring)."""
+def format_keys(also: list[str]) -> dict[str, str]:
+    """FORMATS and the `--also` quant configs, by the key their columns carry (a config's file stem)."""
+    extra = {Path(spec).stem: spec for spec in also}
+    own = {Path(spec).stem for spec in FORMATS.values()} | set(FORMATS)
+    if len(extra) != len(also) or own & set(extra):
+        raise ConfigError(f"--also {' '.join(also)}: name each quant config once, and none of the formats diagnosed "
+                          f"anyway ({', '.join(FORMATS.values())})")
+    return FORMATS | extra
+
+
+def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str],
+                   formats: dict[str, str] = FORMATS) -> dict[str, dict[str, Any]]:
+    """{layer: statistics} of one model (see the module docstring) in each of `formats` (`format_keys`)."""
     import torch
 
     from qarl.calibration import calibration_batches
@@ -117,7 +130,7 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
     plain = build_policy(settings, [], model_dir=model_dir, fmt=None)
     batches = list(calibration_batches(calibration, plain.tokenizer, cfg.policy, plain.device))
     quantized = {key: build_policy(settings, calibration, model_dir=model_dir, fmt=resolve_format(spec))
-                 for key, spec in FORMATS.items()}
+                 for key, spec in formats.items()}
     layers = {key: {w.name: w for w in quantized_weights(p.model)} for key, p in quantized.items()}
     names = set.intersection(*(set(v) for v in layers.values()))
     plain_modules = dict(plain.model.named_modules())
@@ -131,10 +144,11 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
             row = {**{f"weight_{k}": v for k, v in moments(weight).items()},
                    **{f"input_{k}": v for k, v in moments(x).items()}}
             exact = x @ weight.T
-            for key in FORMATS:
+            for key in formats:
                 layer = layers[key][name]
                 qw, qx = layer.quantized(), layer.input_quantizer(x)
-                row[f"weight_error_{key}"] = relative_error(qw, weight)
+                if key in FORMATS:  # the others' weights are NVFP4's: their column would repeat it
+                    row[f"weight_error_{key}"] = relative_error(qw, weight)
                 row[f"input_error_{key}"] = relative_error(qx, x)
                 row[f"output_error_{key}"] = relative_error(qx @ qw.T, exact)
             report[name] = row
@@ -142,13 +156,18 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str]) ->
 
 
 def markdown(report: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """Per model, per layer: the statistics, layers sorted by NVFP4 output error (worst first); then,
-    with several models, the change of each statistic's layer mean from the first model."""
+    """Per model, per layer: the statistics, layers sorted by NVFP4 output error (worst first); then each
+    statistic's layer mean per model and, with several models, its change from the first model."""
     columns = [("weight_kurtosis", "W kurt", 1), ("weight_outlier_fraction", "W >3σ %", 100),
                ("input_kurtosis", "X kurt", 1), ("input_outlier_fraction", "X >3σ %", 100),
                ("weight_error_nvfp4", "W err NVFP4 %", 100), ("weight_error_fp8", "W err FP8 %", 100),
                ("input_error_nvfp4", "X err NVFP4 %", 100), ("input_error_fp8", "X err FP8 %", 100),
                ("output_error_nvfp4", "out err NVFP4 %", 100), ("output_error_fp8", "out err FP8 %", 100)]
+    first_row = next(iter(next(iter(report.values())).values()))
+    extra = [key.removeprefix("output_error_") for key in first_row
+             if key.startswith("output_error_") and key.removeprefix("output_error_") not in FORMATS]
+    columns += [c for key in extra for c in ((f"input_error_{key}", f"X err {key} %", 100),
+                                              (f"output_error_{key}", f"out err {key} %", 100))]
     parts = []
     for model, layers in report.items():
         lines = [f"### {model}: layers by NVFP4 W4A4 output error (worst first)",
@@ -156,16 +175,15 @@ def markdown(report: dict[str, dict[str, dict[str, Any]]]) -> str:
         for name, row in sorted(layers.items(), key=lambda kv: -kv[1]["output_error_nvfp4"]):
             lines.append(f"| {name} | " + " | ".join(f"{row[k] * s:.2f}" for k, _, s in columns) + " |")
         parts.append("\n".join(lines))
-    if len(report) > 1:
-        first = next(iter(report))
-        mean = lambda layers, k: sum(r[k] for r in layers.values()) / len(layers)  # noqa: E731
-        lines = [f"### Layer means, change from {first}", "| model | " + " | ".join(c[1] for c in columns) + " |",
-                 "|---|" + "---|" * len(columns)]
-        for model, layers in report.items():
-            cells = [f"{mean(layers, k) * s:.2f}" + ("" if model == first else
-                     f" ({(mean(layers, k) - mean(report[first], k)) * s:+.2f})") for k, _, s in columns]
-            lines.append(f"| {model} | " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
+    first = next(iter(report))
+    mean = lambda layers, k: sum(r[k] for r in layers.values()) / len(layers)  # noqa: E731
+    title = f"### Layer means, change from {first}" if len(report) > 1 else "### Layer means"
+    lines = [title, "| model | " + " | ".join(c[1] for c in columns) + " |", "|---|" + "---|" * len(columns)]
+    for model, layers in report.items():
+        cells = [f"{mean(layers, k) * s:.2f}" + ("" if model == first else
+                 f" ({(mean(layers, k) - mean(report[first], k)) * s:+.2f})") for k, _, s in columns]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
 
@@ -196,10 +214,14 @@ def plot(report: dict[str, dict[str, dict[str, Any]]], out: Path) -> Path:
     return out
 
 
-def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, dict[str, dict[str, Any]]]:
-    """Diagnose each model ("warm-start" = the recipe's step-0 model) and write the report to `out`."""
+def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path,
+                 also: list[str] = ()) -> dict[str, dict[str, dict[str, Any]]]:
+    """Diagnose each model ("warm-start" = the recipe's step-0 model) in NVFP4 W4A4, FP8 and the quant configs of
+    `also`, and write the report to `out`."""
     from qarl.config import WARM_START
     from qarl.matrix import resolve_model_source
+
+    formats = format_keys(list(also))
 
     missing = [m for m in models if m != WARM_START and not Path(m).expanduser().exists()]
     if missing:
@@ -213,11 +235,11 @@ def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path) -> dict[str, d
     sources = {m: resolve_model_source(m) for m in models if m != WARM_START}  # bad paths fail first
     dirs = {m: initial_model_dir(cfg, task) if m == WARM_START else sources[m].model_dir for m in models}
     for model_dir in dirs.values():
-        for spec in FORMATS.values():
+        for spec in formats.values():
             check_format_fits(model_dir, resolve_format(spec), cfg.policy.trust_remote_code)
     trust = cfg.policy.trust_remote_code
     report = {m: diagnose_model(cfg, d, task.calibration_texts(cfg.policy.quant_calib_size,
-                                                               model_prompt_format(d, cfg.task, trust)))
+                                                               model_prompt_format(d, cfg.task, trust)), formats)
               for m, d in dirs.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnose.json").write_text(json.dumps(report, indent=1))

@@ -118,12 +118,32 @@ def _bits(settings: dict | None) -> str:
     return (bits_format(settings.get("num_bits")) or str(settings.get("num_bits"))).upper()
 
 
+def _input_variants(settings: dict) -> list[str]:
+    """The NVFP4 input variants (`qarl.quant.input_variants`: per-token scales, 4-over-6 block scales) that
+    `quantizer_settings` lists for any decoder linear layer, by name."""
+    from qarl.quant.formats import MIXED
+    from qarl.quant.input_variants import BACKEND, OPTIONS
+
+    layers = settings[MIXED].values() if MIXED in settings else [settings]
+    on = {option for layer in layers if (layer["input"] or {}).get("backend") == BACKEND
+          for option in OPTIONS if (layer["input"].get("backend_extra_args") or {}).get(option)}
+    return [option.replace("_", "-") + (" scales" if option == "per_token" else " block scales")
+            for option in OPTIONS if option in on]
+
+
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
     """The export writes the format the model was trained in, or stops and names both."""
     from qarl.quant.formats import MIXED, quantizer_settings
 
     expected = target.resolved_format()
     have, want = quantizer_settings(trained), quantizer_settings(expected)
+    variants = _input_variants(have)
+    if variants:
+        raise ConfigError(
+            f"the checkpoint was trained with {trained.source}, whose NVFP4 layer inputs use {' and '.join(variants)} "
+            "(qarl's backend qarl_nvfp4); no engine's real W4A4 kernel computes them (vLLM's takes one input scale "
+            "per layer and max-mapped block scales), so this model is a training-time result: evaluate it as trained "
+            "(`qarl eval`, the fake-quantized policy and qarl's engine), or train with nvfp4_w4a4 to export")
     if MIXED in have:
         kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
                  for layer, s in have[MIXED].items()}

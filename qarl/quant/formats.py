@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from qarl.config import ConfigError
-from qarl.quant import modelopt_compat
+from qarl.quant import input_variants, modelopt_compat
 from qarl.quant_cfg import NO_QUANT, find_quant_yaml, unknown_quant_config
 
 
@@ -103,7 +103,15 @@ def resolve_format(spec: str | None) -> QuantFormat | None:
         raise unknown_quant_config(spec, builtin_names())
     stat = path.stat()
     cfg = _parsed_yaml(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    return QuantFormat(name=path.stem, source=str(path), modelopt_cfg=copy.deepcopy(cfg))
+    return _with_variants(QuantFormat(name=path.stem, source=str(path), modelopt_cfg=copy.deepcopy(cfg)))
+
+
+def _with_variants(fmt: QuantFormat) -> QuantFormat:
+    """`fmt`, its entries that name qarl's NVFP4 input backend checked and the backend registered with ModelOpt (any
+    of its quantizers may run next)."""
+    input_variants.check_config(fmt.quant_cfg, fmt.source)
+    input_variants.register()
+    return fmt
 
 
 @functools.lru_cache(maxsize=64)
@@ -211,10 +219,10 @@ def format_from_yaml(text: str) -> QuantFormat:
 
     record = yaml.safe_load(text)
     cfg = QuantizeConfig.model_validate(record["modelopt_cfg"]).model_dump(exclude_unset=True)
-    return QuantFormat(name=record["name"], source=record["source"], modelopt_cfg=cfg)
+    return _with_variants(QuantFormat(name=record["name"], source=record["source"], modelopt_cfg=cfg))
 
 
-_NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes")
+_NUMERIC_FIELDS = ("num_bits", "axis", "block_sizes", "backend", "backend_extra_args")
 
 
 def _probe(fmt: QuantFormat, quantizer: str, module: str = "model.layers.0.mlp.down_proj") -> dict[str, Any] | None:

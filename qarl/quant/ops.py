@@ -14,7 +14,8 @@ Which layers quantize their input, and how, comes from ModelOpt itself: `input_q
 meta-device copy of the model with the format and reads each enabled input quantizer. Anything it
 holds that this op does not reproduce (per-channel amax, integer formats, output or attention
 quantizers, ...) is refused by name before an engine starts. tests/unit/test_engine_quant.py pins the op
-to `TensorQuantizer.forward` bit for bit.
+to `TensorQuantizer.forward` bit for bit. NVFP4 inputs with per-token scales or 4-over-6 block scales (qarl's ModelOpt
+backend, `qarl.quant.input_variants`) go to that module's op, on both sides alike.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError
+from qarl.quant import input_variants
 from qarl.quant.formats import FP8, NVFP4, SMOOTHING_ALGORITHMS, QuantFormat, quantized_meta_model
 from qarl.quant.kernels import gpu
 from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, amax_buffer, dynamic_block_quantize, is_dynamic, scaled_quantize,
@@ -35,14 +37,25 @@ from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, amax_buffer, dynamic_bloc
 class InputQuant:
     """How one layer's input is fake-quantized: NVFP4 with per-tensor amax and dynamic `block_size`
     blocks, or FP8 E4M3 with per-tensor amax. `smoothing`: an AWQ/SmoothQuant scale multiplies the
-    input first (a calibration that smooths: the scale arrives with the amax at each refit)."""
+    input first (a calibration that smooths: the scale arrives with the amax at each refit). `per_token`,
+    `four_over_six`: NVFP4 with each row's own second-level scale, with each block mapped to 4 or 6
+    (`qarl.quant.input_variants`)."""
 
     kind: str
     block_size: int = 0
     smoothing: bool = False
+    per_token: bool = False
+    four_over_six: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def variant(self) -> input_variants.Variant | None:
+        """The NVFP4 input variant this layer uses, None for the format as ModelOpt computes it."""
+        if self.per_token or self.four_over_six:
+            return input_variants.Variant(self.per_token, self.four_over_six)
+        return None
 
 
 def fake_quant_input(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant,
@@ -54,6 +67,8 @@ def fake_quant_input(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant,
     if pre_quant_scale is not None:
         x = x * pre_quant_scale
     x = x.contiguous()  # ModelOpt makes non-contiguous inputs contiguous before its kernels
+    if spec.variant is not None:
+        return input_variants.fake_quant(x, amax, spec.variant)
     if spec.kind == NVFP4:
         return dynamic_block_quantize(x, spec.block_size, amax, *NVFP4_OP_ARGS)
     return scaled_quantize(x, amax, 8, 4, False, False)
@@ -64,7 +79,7 @@ def fake_quant_eager(x: torch.Tensor, amax: torch.Tensor, spec: InputQuant) -> t
     re-quantization): where the op would run qarl's GPU kernel, the kernel is called without the op's
     dispatch (`gpu.fake_quant`): the same computation, without the dispatch's host time. The rollout
     engine keeps the op, which its compiled graph traces."""
-    if x.is_cuda:
+    if x.is_cuda and spec.variant is None:
         quantized = gpu.fake_quant(x, amax, spec.kind == NVFP4, spec.block_size)
         if quantized is not None:
             return quantized
@@ -76,7 +91,8 @@ def bound_fake_quant(amax: torch.Tensor | None, spec: InputQuant) -> gpu.BoundFa
     every forward (`gpu.BoundFakeQuant`: it returns None for an x the kernel does not take, and the
     caller then calls `fake_quant_eager`); None where no GPU kernel can serve: the amax not on a GPU, or
     NVFP4 blocks other than the kernel's 16."""
-    if amax is None or not amax.is_cuda or amax.numel() != 1 or (spec.kind == NVFP4 and spec.block_size != 16):
+    if amax is None or not amax.is_cuda or amax.numel() != 1 or (spec.kind == NVFP4 and spec.block_size != 16) \
+            or spec.variant is not None:
         return None
     return gpu.BoundFakeQuant(amax, spec.kind == NVFP4)
 
@@ -84,15 +100,20 @@ def bound_fake_quant(amax: torch.Tensor | None, spec: InputQuant) -> gpu.BoundFa
 def plain_spec(quantizer: nn.Module) -> InputQuant | None:
     """The `InputQuant` whose op computes what ModelOpt's `TensorQuantizer.forward` computes for this
     quantizer once calibrated (a static per-tensor amax), or None when it is anything else (another
-    format, per-channel or dynamic amax, a bias, a rotation, a backend, real quantization). Serves the
-    engine's inputs, the policy's inputs (`FastInputMixin`) and its weights (`WeightCacheMixin`) alike."""
+    format, per-channel or dynamic amax, a bias, a rotation, another backend than qarl's NVFP4 variants, real
+    quantization). Serves the engine's inputs, the policy's inputs (`FastInputMixin`) and its weights
+    (`WeightCacheMixin`) alike."""
     sizes = dict(quantizer.block_sizes or {})
-    plain = (quantizer.fake_quant and quantizer.bias_calibrator is None and quantizer.backend is None
+    variant = input_variants.variant_of(quantizer)
+    plain = (quantizer.fake_quant and quantizer.bias_calibrator is None
+             and (quantizer.backend is None or variant is not None)
              and not quantizer.rotate_is_enabled and not uses_constant_amax(quantizer)
              and not is_dynamic(quantizer) and not quantizer.is_mx_format)
     if plain and quantizer.num_bits == (2, 1) and sizes.get("type") == "dynamic" and sizes.get("scale_bits") == (4, 3) \
             and set(sizes) <= {-1, "type", "scale_bits"} and sizes.get(-1):
-        return InputQuant(NVFP4, block_size=int(sizes[-1]))
+        variant = variant or input_variants.Variant()
+        return InputQuant(NVFP4, block_size=int(sizes[-1]), per_token=variant.per_token,
+                          four_over_six=variant.four_over_six)
     if plain and quantizer.num_bits == (4, 3) and not sizes and quantizer.axis is None:
         return InputQuant(FP8)
     return None
@@ -108,7 +129,8 @@ def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
     spec = plain_spec(quantizer)
     if spec is not None:
-        return InputQuant(spec.kind, block_size=spec.block_size, smoothing=smoothing)
+        return InputQuant(spec.kind, block_size=spec.block_size, smoothing=smoothing, per_token=spec.per_token,
+                          four_over_six=spec.four_over_six)
     raise ConfigError(
         f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
         f"FP8 E4M3 (per-tensor amax); the input quantizer of {layer} is neither ({quantizer}). Serve this "

@@ -61,6 +61,29 @@ def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy,
     assert synced.tokens > 100 and (synced.max_abs, synced.flipped_tokens) == (0.0, 0), synced
 
 
+@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_w4a4_per_token.yaml",
+                                 "quant_configs/nvfp4_w4a4_four_over_six.yaml"])
+def test_an_nvfp4_input_variant_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt):
+    """W4A4 with per-token activation scales, or 4-over-6 activation block scales (qarl's ModelOpt backend): the
+    engine's plan carries the variant for every quantized input, and the engine's log-probs equal the policy's (fp32,
+    CPU); the same model in plain W4A4 gives other log-probs, so the variant is what both sides computed."""
+    from qarl.quant.ops import input_quant_plan
+
+    policy = make_policy(fmt)
+    plan = input_quant_plan(policy.model_dir, policy.format)
+    variant = "per_token" if "per_token" in fmt else "four_over_six"
+    assert plan and all(getattr(spec, variant) for spec in plan.values()), plan
+    engine.set_quant_format(policy.format)
+    engine.refit(policy.model)
+    synced = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
+    assert synced.tokens > 100 and (synced.max_abs, synced.flipped_tokens) == (0.0, 0), synced
+    plain = make_policy("nvfp4_w4a4")
+    engine.set_quant_format(plain.format)
+    engine.refit(plain.model)
+    other = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
+    assert other.max_abs > 1e-3, other
+
+
 def test_engine_fused_input_amax_is_the_policys(engine, make_policy):
     """The engine's fused qkv_proj / gate_up_proj layers quantize their input with the policy's shared
     amax, and hold no ModelOpt quantizer: the weights come folded."""

@@ -90,6 +90,17 @@ def test_log_probs_are_equal_with_an_fp8_kv_cache(task, model, eager):
     assert_exact_parity(task, model, "bfloat16", eager, max_new_tokens=200, formats=KV_FORMATS)
 
 
+VARIANT_FORMATS = ["quant_configs/nvfp4_w4a4_per_token.yaml", "quant_configs/nvfp4_w4a4_four_over_six.yaml",
+                   "quant_configs/nvfp4_w4a4_down_a16.yaml"]  # issue 72's W4A4 methods
+
+
+@pytest.mark.parametrize("eager", ["true", "false"])
+def test_log_probs_are_equal_with_the_w4a4_methods(task, eager):
+    """Per-token and 4-over-6 activation scales (qarl's ModelOpt backend, torch ops inside the engine's compiled
+    graph and captured CUDA graphs) and mixed formats: the exact forward's bits are the engine's."""
+    assert_exact_parity(task, MODEL, "bfloat16", eager, max_new_tokens=200, formats=VARIANT_FORMATS)
+
+
 def assert_exact_parity(task, model: str, dtype: str, eager: str, max_new_tokens: int = 32,
                         formats: list[str] = FORMATS) -> None:
     """Every format's engine log-probs equal the policy's, bit for bit, over 16 prompts x `max_new_tokens` sampled

@@ -214,13 +214,21 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     assert gaussian["kurtosis"] == pytest.approx(3.0, abs=0.05)
     assert gaussian["outlier_fraction"] == pytest.approx(0.0027, abs=0.0005)
     cfg = load_recipe("recipes/matrix_tiny.yaml", [], RecipeConfig)
-    report = run_diagnose(cfg, [models["base"], models["noisy"]], tmp_path)
+    also = ["quant_configs/nvfp4_w4a4_four_over_six.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml"]
+    report = run_diagnose(cfg, [models["base"], models["noisy"]], tmp_path, also)
     layers = report[models["base"]]
     assert len(layers) == 2 * 7
     for row in layers.values():  # 4-bit is coarser than 8-bit, for weights, inputs and outputs alike
         for kind in ("weight", "input", "output"):
             assert 0 < row[f"{kind}_error_fp8"] < row[f"{kind}_error_nvfp4"] < 0.5
-    assert (tmp_path / "diagnose.png").is_file() and "change from" in (tmp_path / "diagnose.md").read_text()
+    for name, row in layers.items():  # 4-over-6 never errs more on an input; down_proj's input is not quantized
+        assert 0 < row["input_error_nvfp4_w4a4_four_over_six"] < row["input_error_nvfp4"]
+        assert (row["input_error_nvfp4_w4a4_down_a16"] == 0) == name.endswith("down_proj")
+    report_md = (tmp_path / "diagnose.md").read_text()
+    assert (tmp_path / "diagnose.png").is_file() and "change from" in report_md
+    assert "out err nvfp4_w4a4_four_over_six %" in report_md
+    with pytest.raises(ConfigError, match="name each quant config once"):
+        run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4.yaml"])
 
 
 def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models):

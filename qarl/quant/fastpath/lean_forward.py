@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qarl.quant.fastpath.weight_cache import StraightThrough, WeightCacheMixin, single_quantizers
+from qarl.quant.fastpath.weight_cache import WeightCacheMixin, single_quantizers
 from qarl.quant.kernels.gpu import BoundFakeQuant
 from qarl.quant.mixins import QUANTIZER_CHANGES, TracksQuantizerChanges, mix_in, track_changes
 from qarl.quant.modelopt_compat import (AMAX_BUFFER, amax_buffer, forward_patched_before_conversion,
@@ -38,6 +38,7 @@ from qarl.quant.modelopt_compat import (AMAX_BUFFER, amax_buffer, forward_patche
                                         quantizer_enabled, quantizing)
 from qarl.quant.ops import InputQuant, bound_fake_quant, calibrated_spec, fake_quant_eager
 from qarl.quant.packed import PackedWeightMixin, is_placeholder, packed_linear
+from qarl.quant.straight_through import StraightThrough
 from qarl.torch_compat import compiled_in_place, global_hook_tables, hook_tables, tensor_version
 
 

@@ -44,6 +44,7 @@ from qarl.quant.mixins import TracksQuantizerChanges, mix_in
 from qarl.quant.modelopt_compat import (amax_buffer, amax_tensor, clipping_amax, has_pre_quant_scale_buffer,
                                         pass_through_bwd, pre_quant_scale, quantizing)
 from qarl.quant.ops import calibrated_spec, fake_quant_eager
+from qarl.quant.straight_through import StraightThrough
 from qarl.torch_compat import tensor_version
 
 _optimizer_steps = 0  # optimizer steps since `count_optimizer_steps`
@@ -97,24 +98,6 @@ def derived(owner: nn.Module, name: str, sources: list[torch.Tensor], make: Call
             entry = kept[name] = (key, make())
         _derived_owners.add(owner)
     return entry[1]
-
-
-class StraightThrough(torch.autograd.Function):
-    """Forward: `quantized`, computed without autograd (a cached weight, a layer input's op). Backward:
-    ModelOpt's straight-through estimator to the unquantized tensor."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, quantized: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-        if amax is not None:
-            ctx.save_for_backward(weight, amax)
-        return quantized.view_as(quantized)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if not ctx.saved_tensors:
-            return grad, None, None
-        weight, amax = ctx.saved_tensors
-        return torch.where(weight.abs() <= amax, grad, grad.new_zeros(1)), None, None
 
 
 @dataclass(frozen=True)
