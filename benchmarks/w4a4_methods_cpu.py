@@ -9,6 +9,7 @@ reference answers, teacher-forced: the mean KL(unquantized || quantized) of the 
 token, and how often the two agree on the most likely token. The methods:
   - per-token activation scales (each row's own second-level scale instead of the tensor's);
   - 4-over-6 (each block of 16 mapped to 4 or to 6, whichever has the smaller squared error), weights and inputs;
+  - an online rotation of each input block of 16 by a Hadamard matrix, quantized and rotated back (qarl's);
   - rotations folded into the weights (QuaRot style: norm gains folded into the next layers, the embeddings untied,
     the residual stream rotated by a random orthogonal or a block-Hadamard matrix, values/outputs per head by a
     Hadamard of 64), with the down projection's input rotated online where it says so;
@@ -16,10 +17,10 @@ token, and how often the two agree on the most likely token. The methods:
   - calibration beyond max: each layer's input amax searched for the smallest squared error of its quantized
     calibration inputs (MSE, 0.3-1.0 x max);
   - methods together (mixed precision with 4-over-6 or the MSE amax).
-Per-token scales and 4-over-6 are qarl's own functions (qarl/quant/input_variants.py: the quant configs
-nvfp4_w4a4_per_token.yaml and nvfp4_w4a4_four_over_six.yaml, as the policy and the engine compute them); the other
-methods are simulated from the format's definition, not the engine's path: the screen ranks methods, it is not a
-parity test.
+Per-token scales, 4-over-6 and the online Hadamard are qarl's own functions (qarl/quant/input_variants.py: the quant
+configs nvfp4_w4a4_per_token.yaml, nvfp4_w4a4_four_over_six.yaml and nvfp4_w4a4_hadamard.yaml, as the policy and the
+engine compute them); the other methods are simulated from the format's definition, not the engine's path: the
+screen ranks methods, it is not a parity test.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ SYSTEM = "Solve the problem. End your answer with '#### ' followed by the number
 LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
-def variant(x: torch.Tensor, amax: torch.Tensor, per_token: bool = False, four_over_six: bool = False) -> torch.Tensor:
+def variant(x: torch.Tensor, amax: torch.Tensor, per_token: bool = False, four_over_six: bool = False,
+            hadamard: bool = False) -> torch.Tensor:
     """qarl's NVFP4 input variants as the policy and the engine compute them (qarl/quant/input_variants.py)."""
-    return fake_quant(x, amax, Variant(per_token, four_over_six))
+    return fake_quant(x, amax, Variant(per_token, four_over_six, hadamard))
 
 
 def fp8_input(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -64,8 +66,9 @@ def mse_amax(inputs: list[torch.Tensor], amax: torch.Tensor) -> torch.Tensor:
 
 class Simulated(nn.Module):
     """A linear layer with its weight and input quantized as `mode` says: w4a4 | w4a16 | a4 | w4a4_tok | w4a4_46 |
-    w4a4_46in | w4a4_tok46 | w4a4_mse | w4fp8in | w4a4_up | w4a4_down | none (_up, _down: each input nudged by one
-    ulp before W4A4's quantization, the screen's own noise; _tok: per-token input scales; _46: 4-over-6 block scales of
+    w4a4_46in | w4a4_tok46 | w4a4_tokhad | w4a4_mse | w4fp8in | w4a4_up | w4a4_down | none (_up, _down: each input
+    nudged by one ulp before W4A4's quantization, the screen's own noise; _tok: per-token input scales; had: each
+    input block rotated by a Hadamard of 16 and back; _46: 4-over-6 block scales of
     weights and inputs, _46in of inputs only, as quant_configs/nvfp4_w4a4_four_over_six.yaml). `online`: an
     orthogonal matrix its input is rotated by first (its weight rotated to match)."""
 
@@ -89,8 +92,9 @@ class Simulated(nn.Module):
             x = nvfp4_fake_quant(x, self.amax)
         elif self.mode in ("w4a4_up", "w4a4_down"):  # the screen's noise: each input one ulp off first
             x = nvfp4_fake_quant(x * (1 + (2 ** -23 if self.mode == "w4a4_up" else -2 ** -24)), self.amax)
-        elif self.mode in ("w4a4_tok", "w4a4_46", "w4a4_46in", "w4a4_tok46"):
-            x = variant(x, self.amax, per_token="tok" in self.mode, four_over_six="46" in self.mode)
+        elif self.mode in ("w4a4_tok", "w4a4_46", "w4a4_46in", "w4a4_tok46", "w4a4_tokhad"):
+            x = variant(x, self.amax, per_token="tok" in self.mode, four_over_six="46" in self.mode,
+                        hadamard="had" in self.mode)
         elif self.mode == "w4fp8in":
             x = fp8_input(x, self.amax)
         return x @ self.weight.T
@@ -193,6 +197,8 @@ def methods(hidden: int, intermediate: int, layers: int) -> list[tuple[str, Call
         ("W4A4, 4-over-6 (weights and inputs)", same, everywhere("w4a4_46"), None),
         ("W4A4, 4-over-6 (inputs; quant_configs/nvfp4_w4a4_four_over_six.yaml)", same, everywhere("w4a4_46in"), None),
         ("W4A4, per-token scales and 4-over-6 (inputs)", same, everywhere("w4a4_tok46"), None),
+        ("W4A4, per-token scales, blocks rotated online by a Hadamard of 16 (inputs; quant_configs/"
+         "nvfp4_w4a4_hadamard.yaml)", same, everywhere("w4a4_tokhad"), None),
         ("rotated (random orthogonal), unquantized", rot(orthogonal), everywhere("none"), None),
         ("rotated (random orthogonal), W4A16", rot(orthogonal), everywhere("w4a16"), None),
         ("rotated (random orthogonal), A4 only", rot(orthogonal), everywhere("a4"), None),

@@ -119,7 +119,7 @@ def _bits(settings: dict | None) -> str:
 
 
 def _input_variants(settings: dict) -> list[str]:
-    """The NVFP4 input variants (`qarl.quant.input_variants`: per-token scales, 4-over-6 block scales) that
+    """The NVFP4 input variants (`qarl.quant.input_variants`: per-token scales, 4-over-6 block scales, Hadamard) that
     `quantizer_settings` lists for any decoder linear layer, by name."""
     from qarl.quant.formats import MIXED
     from qarl.quant.input_variants import BACKEND, OPTIONS
@@ -127,8 +127,9 @@ def _input_variants(settings: dict) -> list[str]:
     layers = settings[MIXED].values() if MIXED in settings else [settings]
     on = {option for layer in layers if (layer["input"] or {}).get("backend") == BACKEND
           for option in OPTIONS if (layer["input"].get("backend_extra_args") or {}).get(option)}
-    return [option.replace("_", "-") + (" scales" if option == "per_token" else " block scales")
-            for option in OPTIONS if option in on]
+    names = {"per_token": "per-token scales", "four_over_six": "4-over-6 block scales",
+             "hadamard": "Hadamard-rotated blocks"}
+    return [names[option] for option in OPTIONS if option in on]
 
 
 def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:

@@ -1,17 +1,20 @@
-"""NVFP4 layer inputs quantized in two ways ModelOpt's formats do not have, to cut W4A4's activation error:
+"""NVFP4 layer inputs quantized in ways ModelOpt's formats do not have, to cut W4A4's activation error:
 
 - **per-token scales**: each row (token) of a layer's input gets its own fp32 second-level scale from its own max,
   instead of the one per-tensor scale from the calibrated amax: a token with small activations is not quantized on
   the grid of the layer's largest token;
 - **4-over-6 block scales**: each block of 16 is scaled so that its max maps to 6 (the format as shipped) or to 4,
   whichever gives the smaller squared error of the block (the E2M1 grid is finer near 4: 3 and 4 exist, 5 does not).
+- **Hadamard-rotated blocks** (with per-token scales): each block of 16 is rotated by the normalized 16-point Hadamard
+  matrix before it is quantized and rotated back after, so an outlier's magnitude is spread over its block; the
+  rotation is online, on the input alone (QuaRot's online rotation, without folding anything into the weights).
 
 A quant config chooses them on an input quantizer as a ModelOpt quantization backend (ModelOpt's public
 `register_quant_backend`), with the NVFP4 settings kept so that every part of qarl reads the format as NVFP4::
 
     - quantizer_name: '*input_quantizer'
       cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3},
-            backend: qarl_nvfp4, backend_extra_args: {per_token: true, four_over_six: false}}
+            backend: qarl_nvfp4, backend_extra_args: {per_token: true, four_over_six: false, hadamard: false}}
 
 The policy's quantizers (ModelOpt's forward, or qarl's fast path) and the rollout engine's input op
 (`qarl.quant.ops.fake_quant_input`) call one function, `fake_quant`, a torch.library op (opaque to the engine's
@@ -20,7 +23,7 @@ rounded, sums in a fixed order), so it gives the same bits on CPU and GPU; E4M3 
 even, a zero scale taken as 1; E2M1 codes rounded to nearest, ties to the even code; the result cast to the input's
 dtype. The calibrated amax is still calibrated and synced; per-token scales do not read it.
 
-No engine's real NVFP4 W4A4 kernel computes either (vLLM's takes one input scale per layer from the checkpoint and
+No engine's real NVFP4 W4A4 kernel computes any of them (vLLM's takes one input scale per layer from the checkpoint and
 max-mapped block scales): a model trained with them is a training-time result, its export refused by name
 (`qarl.export.targets.check_target_matches`).
 """
@@ -38,7 +41,7 @@ from qarl.config import ConfigError
 from qarl.quant.straight_through import StraightThrough
 
 BACKEND = "qarl_nvfp4"  # the ModelOpt backend name a quant config gives an input quantizer
-OPTIONS = ("per_token", "four_over_six")  # its backend_extra_args, each a bool
+OPTIONS = ("per_token", "four_over_six", "hadamard")  # its backend_extra_args, each a bool
 BLOCK = 16
 _E4M3_MAX = 448.0
 _INV_GLOBAL = float(torch.tensor(1.0 / (6.0 * _E4M3_MAX), dtype=torch.float32))  # fl32(1/2688)
@@ -47,10 +50,11 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # index parity = the code's ma
 
 @dataclass(frozen=True)
 class Variant:
-    """Which of the two an input quantizer uses (at least one)."""
+    """Which of them an input quantizer uses (at least one; hadamard with per_token)."""
 
     per_token: bool = False
     four_over_six: bool = False
+    hadamard: bool = False
 
 
 def variant_of(quantizer: Any) -> Variant | None:
@@ -72,13 +76,18 @@ def check_config(quant_cfg: list[dict], source: str) -> None:
         name = entry.get("quantizer_name", "")
         where = f"quant config {source}, entry {name!r}"
         if not name.endswith("input_quantizer"):
-            raise ConfigError(f"{where}: backend {BACKEND} quantizes layer inputs only (per-token scales and 4-over-6 "
-                              "block scales of activations); name an '*input_quantizer', keep the weights' NVFP4 as is")
+            raise ConfigError(f"{where}: backend {BACKEND} quantizes layer inputs only (per-token scales, 4-over-6 "
+                              "block scales, Hadamard-rotated blocks of activations); name an '*input_quantizer', keep "
+                              "the weights' NVFP4 as is")
         args = cfg.get("backend_extra_args") or {}
         unknown = sorted(set(args) - set(OPTIONS))
         if unknown or not all(isinstance(v, bool) for v in args.values()) or not any(args.values()):
-            raise ConfigError(f"{where}: backend_extra_args {args} must set {' and/or '.join(OPTIONS)} to true "
-                              f"(booleans{'; unknown: ' + ', '.join(unknown) if unknown else ''})")
+            unknown_text = f"; unknown: {', '.join(unknown)}" if unknown else ""
+            raise ConfigError(f"{where}: backend_extra_args {args} must set {', '.join(OPTIONS[:-1])} and/or "
+                              f"{OPTIONS[-1]} to true (booleans{unknown_text})")
+        if args.get("hadamard") and not args.get("per_token"):
+            raise ConfigError(f"{where}: hadamard rotates each block before it is quantized, so the calibrated amax "
+                              "(of the unrotated inputs) no longer bounds it: set per_token: true beside it")
         sizes = {str(k): v for k, v in (cfg.get("block_sizes") or {}).items()}
         bits = tuple(cfg["num_bits"]) if isinstance(cfg.get("num_bits"), (list, tuple)) else cfg.get("num_bits")
         scale_bits = sizes.get("scale_bits")
@@ -121,12 +130,28 @@ def _squared_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total.unsqueeze(-1)
 
 
-def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool) -> torch.Tensor:
+def _hadamard(blocks: torch.Tensor) -> torch.Tensor:
+    """Each block of 16 times the normalized Hadamard matrix H/4 (symmetric, its own inverse): a fast Walsh-Hadamard
+    transform of four butterfly stages, each an elementwise sum or difference in a fixed order, then x 1/4 (exact):
+    the same bits on any device and for any number of rows, which a matmul would not promise."""
+    out, half = blocks, 1
+    while half < BLOCK:
+        pairs = out.reshape(*out.shape[:-1], BLOCK // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        out = torch.stack((a + b, a - b), dim=-2).reshape(blocks.shape)
+        half *= 2
+    return out * 0.25
+
+
+def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool,
+                hadamard: bool) -> torch.Tensor:
     if x.numel() == 0:
         return x.clone()
     width = x.shape[-1]
     x32 = F.pad(x.float(), (0, -width % BLOCK))
     blocks = x32.reshape(*x32.shape[:-1], -1, BLOCK)
+    if hadamard:
+        blocks = _hadamard(blocks)
     magnitude = blocks.abs()
     if per_token:
         row_max = magnitude.amax(dim=(-2, -1), keepdim=True)
@@ -139,23 +164,25 @@ def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_
         four = _mapped(magnitude, global_scale, 4.0)
         better = _squared_error(four, magnitude) < _squared_error(quantized, magnitude)
         quantized = torch.where(better, four, quantized)
-    out = torch.where(blocks < 0, -quantized, quantized).reshape(x32.shape)[..., :width]
-    return out.to(x.dtype)
+    out = torch.where(blocks < 0, -quantized, quantized)
+    if hadamard:
+        out = _hadamard(out)  # back: the layer multiplies the input in its own basis
+    return out.reshape(x32.shape)[..., :width].to(x.dtype)
 
 
 @torch.library.custom_op("qarl::nvfp4_input_variant", mutates_args=())
-def _op(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool) -> torch.Tensor:
-    return _fake_quant(x.contiguous(), amax, per_token, four_over_six)
+def _op(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool, hadamard: bool) -> torch.Tensor:
+    return _fake_quant(x.contiguous(), amax, per_token, four_over_six, hadamard)
 
 
 @_op.register_fake
-def _(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool) -> torch.Tensor:
+def _(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool, hadamard: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def fake_quant(x: torch.Tensor, amax: torch.Tensor, variant: Variant) -> torch.Tensor:
     """`x` NVFP4-quantized-dequantized as `variant` says, no gradient (callers add the straight-through one)."""
-    return _op(x, amax, variant.per_token, variant.four_over_six)
+    return _op(x, amax, variant.per_token, variant.four_over_six, variant.hadamard)
 
 
 def _modelopt_backend(inputs: torch.Tensor, quantizer: Any) -> torch.Tensor:

@@ -14,8 +14,9 @@ Which layers quantize their input, and how, comes from ModelOpt itself: `input_q
 meta-device copy of the model with the format and reads each enabled input quantizer. Anything it
 holds that this op does not reproduce (per-channel amax, integer formats, output or attention
 quantizers, ...) is refused by name before an engine starts. tests/unit/test_engine_quant.py pins the op
-to `TensorQuantizer.forward` bit for bit. NVFP4 inputs with per-token scales or 4-over-6 block scales (qarl's ModelOpt
-backend, `qarl.quant.input_variants`) go to that module's op, on both sides alike.
+to `TensorQuantizer.forward` bit for bit. NVFP4 inputs with per-token scales, 4-over-6 block scales or
+Hadamard-rotated blocks (qarl's ModelOpt backend, `qarl.quant.input_variants`) go to that module's op, on both sides
+alike.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ class InputQuant:
     """How one layer's input is fake-quantized: NVFP4 with per-tensor amax and dynamic `block_size`
     blocks, or FP8 E4M3 with per-tensor amax. `smoothing`: an AWQ/SmoothQuant scale multiplies the
     input first (a calibration that smooths: the scale arrives with the amax at each refit). `per_token`,
-    `four_over_six`: NVFP4 with each row's own second-level scale, with each block mapped to 4 or 6
-    (`qarl.quant.input_variants`)."""
+    `four_over_six`, `hadamard`: NVFP4 with each row's own second-level scale, with each block mapped to 4 or 6, with
+    each block rotated by a Hadamard matrix and back (`qarl.quant.input_variants`)."""
 
     kind: str
     block_size: int = 0
     smoothing: bool = False
     per_token: bool = False
     four_over_six: bool = False
+    hadamard: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,8 +55,8 @@ class InputQuant:
     @property
     def variant(self) -> input_variants.Variant | None:
         """The NVFP4 input variant this layer uses, None for the format as ModelOpt computes it."""
-        if self.per_token or self.four_over_six:
-            return input_variants.Variant(self.per_token, self.four_over_six)
+        if self.per_token or self.four_over_six or self.hadamard:
+            return input_variants.Variant(self.per_token, self.four_over_six, self.hadamard)
         return None
 
 
@@ -113,7 +115,7 @@ def plain_spec(quantizer: nn.Module) -> InputQuant | None:
             and set(sizes) <= {-1, "type", "scale_bits"} and sizes.get(-1):
         variant = variant or input_variants.Variant()
         return InputQuant(NVFP4, block_size=int(sizes[-1]), per_token=variant.per_token,
-                          four_over_six=variant.four_over_six)
+                          four_over_six=variant.four_over_six, hadamard=variant.hadamard)
     if plain and quantizer.num_bits == (4, 3) and not sizes and quantizer.axis is None:
         return InputQuant(FP8)
     return None
@@ -130,7 +132,7 @@ def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     spec = plain_spec(quantizer)
     if spec is not None:
         return InputQuant(spec.kind, block_size=spec.block_size, smoothing=smoothing, per_token=spec.per_token,
-                          four_over_six=spec.four_over_six)
+                          four_over_six=spec.four_over_six, hadamard=spec.hadamard)
     raise ConfigError(
         f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
         f"FP8 E4M3 (per-tensor amax); the input quantizer of {layer} is neither ({quantizer}). Serve this "
