@@ -21,7 +21,7 @@ alike.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -131,8 +131,7 @@ def input_spec(layer: str, quantizer: nn.Module, smoothing: bool) -> InputQuant:
     """The `InputQuant` of `layer`'s enabled ModelOpt input quantizer, or a ConfigError naming what differs."""
     spec = plain_spec(quantizer)
     if spec is not None:
-        return InputQuant(spec.kind, block_size=spec.block_size, smoothing=smoothing, per_token=spec.per_token,
-                          four_over_six=spec.four_over_six, hadamard=spec.hadamard)
+        return replace(spec, smoothing=smoothing)
     raise ConfigError(
         f"the rollout engine quantizes layer inputs as NVFP4 (per-tensor amax, dynamic E4M3 block scales) or "
         f"FP8 E4M3 (per-tensor amax); the input quantizer of {layer} is neither ({quantizer}). Serve this "
