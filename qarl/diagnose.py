@@ -106,7 +106,14 @@ def expert_inputs(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]
 
 
 def format_keys(also: list[str]) -> dict[str, str]:
-    """FORMATS and the `--also` quant configs, by the key their columns carry (a config's file stem)."""
+    """FORMATS and the `--also` quant configs, by the key their columns carry (a config's file stem); a name that is
+    neither a file nor a ModelOpt config name is refused here, before anything heavy is imported."""
+    from qarl.quant_cfg import find_quant_yaml, shipped_names
+
+    for spec in also:
+        if find_quant_yaml(spec) is None and not spec.endswith("_CFG"):
+            raise ConfigError(f"--also {spec}: no such quant config file; shipped: {', '.join(shipped_names())} (a "
+                              "name or a path), or a ModelOpt config name (..._CFG)")
     extra = {Path(spec).stem: spec for spec in also}
     own = {Path(spec).stem for spec in FORMATS.values()} | set(FORMATS)
     if len(extra) != len(also) or own & set(extra):

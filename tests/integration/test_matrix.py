@@ -229,6 +229,8 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     assert "out err nvfp4_w4a4_four_over_six %" in report_md
     with pytest.raises(ConfigError, match="name each quant config once"):
         run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4.yaml"])
+    with pytest.raises(ConfigError, match="no such quant config file; shipped: fp8_w8a8"):
+        run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4_pertoken.yaml"])
 
 
 def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models):
