@@ -38,13 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from qarl.config import ConfigError
+from qarl.quant.kernels.nvfp4_cpu import E4M3_MAX, INV_GLOBAL_SCALE
 from qarl.quant.straight_through import StraightThrough
 
 BACKEND = "qarl_nvfp4"  # the ModelOpt backend name a quant config gives an input quantizer
 OPTIONS = ("per_token", "four_over_six", "hadamard")  # its backend_extra_args, each a bool
 BLOCK = 16
-_E4M3_MAX = 448.0
-_INV_GLOBAL = float(torch.tensor(1.0 / (6.0 * _E4M3_MAX), dtype=torch.float32))  # fl32(1/2688)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # index parity = the code's mantissa bit: ties go to even
 
 
@@ -116,7 +115,7 @@ def _e2m1(v: torch.Tensor) -> torch.Tensor:
 def _mapped(blocks: torch.Tensor, global_scale: torch.Tensor, top: float) -> torch.Tensor:
     """NVFP4 quantize-dequantize of |blocks| [..., n, 16] with each block's max mapped to `top` (6 or 4)."""
     block_max = blocks.amax(-1, keepdim=True)
-    scale = (block_max / (global_scale * top)).clamp(max=_E4M3_MAX).to(torch.float8_e4m3fn).float() * global_scale
+    scale = (block_max / (global_scale * top)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float() * global_scale
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return _e2m1(blocks / scale) * scale
 
@@ -157,7 +156,7 @@ def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_
         row_max = magnitude.amax(dim=(-2, -1), keepdim=True)
     else:
         row_max = amax.detach().float().reshape(()).to(x.device)
-    global_scale = row_max * _INV_GLOBAL
+    global_scale = row_max * INV_GLOBAL_SCALE
     global_scale = torch.where(global_scale > 0, global_scale, torch.full_like(global_scale, 1e-12))
     quantized = _mapped(magnitude, global_scale, 6.0)
     if four_over_six:

@@ -221,7 +221,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 
     gen = torch.Generator().manual_seed(0)
     amax = torch.tensor(2688.0 / 8)
-    g = float(amax * nv._INV_GLOBAL)
+    g = float(amax * nv.INV_GLOBAL_SCALE)
     assert g == 0.125, g
     codes = nv._E4M3_CODES[(nv._E4M3_CODES >= 2**-6) & (nv._E4M3_CODES <= 448)]
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)

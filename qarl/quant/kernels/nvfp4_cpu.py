@@ -29,9 +29,9 @@ import torch
 from qarl.quant.modelopt_compat import (NVFP4_OP_ARGS, fake_quant_backward, modelopt_dynamic_block_quantize,
                                         override_op_kernels, route_static_nvfp4, save_for_backward_if_needed)
 
-_E4M3_MAX = 448.0
+E4M3_MAX = 448.0
 # fl32(1/2688) as a Python float: fp32 x this constant rounds once, whatever the backend.
-_INV_GLOBAL = float(torch.tensor(1.0 / (6.0 * _E4M3_MAX), dtype=torch.float32))
+INV_GLOBAL_SCALE = float(torch.tensor(1.0 / (6.0 * E4M3_MAX), dtype=torch.float32))
 _GLOBAL_FLOOR = float(torch.tensor(1e-12, dtype=torch.float32))
 _SCALE_FLOOR = float(torch.tensor(1e-5, dtype=torch.float32))
 
@@ -118,7 +118,7 @@ def _global_scale(amax: torch.Tensor) -> torch.Tensor:
     amax = amax.detach().float()
     if amax.numel() != 1:
         amax = amax.amax()
-    return amax.reshape(()) * _INV_GLOBAL
+    return amax.reshape(()) * INV_GLOBAL_SCALE
 
 
 def _tables(
@@ -146,7 +146,7 @@ def _scale_tables(g: float, device: str) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _codes(block_amax: torch.Tensor, rcp6: torch.Tensor) -> torch.Tensor:
     """E4M3 code (int64) of each block's scale: e4m3(min(block_amax / (6 g), 448))."""
-    ratio = torch.fmin(block_amax * rcp6, torch.tensor(_E4M3_MAX, device=block_amax.device))
+    ratio = torch.fmin(block_amax * rcp6, torch.tensor(E4M3_MAX, device=block_amax.device))
     return ratio.to(torch.float8_e4m3fn).view(torch.uint8).long()
 
 
@@ -215,7 +215,7 @@ def nvfp4_block_scales(
 _INV6 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
 
 
-def static_block_scales(amax: torch.Tensor, global_amax: torch.Tensor | None, fp8_max: float = _E4M3_MAX) -> torch.Tensor:
+def static_block_scales(amax: torch.Tensor, global_amax: torch.Tensor | None, fp8_max: float = E4M3_MAX) -> torch.Tensor:
     """ModelOpt's static NVFP4 block scales (``compute_fp4_scales``) as CUDA computes them: s = amax / 6,
     fake-quantized to E4M3 by the FP8 CUDA extension against a = global_amax * (448 / fp8_max) / 6
     (fp8_max 448, or 256 in 4/6 mode). CUDA's tensor / Python-scalar division multiplies by the fp32
@@ -224,11 +224,11 @@ def static_block_scales(amax: torch.Tensor, global_amax: torch.Tensor | None, fp
     s = amax.float() * _INV6
     if global_amax is None:
         global_amax = amax.float().amax()
-    a = global_amax.float().reshape(()) * float(torch.tensor(_E4M3_MAX / fp8_max, dtype=torch.float32)) * _INV6
+    a = global_amax.float().reshape(()) * float(torch.tensor(E4M3_MAX / fp8_max, dtype=torch.float32)) * _INV6
     a = torch.where(a <= 2.0**-24, torch.ones_like(a), a)
-    e = torch.full_like(a, _E4M3_MAX) / a
+    e = torch.full_like(a, E4M3_MAX) / a
     inv = torch.ones_like(e) / e
-    return (s * e).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).float() * inv
+    return (s * e).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * inv
 
 
 @torch.no_grad()
@@ -253,7 +253,7 @@ class _StaticNVFP4(torch.autograd.Function):
     straight-through backward (clipped where |x| > amax unless pass_through_bwd)."""
 
     @staticmethod
-    def forward(ctx, x, amax, global_amax=None, quantize_block_scales=True, fp8_max=_E4M3_MAX, out_dtype=None,
+    def forward(ctx, x, amax, global_amax=None, quantize_block_scales=True, fp8_max=E4M3_MAX, out_dtype=None,
                 pass_through_bwd=False):
         if not quantize_block_scales:
             raise NotImplementedError("static NVFP4 on CPU: block scales are always E4M3 in the shipped formats")
