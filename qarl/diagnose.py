@@ -233,6 +233,10 @@ def run_diagnose(cfg: RecipeConfig, models: list[str], out: Path,
     missing = [m for m in models if m != WARM_START and not Path(m).expanduser().exists()]
     if missing:
         raise ConfigError(f"model {missing[0]!r} does not exist")
+    earlier = out / "diagnose.json"
+    if earlier.is_file() and not cfg.run.overwrite:
+        raise ConfigError(f"--out {out} holds an earlier diagnosis ({earlier}): give another --out, or "
+                          "run.overwrite=true to replace it")
     from qarl.quant import resolve_format
     from qarl.quant.quantize import check_format_fits
     from qarl.tasks import build_task, model_prompt_format

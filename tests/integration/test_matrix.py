@@ -231,6 +231,8 @@ def test_diagnose_statistics_and_report(models, tmp_path):
         run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4.yaml"])
     with pytest.raises(ConfigError, match="no such quant config file; shipped: fp8_w8a8"):
         run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4_pertoken.yaml"])
+    with pytest.raises(ConfigError, match="holds an earlier diagnosis.*run.overwrite=true"):  # it is not replaced
+        run_diagnose(cfg, [models["base"]], tmp_path)
 
 
 def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models):
