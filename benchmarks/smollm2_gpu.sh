@@ -67,10 +67,10 @@
 #     Not yet measured: an estimate of ~4 min for that stage instead of ~8.5.)
 #     (matrix_smollm2_qad.yaml runs beside the third stage, ~4 min; the whole chain as shipped: the same without the
 #     ARGS_, ~28 min.)
-#   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first steps (80 + 60
-#     steps: ~11.5 + 12 = ~24 min, another session):
+#   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first 10 steps (the
+#     recipes' setting since 2026-12-06; 80 + 60 steps: ~11.5 + 12 = ~24 min, another session):
 #       RUNS="qad_base_w4a4 qad_then_qa_grpo_w4a4" ARGS_qad_base_w4a4="trainer.steps=80 eval.every=40" \
-#         ARGS_qad_then_qa_grpo_w4a4="trainer.soft_overlong_start_step=10" bash benchmarks/smollm2_gpu.sh start
+#         bash benchmarks/smollm2_gpu.sh start
 #   On a machine of two GPUs both in one `start` (their RUNS and ARGS_ together) take the longer one's ~24 min.
 set -uo pipefail
 stage="$1"

@@ -41,6 +41,22 @@ def test_shipped_recipes_load(recipe):
     load_recipe(RECIPES / recipe)
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")
+                                           if not p.name.startswith(("matrix_", "parity_"))))
+def test_shipped_recipes_pass_their_commands_checks(recipe):
+    """Each training recipe, run by the command its header names, passes that command's checks as shipped: a
+    setting inherited from another loop's recipe (a GRPO reward knob under QAD) would refuse it only at run time."""
+    import re
+
+    from qarl.config import check_grpo_recipe, check_qad_recipe
+
+    text = (RECIPES / recipe).read_text()
+    command = re.search(rf"qarl (train|distill) recipes/{re.escape(recipe)}", text)
+    assert command, f"{recipe}: its header names no `qarl train` or `qarl distill` command for it"
+    check = {"train": check_grpo_recipe, "distill": check_qad_recipe}[command.group(1)]
+    check(load_recipe(RECIPES / recipe, schema=RecipeConfig))
+
+
 @pytest.mark.parametrize("spec", ["quant_configs/nvfp4_a16.yaml", "nvfp4_w4a4", "fp8_w8a8", "NVFP4_DEFAULT_CFG",
                                   "W4A16_NVFP4_CFG", "FP8_DEFAULT_CFG"])
 def test_quant_configs_resolve(spec):
