@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "step-0 model), the first the reference; then a.b=c recipe overrides")
     diagnose.add_argument("--out", default="runs/diagnose", help="where diagnose.json/.md/.png go")
     diagnose.add_argument("--also", nargs="+", default=[], metavar="QUANT_CFG",
-                          help="more activation formats whose input and output errors are reported beside NVFP4 "
+                          help="more formats whose weight, input and output errors are reported beside NVFP4 "
                                "W4A4's, e.g. quant_configs/nvfp4_w4a4_per_token.yaml")
     diagnose.set_defaults(func=_diagnose)
     config = sub.add_parser("config", help="print a recipe resolved (every default filled in), or every key's "

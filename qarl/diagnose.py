@@ -7,8 +7,8 @@ layer, on the rows routed to that expert), on the recipe's calibration data:
   error        relative reconstruction error ||Q(t) - t|| / ||t|| of the weight and of the inputs in NVFP4
                and in FP8 (ModelOpt's own quantizers, max-calibrated), and of the layer's output when both
                are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most;
-               with `--also QUANT_CFG ...`, the input and output errors of more formats beside them (W4A4 with
-               per-token or 4-over-6 activation scales, mixed formats: what a method does to each layer).
+               with `--also QUANT_CFG ...`, the weight, input and output errors of more formats beside them (W4A4
+               with per-token or 4-over-6 scales, mixed formats: what a method does to each layer).
 Several models (e.g. the base, then runs trained from it) are compared layer by layer: before vs after.
 Writes diagnose.json, diagnose.md and diagnose.png to --out.
 """
@@ -154,8 +154,7 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str],
             for key in formats:
                 layer = layers[key][name]
                 qw, qx = layer.quantized(), layer.input_quantizer(x)
-                if key in FORMATS:  # the others' weights are NVFP4's: their column would repeat it
-                    row[f"weight_error_{key}"] = relative_error(qw, weight)
+                row[f"weight_error_{key}"] = relative_error(qw, weight)
                 row[f"input_error_{key}"] = relative_error(qx, x)
                 row[f"output_error_{key}"] = relative_error(qx @ qw.T, exact)
             report[name] = row
@@ -173,7 +172,8 @@ def markdown(report: dict[str, dict[str, dict[str, Any]]]) -> str:
     first_row = next(iter(next(iter(report.values())).values()))
     extra = [key.removeprefix("output_error_") for key in first_row
              if key.startswith("output_error_") and key.removeprefix("output_error_") not in FORMATS]
-    columns += [c for key in extra for c in ((f"input_error_{key}", f"X err {key} %", 100),
+    columns += [c for key in extra for c in ((f"weight_error_{key}", f"W err {key} %", 100),
+                                              (f"input_error_{key}", f"X err {key} %", 100),
                                               (f"output_error_{key}", f"out err {key} %", 100))]
     parts = []
     for model, layers in report.items():

@@ -61,20 +61,20 @@ def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy,
     assert synced.tokens > 100 and (synced.max_abs, synced.flipped_tokens) == (0.0, 0), synced
 
 
-@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_w4a4_per_token.yaml",
-                                 "quant_configs/nvfp4_w4a4_four_over_six.yaml",
-                                 "quant_configs/nvfp4_w4a4_hadamard.yaml"])
-def test_an_nvfp4_input_variant_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt):
+@pytest.mark.parametrize("fmt, option", [("quant_configs/nvfp4_w4a4_per_token.yaml", "per_token"),
+                                         ("quant_configs/nvfp4_w4a4_four_over_six.yaml", "four_over_six"),
+                                         ("quant_configs/nvfp4_w4a4_hadamard.yaml", "hadamard"),
+                                         ("quant_configs/nvfp4_w4a4_four_over_six_all.yaml", "four_over_six")])
+def test_an_nvfp4_input_variant_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt, option):
     """W4A4 with per-token activation scales, 4-over-6 activation block scales or Hadamard-rotated blocks (qarl's
-    ModelOpt backend): the
-    engine's plan carries the variant for every quantized input, and the engine's log-probs equal the policy's (fp32,
-    CPU); the same model in plain W4A4 gives other log-probs, so the variant is what both sides computed."""
+    ModelOpt backend; `_all`: with ModelOpt's static 4-over-6 weights, which reach the engine folded): the engine's
+    plan carries the variant for every quantized input, and the engine's log-probs equal the policy's (fp32, CPU);
+    the same model in plain W4A4 gives other log-probs, so the variant is what both sides computed."""
     from qarl.quant.ops import input_quant_plan
 
     policy = make_policy(fmt)
     plan = input_quant_plan(policy.model_dir, policy.format)
-    variant = fmt.removeprefix("quant_configs/nvfp4_w4a4_").removesuffix(".yaml")  # the option the config turns on
-    assert plan and all(getattr(spec, variant) for spec in plan.values()), plan
+    assert plan and all(getattr(spec, option) for spec in plan.values()), plan
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
     synced = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)

@@ -214,7 +214,8 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     assert gaussian["kurtosis"] == pytest.approx(3.0, abs=0.05)
     assert gaussian["outlier_fraction"] == pytest.approx(0.0027, abs=0.0005)
     cfg = load_recipe("recipes/matrix_tiny.yaml", [], RecipeConfig)
-    also = ["quant_configs/nvfp4_w4a4_four_over_six.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml"]
+    also = ["quant_configs/nvfp4_w4a4_four_over_six.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml",
+            "quant_configs/nvfp4_w4a4_four_over_six_all.yaml"]
     report = run_diagnose(cfg, [models["base"], models["noisy"]], tmp_path, also)
     layers = report[models["base"]]
     assert len(layers) == 2 * 7
@@ -224,9 +225,13 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     for name, row in layers.items():  # 4-over-6 never errs more on an input; down_proj's input is not quantized
         assert 0 < row["input_error_nvfp4_w4a4_four_over_six"] < row["input_error_nvfp4"]
         assert (row["input_error_nvfp4_w4a4_down_a16"] == 0) == name.endswith("down_proj")
+        assert row["weight_error_nvfp4_w4a4_four_over_six"] == row["weight_error_nvfp4"]  # the same weight quantizer
+    mean = lambda key: sum(row[key] for row in layers.values()) / len(layers)  # noqa: E731
+    # ModelOpt's MSE search of static 4-over-6 weight scales starts at max's scale: it can only err less
+    assert mean("weight_error_nvfp4_w4a4_four_over_six_all") < mean("weight_error_nvfp4")
     report_md = (tmp_path / "diagnose.md").read_text()
     assert (tmp_path / "diagnose.png").is_file() and "change from" in report_md
-    assert "out err nvfp4_w4a4_four_over_six %" in report_md
+    assert "out err nvfp4_w4a4_four_over_six %" in report_md and "W err nvfp4_w4a4_four_over_six_all %" in report_md
     with pytest.raises(ConfigError, match="name each quant config once"):
         run_diagnose(cfg, [models["base"]], tmp_path, ["quant_configs/nvfp4_w4a4.yaml"])
     with pytest.raises(ConfigError, match="no such quant config file; shipped: fp8_w8a8"):
