@@ -18,7 +18,8 @@ A quant config chooses them on an input quantizer as a ModelOpt quantization bac
 
 The policy's quantizers (ModelOpt's forward, or qarl's fast path) and the rollout engine's input op
 (`qarl.quant.ops.fake_quant_input`) call one function, `fake_quant`, a torch.library op (opaque to the engine's
-compiled graph). Its contract is its own, not ModelOpt's kernel's: IEEE fp32 throughout (divisions correctly
+compiled graph; on a GPU one Triton kernel, `qarl/quant/kernels/nvfp4_variant_gpu.py`, which computes the torch
+version here operation for operation). Its contract is its own, not ModelOpt's kernel's: IEEE fp32 throughout (divisions correctly
 rounded, sums in a fixed order), so it gives the same bits on CPU and GPU; E4M3 block scales rounded to nearest
 even, a zero scale taken as 1; E2M1 codes rounded to nearest, ties to the even code; the result cast to the input's
 dtype. The calibrated amax is still calibrated and synced; per-token scales do not read it.
@@ -142,8 +143,9 @@ def _hadamard(blocks: torch.Tensor) -> torch.Tensor:
     return out * 0.25
 
 
-def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool,
-                hadamard: bool) -> torch.Tensor:
+def fake_quant_reference(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool,
+                         hadamard: bool) -> torch.Tensor:
+    """The contract above in torch: the op's implementation on CPU, and what its GPU kernel is checked against."""
     if x.numel() == 0:
         return x.clone()
     width = x.shape[-1]
@@ -171,7 +173,15 @@ def _fake_quant(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_
 
 @torch.library.custom_op("qarl::nvfp4_input_variant", mutates_args=())
 def _op(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool, hadamard: bool) -> torch.Tensor:
-    return _fake_quant(x.contiguous(), amax, per_token, four_over_six, hadamard)
+    return fake_quant_reference(x.contiguous(), amax, per_token, four_over_six, hadamard)
+
+
+@_op.register_kernel("cuda")
+def _(x: torch.Tensor, amax: torch.Tensor, per_token: bool, four_over_six: bool, hadamard: bool) -> torch.Tensor:
+    """On a GPU the same function as one Triton kernel (the torch version above is dozens of launches a call)."""
+    from qarl.quant.kernels import nvfp4_variant_gpu
+
+    return nvfp4_variant_gpu.fake_quant(x.contiguous(), amax, per_token, four_over_six, hadamard)
 
 
 @_op.register_fake

@@ -253,3 +253,62 @@ def test_nvfp4_kernel_in_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+VARIANTS = [(True, False, False), (False, True, False), (True, True, False), (True, False, True), (True, True, True)]
+
+
+def variant_kernel_mismatches(device: str) -> list[tuple]:
+    """The NVFP4 input variants' Triton kernel (nvfp4_variant_gpu) against their torch function on `device`, bit for
+    bit: random rows spanning five decades, zeros and tiny negatives, ragged widths, rows of more blocks than a
+    program takes at a time, and planted ties (a row max and an amax of 2688 make the global scale 1.0, per token
+    and per tensor; a block max of 6 * s makes the block's scale s, a power of two or 448, and puts its other
+    elements on E2M1's midpoints; a block max of 102 puts its scale on a tie of E4M3's, 17 between 16 and 18).
+    The cases that differ, with the count of elements."""
+    from qarl.quant.input_variants import fake_quant_reference
+    from qarl.quant.kernels import nvfp4_variant_gpu
+
+    gen = torch.Generator().manual_seed(0)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 6.0, 0.5, 3.0, 1.5, 4.0, 2.0, 1.0])
+    tied = torch.cat([torch.cat([torch.tensor([6.0 * s]), -mids * s]) for s in (448.0, 2.0**-3, 1.0, 4.0)]
+                     + [torch.tensor([102.0] + [0.5 * 17] * 15)]).reshape(1, 80)
+    cases = [(tied, torch.tensor(2688.0))]
+    for shape in [(3, 64), (5, 40), (2, 3, 300), (4, 7)]:
+        x = torch.randn(shape, generator=gen) * torch.logspace(-3, 2, shape[-1])
+        x.view(-1)[::7] = 0.0
+        x.view(-1)[3::11] *= -1e-4
+        cases.append((x, x.abs().amax() * 0.7))
+    bad = []
+    for x, amax in cases:
+        for dtype in DTYPES:
+            xd, ad = x.to(dtype).to(device), amax.to(device)
+            for per_token, four_over_six, hadamard in VARIANTS:
+                ref = fake_quant_reference(xd, ad, per_token, four_over_six, hadamard)
+                y = nvfp4_variant_gpu.fake_quant(xd, ad, per_token, four_over_six, hadamard)
+                differ = int((y.view(INT_VIEW[dtype]) != ref.view(INT_VIEW[dtype])).sum())
+                if y.dtype != dtype or differ:
+                    bad.append((tuple(x.shape), dtype, per_token, four_over_six, hadamard, differ))
+    return bad
+
+
+def test_nvfp4_variant_kernel_in_triton_interpreter():
+    """The variant kernel's arithmetic is the torch function's, checked on CPU in Triton's interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = ("from tests.integration.test_gpu_kernels import variant_kernel_mismatches as m; "
+              "bad = m('cpu'); print(bad); raise SystemExit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@gpu
+@needs_gpu
+def test_nvfp4_variant_kernel_is_the_torch_function_on_the_gpu():
+    """Compiled for the GPU (divisions correctly rounded, no fused multiply-adds), the variant kernel gives the torch
+    function's bits there too, and the op runs it on CUDA tensors."""
+    from qarl.quant.input_variants import Variant, fake_quant, fake_quant_reference
+
+    assert variant_kernel_mismatches("cuda") == []
+    x, amax = torch.randn(8, 96, device="cuda", dtype=torch.bfloat16), torch.tensor(3.0, device="cuda")
+    assert torch.equal(fake_quant(x, amax, Variant(four_over_six=True)), fake_quant_reference(x, amax, False, True, False))
