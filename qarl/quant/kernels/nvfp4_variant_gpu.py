@@ -12,10 +12,9 @@ the torch implementation on a GPU):
   zeros) and added to the running total;
 - the Hadamard's butterflies as the torch version stacks them: element i of a pair group of 2h gets `x[i] + x[i + h]`
   below h, `x[i - h] - x[i]` from h on, four stages, then x 1/4;
-- E2M1 by thresholds (`<= .25` 0, `< .75` .5, `<= 1.25` 1, `< 1.75` 1.5, `<= 2.5` 2, `< 3.5` 3, `<= 5` 4, else 6):
-  the nearest value with ties to the even code, as the torch version's search finds it;
-- E4M3 block scales rounded by arithmetic, not by Triton's cast to float8 (which Triton's interpreter rounds wrongly
-  where a value rounds up to the next power of two: 31 to 16, not 32);
+- E2M1 values and E4M3 block scales rounded to nearest, ties to the even code, by fp32 arithmetic (`to_grid`), as the
+  torch version's search and cast find them; not by Triton's cast to float8, which Triton's interpreter rounds wrongly
+  where a value rounds up to the next power of two (31 to 16, not 32);
 - a negative input's value negated by its sign bit (torch's `-q`, which gives -0 for 0; Triton's unary minus was
   `0 - q` up to 3.6).
 
@@ -40,6 +39,7 @@ def butterfly(x, HALF: tl.constexpr, BLOCKS: tl.constexpr):
     y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
     return tl.reshape(y, (BLOCKS, 16))
 
+
 @triton.jit
 def hadamard(x, BLOCKS: tl.constexpr):
     x = butterfly(x, 1, BLOCKS)
@@ -48,13 +48,15 @@ def hadamard(x, BLOCKS: tl.constexpr):
     x = butterfly(x, 8, BLOCKS)
     return x * 0.25
 
+
 @triton.jit
-def e4m3(v):
-    """v in [0, 448] to the nearest E4M3 value, ties to even, by arithmetic: v plus and minus 2^(e + 20) (e: v's
-    exponent, at least E4M3's smallest normal one, -6) rounds v to a multiple of E4M3's step 2^(e - 3) at v, as fp32
-    addition rounds (to nearest, ties to even)."""
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
-    magic = ((exponent + 147) << 23).to(tl.float32, bitcast=True)
+def to_grid(v, MIN_EXPONENT: tl.constexpr, MANTISSA_BITS: tl.constexpr):
+    """v >= 0 to the nearest value of a small float format (E4M3: -6, 3; E2M1: 0, 1) at or below its largest, ties to
+    even, by arithmetic: with e v's exponent (at least the format's smallest normal one), v + 2^(e - bits + 23) rounds
+    v to a multiple of the format's step 2^(e - bits) there, as fp32 addition rounds, and subtracting it again is
+    exact."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127, MIN_EXPONENT)
+    magic = ((exponent + (150 - MANTISSA_BITS)) << 23).to(tl.float32, bitcast=True)
     return (v + magic) - magic
 
 
@@ -62,17 +64,10 @@ def e4m3(v):
 def mapped(magnitude, g, TOP: tl.constexpr):
     """NVFP4 quantize-dequantize of magnitude [BLOCKS, 16] with each block's max mapped to TOP."""
     scale = tl.math.div_rn(tl.max(magnitude, axis=1, keep_dims=True), g * TOP)
-    scale = e4m3(tl.minimum(scale, 448.0)) * g  # 448: E4M3's max
+    scale = to_grid(tl.minimum(scale, 448.0), -6, 3) * g  # E4M3, whose largest value is 448
     scale = tl.where(scale == 0.0, 1.0, scale)
-    r = tl.minimum(tl.math.div_rn(magnitude, scale), 6.0)
-    q = tl.where(r <= 5.0, 4.0, 6.0)
-    q = tl.where(r < 3.5, 3.0, q)
-    q = tl.where(r <= 2.5, 2.0, q)
-    q = tl.where(r < 1.75, 1.5, q)
-    q = tl.where(r <= 1.25, 1.0, q)
-    q = tl.where(r < 0.75, 0.5, q)
-    q = tl.where(r <= 0.25, 0.0, q)
-    return q * scale
+    return to_grid(tl.minimum(tl.math.div_rn(magnitude, scale), 6.0), 0, 1) * scale  # E2M1, largest 6
+
 
 @triton.jit
 def squared_error(a, b, lane):
