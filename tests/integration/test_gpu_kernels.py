@@ -311,4 +311,5 @@ def test_nvfp4_variant_kernel_is_the_torch_function_on_the_gpu():
 
     assert variant_kernel_mismatches("cuda") == []
     x, amax = torch.randn(8, 96, device="cuda", dtype=torch.bfloat16), torch.tensor(3.0, device="cuda")
-    assert torch.equal(fake_quant(x, amax, Variant(four_over_six=True)), fake_quant_reference(x, amax, False, True, False))
+    assert torch.equal(fake_quant(x, amax, Variant(four_over_six=True)),
+                       fake_quant_reference(x, amax, False, True, False))
