@@ -21,8 +21,8 @@ The policy's quantizers (ModelOpt's forward, or qarl's fast path) and the rollou
 compiled graph; on a GPU one Triton kernel, `qarl/quant/kernels/nvfp4_variant_gpu.py`, which computes the torch
 version here operation for operation). Its contract is its own, not ModelOpt's kernel's: IEEE fp32 throughout
 (divisions correctly rounded, sums in a fixed order), so it gives the same bits on CPU and GPU; E4M3 block scales
-rounded to nearest even, a zero scale taken as 1; E2M1 codes rounded to nearest, ties to the even code; the result cast to the input's
-dtype. The calibrated amax is still calibrated and synced; per-token scales do not read it.
+rounded to nearest even, a zero scale taken as 1; E2M1 codes rounded to nearest, ties to the even code; the result
+cast to the input's dtype. The calibrated amax is still calibrated and synced; per-token scales do not read it.
 
 No engine's real NVFP4 W4A4 kernel computes any of them (vLLM's takes one input scale per layer from the checkpoint and
 max-mapped block scales): a model trained with them is a training-time result, its export refused by name
