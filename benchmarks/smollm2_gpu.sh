@@ -40,6 +40,9 @@
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the three tables and the learning curves, as one
 #             tar (unpack it into benchmarks/results/gpu/)
+#   methods_step OUT  the W4A4 activation methods' step time (issue 72): QA-GRPO W4A4 with the exact forward in each
+#             of METHODS' quant configs, 8 steps, no evaluation, all side by side on the first GPU (~4 min on an H100);
+#             each run's metrics.jsonl and log into OUT (benchmarks/results/gpu/w4a4_methods_h100/ has the first)
 # Runs sharing a GPU do not let their engines sleep (a sleeping engine frees memory, which a neighbour's start-up
 # would see), update in micro-batches of 8 (memory), and each engine takes a fixed KV cache of KV_GIB (with it vLLM
 # skips its start-up memory profile, which fails when a neighbour frees memory meanwhile).
@@ -295,6 +298,19 @@ case "$stage" in
     cp "$out"/*.log "/tmp/$keep/"
     python3 benchmarks/smollm2_curves.py "/tmp/$keep" --out "/tmp/$keep/curves.png"
     tar -cf "${2:?keep TAR}" -C /tmp "$keep"
+    ;;
+  methods_step)
+    dir="${2:?methods_step OUT}"; mkdir -p "$dir"
+    for q in ${METHODS:-nvfp4_w4a4 nvfp4_w4a4_per_token nvfp4_w4a4_four_over_six nvfp4_w4a4_hadamard \
+                         nvfp4_w4a4_four_over_six_all nvfp4_w4a4_down_a16}; do
+      [ -f "quant_configs/$q.yaml" ] || refuse "METHODS: quant_configs/$q.yaml does not exist"
+      CUDA_VISIBLE_DEVICES=0 python3 -m qarl.cli train recipes/qa_grpo_smollm2_w4a4.yaml "run.dir=/tmp/methods_step/$q" \
+        run.overwrite=true "policy.quant_cfg=quant_configs/$q.yaml" trainer.steps=8 eval.every=0 \
+        trainer.soft_overlong_start_step=0 "${SHARED[@]}" > "$dir/step_$q.log" 2>&1 < /dev/null &
+      sleep 3  # the engines start one after another
+    done
+    wait
+    for run in /tmp/methods_step/*/; do cp "$run/metrics.jsonl" "$dir/step_$(basename "$run").metrics.jsonl"; done
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
