@@ -261,7 +261,7 @@ VARIANTS = [(True, False, False), (False, True, False), (True, True, False), (Tr
 def variant_kernel_mismatches(device: str) -> list[tuple]:
     """The NVFP4 input variants' Triton kernel (nvfp4_variant_gpu) against their torch function on `device`, bit for
     bit: random rows spanning five decades, zeros and tiny negatives, ragged widths, rows of more blocks than a
-    program takes at a time, and planted ties (a row max and an amax of 2688 make the global scale 1.0, per token
+    program takes at a time, NaN and inf inputs, and planted ties (a row max and an amax of 2688 make the global scale 1.0, per token
     and per tensor; a block max of 6 * s makes the block's scale s, a power of two or 448, and puts its other
     elements on E2M1's midpoints; a block max of 102 puts its scale on a tie of E4M3's, 17 between 16 and 18).
     The cases that differ, with the count of elements."""
@@ -278,6 +278,9 @@ def variant_kernel_mismatches(device: str) -> list[tuple]:
         x.view(-1)[::7] = 0.0
         x.view(-1)[3::11] *= -1e-4
         cases.append((x, x.abs().amax() * 0.7))
+    poisoned = cases[1][0].clone()
+    poisoned[1, 5], poisoned[2, 40] = float("nan"), float("inf")  # a non-finite input stays non-finite, as in torch
+    cases.append((poisoned, cases[1][1]))
     bad = []
     for x, amax in cases:
         for dtype in DTYPES:
@@ -285,7 +288,9 @@ def variant_kernel_mismatches(device: str) -> list[tuple]:
             for per_token, four_over_six, hadamard in VARIANTS:
                 ref = fake_quant_reference(xd, ad, per_token, four_over_six, hadamard)
                 y = nvfp4_variant_gpu.fake_quant(xd, ad, per_token, four_over_six, hadamard)
-                differ = int((y.view(INT_VIEW[dtype]) != ref.view(INT_VIEW[dtype])).sum())
+                nan = ref.isnan()  # where both are NaN their payloads may differ
+                bits_differ = y.view(INT_VIEW[dtype]) != ref.view(INT_VIEW[dtype])
+                differ = int((y.isnan() != nan).sum() + bits_differ[~nan].sum())
                 if y.dtype != dtype or differ:
                     bad.append((tuple(x.shape), dtype, per_token, four_over_six, hadamard, differ))
     return bad

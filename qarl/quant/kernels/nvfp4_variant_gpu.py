@@ -15,6 +15,7 @@ the torch implementation on a GPU):
 - E2M1 values and E4M3 block scales rounded to nearest, ties to the even code, by fp32 arithmetic (`to_grid`), as the
   torch version's search and cast find them; not by Triton's cast to float8, which Triton's interpreter rounds wrongly
   where a value rounds up to the next power of two (31 to 16, not 32);
+- a NaN kept through every max and min, as torch's `amax` and `clamp` keep it (Triton's drop it by default);
 - a negative input's value negated by its sign bit (torch's `-q`, which gives -0 for 0; Triton's unary minus was
   `0 - q` up to 3.6).
 
@@ -29,6 +30,12 @@ import triton.language as tl
 
 BLOCKS_PER_ITERATION = 16  # 16-element blocks a program handles at a time: 256 elements
 NUM_WARPS = 2
+
+
+@triton.jit
+def nan_max(a, b):
+    """max that keeps a NaN, as torch's amax does (Triton's max drops it by default)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -63,10 +70,12 @@ def to_grid(v, MIN_EXPONENT: tl.constexpr, MANTISSA_BITS: tl.constexpr):
 @triton.jit
 def mapped(magnitude, g, TOP: tl.constexpr):
     """NVFP4 quantize-dequantize of magnitude [BLOCKS, 16] with each block's max mapped to TOP."""
-    scale = tl.math.div_rn(tl.max(magnitude, axis=1, keep_dims=True), g * TOP)
-    scale = to_grid(tl.minimum(scale, 448.0), -6, 3) * g  # E4M3, whose largest value is 448
+    scale = tl.math.div_rn(tl.reduce(magnitude, 1, nan_max, keep_dims=True), g * TOP)
+    scale = tl.minimum(scale, 448.0, propagate_nan=tl.PropagateNan.ALL)  # E4M3's largest value
+    scale = to_grid(scale, -6, 3) * g  # E4M3
     scale = tl.where(scale == 0.0, 1.0, scale)
-    return to_grid(tl.minimum(tl.math.div_rn(magnitude, scale), 6.0), 0, 1) * scale  # E2M1, largest 6
+    r = tl.minimum(tl.math.div_rn(magnitude, scale), 6.0, propagate_nan=tl.PropagateNan.ALL)  # E2M1's largest
+    return to_grid(r, 0, 1) * scale  # E2M1
 
 
 @triton.jit
@@ -100,8 +109,8 @@ def variant_kernel(x_ptr, y_ptr, amax_ptr, n_cols, blocks_per_row, PER_TOKEN: tl
         running = tl.zeros((BLOCKS, 16), tl.float32)
         for first in range(0, blocks_per_row, BLOCKS):
             x, col, mask = load_blocks(x_ptr, row_start, first, blocks_per_row, n_cols, BLOCKS, HADAMARD)
-            running = tl.maximum(running, tl.abs(x))
-        row_max = tl.max(tl.max(running, axis=1), axis=0)
+            running = nan_max(running, tl.abs(x))
+        row_max = tl.reduce(tl.reduce(running, 1, nan_max), 0, nan_max)
     else:
         row_max = tl.load(amax_ptr).to(tl.float32)
     g = row_max * 0.00037202381645329297  # exactly fl32(1/2688), input_variants' INV_GLOBAL_SCALE
