@@ -261,10 +261,10 @@ VARIANTS = [(True, False, False), (False, True, False), (True, True, False), (Tr
 def variant_kernel_mismatches(device: str) -> list[tuple]:
     """The NVFP4 input variants' Triton kernel (nvfp4_variant_gpu) against their torch function on `device`, bit for
     bit: random rows spanning five decades, zeros and tiny negatives, ragged widths, rows of more blocks than a
-    program takes at a time, NaN and inf inputs, and planted ties (a row max and an amax of 2688 make the global scale 1.0, per token
-    and per tensor; a block max of 6 * s makes the block's scale s, a power of two or 448, and puts its other
-    elements on E2M1's midpoints; a block max of 102 puts its scale on a tie of E4M3's, 17 between 16 and 18).
-    The cases that differ, with the count of elements."""
+    program takes at a time, NaN and inf inputs, and planted ties (a row max and an amax of 2688 make the global
+    scale 1.0, per token and per tensor; a block max of 6 * s makes the block's scale s, a power of two or 448, and
+    puts its other elements on E2M1's midpoints; a block max of 102 puts its scale on a tie of E4M3's, 17 between 16
+    and 18). The cases that differ, with the count of elements."""
     from qarl.quant.input_variants import fake_quant_reference
     from qarl.quant.kernels import nvfp4_variant_gpu
 
