@@ -177,6 +177,8 @@ def test_a_checkpoints_format_keeps_its_variant():
 
 @pytest.mark.parametrize("fmt, named", [(PER_TOKEN, "per-token scales"), (FOUR_OVER_SIX, "4-over-6 block scales"),
                                         ("quant_configs/nvfp4_w4a4_four_over_six_all.yaml", "4-over-6 block scales"),
+                                        ("quant_configs/nvfp4_w4a4_four_over_six_all_down_a16.yaml",
+                                         "4-over-6 block scales"),
                                         (HADAMARD, "per-token scales and Hadamard-rotated blocks")])
 def test_an_export_refuses_a_variant_by_name(fmt, named):
     for target in ("nvfp4_w4a4_modelopt", "nvfp4_w4a4_compressed_tensors"):
