@@ -22,15 +22,19 @@
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
 #             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
-#             after them, each W4A4 model trained and exported: the W4A4 study's table). Each run's exit status goes
+#             after them, each W4A4 model trained and exported: the W4A4 study's table),
+#             matrix_smollm2_w4a4_chain_methods.yaml (the same chain in the W4A4 methods' quant config, kinds
+#             qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods: trained only). Each run's exit status goes
 #             to runs/smollm2/NAME.rc; a run whose start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so
 #             do its own dependents'), and so is a matrix with a run that did not succeed; pipeline.log names the
-#             failed run. MATRICES="NAME ..." runs only these matrices (each still when its runs are done).
+#             failed run. MATRICES="NAME ..." runs only these matrices (each still when its runs are done);
+#             MATRICES=none runs none (the runs' own evaluations only: a session too short for a matrix).
 #             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
 #             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
 #             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
 #             the QAD from the base of their seed (qad_base_w4a16, qad_base_w4a4); the third stage of GRPO, QAD, then
-#             QA-GRPO W4A4 (qad_grpo_then_qa_grpo_w4a4) from qad_w4a4's.
+#             QA-GRPO W4A4 (qad_grpo_then_qa_grpo_w4a4) from qad_w4a4's; the methods chain likewise (qad_w4a4_methods
+#             from grpo_bf16, qad_grpo_then_qa_grpo_w4a4_methods from qad_w4a4_methods).
 #             A kind in RUNS may name its own seeds, KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5: more seeds of a row;
 #             the matrices name seeds 0-2, so a kind given other seeds makes no table).
 #             ARGS_KIND="key=value ..." adds recipe overrides to every run of KIND, a kind in RUNS (e.g.
@@ -56,20 +60,19 @@
 # 11.8-12.0 min (9.6-9.9 s a step, 8.6 s of it the update, whatever the answers' length). QAD from the GRPO model,
 # 100 steps (2026-11-29, more_seeds/): ~10 min (4.0 s a step: its answers are short). The seeds run side by side, so
 # a chain of kinds costs the sum of its stages whatever the number of seeds:
-#   GRPO, QAD, then QA-GRPO W4A4 as shipped (60 + 100 + 60 steps): 6 + 10 + 12 = ~28 min: no fit in a ~20-minute
-#     session. With QAD at 50 steps and the third stage at 40 (6 + 6.5 + 8.5 = ~21 min: 40 x 9.75 s and ~2 min of
-#     start-up and evaluations), the three seeds about fit; the next GPU session's command (not yet measured; `wait
-#     600` until it is done, then `keep`). QAD at 50 steps starts stage 3 below the 100-step QAD's 49.0 %: the
-#     100-step runs read 43-46 % at step 50 (more_seeds/, matrix/; an estimate, their cosine schedule ran over 100):
-#       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" ARGS_qad_w4a4="trainer.steps=50" \
+#   On one H100 (2026-12-06 night, qad_methods/): GRPO, three runs: 5.3 min; QAD from the GRPO model with six runs
+#   sharing: 12-15 s a step, with two: 3.2-3.9 s (GPU-bound); QAD at 50 steps (its cosine over 50) ends at 33.7 %
+#   against the 100-step QAD's 49.0 %, so the chain keeps QAD at 100 steps.
+#   GRPO, QAD, then QA-GRPO W4A4, stage 3 at 40 steps: ~5.5 + ~11 + ~6 = ~23 min with no matrix (the runs' own
+#     evaluations, both splits, give the trained rows; the chain's matrix with its exports, ~10 min more, needs a
+#     session of its own). Not yet measured:
+#       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES=none \
 #         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40 trainer.micro_batch_size=32" \
 #         bash benchmarks/smollm2_gpu.sh start
-#     (The third stage updates in micro-batches of 32 rows, not SHARED's 8: the exact forward's update of this small
+#     (the methods chain: the kinds qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods in their place). The
+#     third stage updates in micro-batches of 32 rows, not SHARED's 8: the exact forward's update of this small
 #     model waits on kernel launches, a fixed cost per micro-batch (8.6 s of its 9.75 s step whatever the answers'
 #     length, with 32 micro-batches), and its three runs share the GPU alone by then; the plan gives 16.6 GiB each.
-#     Not yet measured: an estimate of ~4 min for that stage instead of ~8.5.)
-#     (matrix_smollm2_qad.yaml runs beside the third stage, ~4 min; the whole chain as shipped: the same without the
-#     ARGS_, ~28 min.)
 #   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first 10 steps (the
 #     recipes' setting since 2026-12-06; 80 + 60 steps: ~11.5 + 12 = ~24 min, another session):
 #       RUNS="qad_base_w4a4 qad_then_qa_grpo_w4a4" ARGS_qad_base_w4a4="trainer.steps=80 eval.every=40" \
@@ -100,13 +103,17 @@ declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a1
                 [qad_then_qa_grpo_w4a16]="train recipes/qad_then_qa_grpo_smollm2.yaml"
                 [qad_base_w4a4]="distill recipes/qad_smollm2_w4a4_from_base.yaml"
                 [qad_then_qa_grpo_w4a4]="train recipes/qad_then_qa_grpo_smollm2_w4a4.yaml"
-                [qad_grpo_then_qa_grpo_w4a4]="train recipes/qad_grpo_then_qa_grpo_smollm2_w4a4.yaml")
+                [qad_grpo_then_qa_grpo_w4a4]="train recipes/qad_grpo_then_qa_grpo_smollm2_w4a4.yaml"
+                [qad_w4a4_methods]="distill recipes/qa_distillation_smollm2_w4a4_methods.yaml"
+                [qad_grpo_then_qa_grpo_w4a4_methods]="train recipes/qad_grpo_then_qa_grpo_smollm2_w4a4_methods.yaml")
 # the kinds that start from another kind's run of the same seed, as KEY=KIND: the recipe key that names that run
 # (QAD's teacher, a later stage's start) and the kind; the run waits until that one is done
 declare -A FROM=([qad_w4a4]=teacher.model_name=grpo_bf16
                  [qad_then_qa_grpo_w4a16]=policy.model_name=qad_base_w4a16
                  [qad_then_qa_grpo_w4a4]=policy.model_name=qad_base_w4a4
-                 [qad_grpo_then_qa_grpo_w4a4]=policy.model_name=qad_w4a4)
+                 [qad_grpo_then_qa_grpo_w4a4]=policy.model_name=qad_w4a4
+                 [qad_w4a4_methods]=teacher.model_name=grpo_bf16
+                 [qad_grpo_then_qa_grpo_w4a4_methods]=policy.model_name=qad_w4a4_methods)
 
 refuse() { echo "smollm2_gpu.sh: $1" >&2; exit 2; }
 
@@ -136,9 +143,9 @@ check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2
       || refuse "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS"
   done < <(planned)
   for name in $MATRICES; do  # a misspelled matrix would be skipped without a word
-    [[ "$name" == matrix_smollm2* && -f "recipes/$name.yaml" ]] \
-      || refuse "MATRICES: $name is none of the pipeline's matrices: $(cd recipes && ls matrix_smollm2*.yaml \
-                | sed 's/\.yaml$//' | xargs)"
+    [[ "$MATRICES" == none || ( "$name" == matrix_smollm2* && -f "recipes/$name.yaml" ) ]] \
+      || refuse "MATRICES: $name is none of the pipeline's matrices (or none alone): $(cd recipes \
+                && ls matrix_smollm2*.yaml | sed 's/\.yaml$//' | xargs)"
   done
   for var in $(compgen -v ARGS_); do  # a misspelled kind would leave its runs at the recipe's settings
     [[ "$kinds" == *" ${var#ARGS_} "* ]] \
@@ -262,6 +269,7 @@ case "$stage" in
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
     matrix "$last" matrix_smollm2_kv_cache_default qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8_default &
     matrix "$last" matrix_smollm2_w4a4_chain grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 &
+    matrix "$last" matrix_smollm2_w4a4_chain_methods grpo_bf16 qad_w4a4_methods qad_grpo_then_qa_grpo_w4a4_methods &
     while [ "${#pending[@]}" -gt 0 ]; do  # the first pending run that is ready, on a free slot; or one that never is
       gpu="$(free_gpu)"
       for i in "${!pending[@]}"; do
