@@ -19,7 +19,9 @@ LABELS = {"grpo_bf16": "GRPO (bf16)", "qa_grpo_w4a16": "QA-GRPO NVFP4 W4A16", "q
           "qad_then_qa_grpo_w4a4": "QAD, then QA-GRPO NVFP4 W4A4 (stage 2, exact)",
           "qad_base_w4a16": "QAD NVFP4 W4A16 from the base (stage 1)",
           "qad_then_qa_grpo_w4a16": "QAD, then QA-GRPO NVFP4 W4A16 (stage 2)",
-          "qad_grpo_then_qa_grpo_w4a4": "GRPO, QAD, then QA-GRPO NVFP4 W4A4 (stage 3, exact)"}
+          "qad_grpo_then_qa_grpo_w4a4": "GRPO, QAD, then QA-GRPO NVFP4 W4A4 (stage 3, exact)",
+          "qad_w4a4_methods": "QAD NVFP4 W4A4, the methods together",
+          "qad_grpo_then_qa_grpo_w4a4_methods": "GRPO, QAD, then QA-GRPO W4A4, the methods together (stage 3, exact)"}
 
 
 def curves(folder: Path) -> dict[str, list[list[tuple[int, float]]]]:
@@ -48,9 +50,13 @@ def main() -> None:
         color = f"C{i}"
         for points in seeds:
             ax.plot(*zip(*points), color=color, alpha=0.3, lw=0.8)
-        steps = sorted(set.intersection(*(set(s for s, _ in points) for points in seeds)))
-        means = [sum(dict(points)[s] for points in seeds) / len(seeds) for s in steps]
-        ax.plot(steps, means, color=color, lw=2.2, label=f"{LABELS.get(kind, kind)} ({len(seeds)} seeds)")
+        last = max(step for points in seeds for step, _ in points)  # a seed stopped early: drawn, not averaged
+        whole = [points for points in seeds if points[-1][0] == last]
+        steps = sorted(set.intersection(*(set(s for s, _ in points) for points in whole)))
+        means = [sum(dict(points)[s] for points in whole) / len(whole) for s in steps]
+        stopped = f"; {len(seeds) - len(whole)} stopped early" if len(whole) < len(seeds) else ""
+        ax.plot(steps, means, color=color, lw=2.2, marker="o" if len(steps) < 3 else None,
+                label=f"{LABELS.get(kind, kind)} ({len(whole)} seed{'s' if len(whole) != 1 else ''}{stopped})")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (greedy; QA-GRPO: quantized)")
     ax.grid(alpha=0.3)
