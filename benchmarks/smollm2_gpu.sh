@@ -21,8 +21,8 @@
 #             W4A16 and FP8 and their exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
-#             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO, QAD W4A4 and the third stage
-#             after them, each W4A4 model trained and exported: the W4A4 study's table),
+#             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO and the third stage after QAD
+#             W4A4, trained and exported: the W4A4 study's table; its QAD students in matrix_smollm2_qad.yaml),
 #             matrix_smollm2_w4a4_chain_methods.yaml (the same chain in the W4A4 methods' quant config, kinds
 #             qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods: trained only). Each run's exit status goes
 #             to runs/smollm2/NAME.rc; a run whose start failed (.rc not 0) is skipped (its .rc reads `skipped`, and so
