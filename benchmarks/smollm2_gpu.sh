@@ -64,8 +64,8 @@
 #   sharing: 12-15 s a step, with two: 3.2-3.9 s (GPU-bound); QAD at 50 steps (its cosine over 50) ends at 33.7 %
 #   against the 100-step QAD's 49.0 %, so the chain keeps QAD at 100 steps.
 #   GRPO, QAD, then QA-GRPO W4A4, stage 3 at 40 steps: ~5.5 + ~11 + ~6 = ~23 min with no matrix (the runs' own
-#     evaluations, both splits, give the trained rows; the chain's matrix with its exports, ~10 min more, needs a
-#     session of its own). Not yet measured:
+#     evaluations, both splits, give the trained rows); with MATRICES="matrix_smollm2_qad matrix_smollm2_w4a4_chain"
+#     (the QAD table beside stage 3, the chain's with its three exports after it) ~28 min. Not yet measured:
 #       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES=none \
 #         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40 trainer.micro_batch_size=32" \
 #         bash benchmarks/smollm2_gpu.sh start
