@@ -142,8 +142,8 @@ check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2
     [ -z "$first" ] || [[ "$names" == *" $first "* ]] \
       || refuse "${kind}_s$seed starts from $first, which RUNS does not run: add ${first%_s*} with seed $seed to RUNS"
   done < <(planned)
-  for name in $MATRICES; do  # a misspelled matrix would be skipped without a word
-    [[ "$MATRICES" == none || ( "$name" == matrix_smollm2* && -f "recipes/$name.yaml" ) ]] \
+  [ "$MATRICES" = none ] || for name in $MATRICES; do  # a misspelled matrix would be skipped without a word
+    [[ "$name" == matrix_smollm2* && -f "recipes/$name.yaml" ]] \
       || refuse "MATRICES: $name is none of the pipeline's matrices (or none alone): $(cd recipes \
                 && ls matrix_smollm2*.yaml | sed 's/\.yaml$//' | xargs)"
   done
@@ -309,16 +309,20 @@ case "$stage" in
     ;;
   methods_step)
     dir="${2:?methods_step OUT}"; mkdir -p "$dir"
-    for q in ${METHODS:-nvfp4_w4a4 nvfp4_w4a4_per_token nvfp4_w4a4_four_over_six nvfp4_w4a4_hadamard \
-                         nvfp4_w4a4_four_over_six_all nvfp4_w4a4_down_a16}; do
+    # shellcheck disable=SC2086  # the names, split at spaces
+    mapfile -t methods < <(printf '%s\n' ${METHODS:-nvfp4_w4a4 nvfp4_w4a4_per_token nvfp4_w4a4_four_over_six \
+                                     nvfp4_w4a4_hadamard nvfp4_w4a4_four_over_six_all nvfp4_w4a4_down_a16})
+    for q in "${methods[@]}"; do  # every name before any run starts
       [ -f "quant_configs/$q.yaml" ] || refuse "METHODS: quant_configs/$q.yaml does not exist"
+    done
+    for q in "${methods[@]}"; do
       CUDA_VISIBLE_DEVICES=0 python3 -m qarl.cli train recipes/qa_grpo_smollm2_w4a4.yaml "run.dir=/tmp/methods_step/$q" \
         run.overwrite=true "policy.quant_cfg=quant_configs/$q.yaml" trainer.steps=8 eval.every=0 \
         trainer.soft_overlong_start_step=0 "${SHARED[@]}" > "$dir/step_$q.log" 2>&1 < /dev/null &
       sleep 3  # the engines start one after another
     done
     wait
-    for run in /tmp/methods_step/*/; do cp "$run/metrics.jsonl" "$dir/step_$(basename "$run").metrics.jsonl"; done
+    for q in "${methods[@]}"; do cp "/tmp/methods_step/$q/metrics.jsonl" "$dir/step_$q.metrics.jsonl"; done
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
