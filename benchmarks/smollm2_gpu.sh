@@ -71,12 +71,15 @@
 #     evaluations, both splits, give the trained rows); with MATRICES="matrix_smollm2_qad matrix_smollm2_w4a4_chain"
 #     (the QAD table beside stage 3, the chain's with its three exports after it) ~28 min. Not yet measured:
 #       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES=none \
+#         ARGS_qad_w4a4="trainer.micro_batch_size=32" \
 #         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40 trainer.micro_batch_size=32" \
 #         bash benchmarks/smollm2_gpu.sh start
 #     (the methods chain: the kinds qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods in their place). The
 #     third stage updates in micro-batches of 32 rows, not SHARED's 8: the exact forward's update of this small
 #     model waits on kernel launches, a fixed cost per micro-batch (8.6 s of its 9.75 s step whatever the answers'
 #     length, with 32 micro-batches), and its three runs share the GPU alone by then; the plan gives 16.6 GiB each.
+#     QAD too (its update 2.5 s of a 2.9 s step in 16 micro-batches, 2026-12-07; its loss divides by the step's
+#     tokens, so 32 rows change only a sum's order; not yet timed).
 #   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first 10 steps (the
 #     recipes' setting since 2026-12-06; 80 + 60 steps: ~11.5 + 12 = ~24 min, another session):
 #       RUNS="qad_base_w4a4 qad_then_qa_grpo_w4a4" ARGS_qad_base_w4a4="trainer.steps=80 eval.every=40" \
