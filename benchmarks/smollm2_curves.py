@@ -1,7 +1,13 @@
 """Learning curves of the SmolLM2 runs (benchmarks/smollm2_gpu.sh): held-out accuracy against step, bf16 GRPO
-against QA-GRPO per format and QAD, each seed a thin line and their mean a thick one.
+against QA-GRPO per format and QAD, each seed a thin line and their mean a thick one; and on stdout the table of
+where each kind ends, on the test and the transfer split, with the share of GRPO's gain it keeps (from the runs' own
+evaluations: the rows a session with no `qarl matrix` has).
 
-    python benchmarks/smollm2_curves.py DIR --out DIR/curves.png    # DIR holds NAME_sSEED.metrics.jsonl files
+    python benchmarks/smollm2_curves.py DIR --out DIR/curves.png > DIR/table.md  # DIR: NAME_sSEED.metrics.jsonl
+
+Gain kept: (kind's mean - base) / (GRPO's mean - base), base the unquantized model (GRPO's step 0), GRPO the folder's
+grpo_bf16 runs ("-" in a folder without them). A seed stopped before its kind's last evaluation is drawn
+and listed, not averaged.
 """
 
 from __future__ import annotations
@@ -24,15 +30,50 @@ LABELS = {"grpo_bf16": "GRPO (bf16)", "qa_grpo_w4a16": "QA-GRPO NVFP4 W4A16", "q
           "qad_grpo_then_qa_grpo_w4a4_methods": "GRPO, QAD, then QA-GRPO W4A4, the methods together (stage 3, exact)"}
 
 
-def curves(folder: Path) -> dict[str, list[list[tuple[int, float]]]]:
-    """{run kind: [[(step, held-out accuracy), ...] per seed]}."""
-    out: dict[str, list[list[tuple[int, float]]]] = defaultdict(list)
+def evaluations(folder: Path) -> dict[str, list[list[dict]]]:
+    """{run kind: [its evaluation rows, per seed]}."""
+    out: dict[str, list[list[dict]]] = defaultdict(list)
     for path in sorted(folder.glob("*_s[0-9]*.metrics.jsonl")):
         kind = re.sub(r"_s\d+\.metrics\.jsonl$", "", path.name)
-        points = [(r["step"], r["eval/accuracy"]) for r in read_metrics(path) if r.get("eval/accuracy") is not None]
-        if points:
-            out[kind].append(points)
+        rows = [r for r in read_metrics(path) if r.get("eval/accuracy") is not None]
+        if rows:
+            out[kind].append(rows)
     return out
+
+
+def whole(seeds: list[list[dict]]) -> list[list[dict]]:
+    """The seeds that reached their kind's last evaluation."""
+    last = max(rows[-1]["step"] for rows in seeds)
+    return [rows for rows in seeds if rows[-1]["step"] == last]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def table(runs: dict[str, list[list[dict]]]) -> str:
+    """Markdown: each kind's last evaluation, test and transfer, mean and per seed, and the gain it keeps."""
+    splits = [("test", "eval/accuracy"), ("transfer", "eval_transfer/accuracy")]
+    grpo = whole(runs["grpo_bf16"]) if "grpo_bf16" in runs else []
+    lines = ["| run | seeds | " + " | ".join(f"{name}: mean (seeds) | gain kept" for name, _ in splits)
+             + " | answers cut at the limit (test) |", "|---|---|" + "---|---|" * len(splits) + "---|"]
+    for kind, seeds in sorted(runs.items()):
+        ended, cells = whole(seeds), []
+        for _, key in splits:
+            finals = [rows[-1].get(key) for rows in ended]
+            if None in finals:
+                cells += ["-", "-"]
+                continue
+            kept = "-"
+            if grpo and all(key in rows[0] and key in rows[-1] for rows in grpo):
+                base, top = mean([rows[0][key] for rows in grpo]), mean([rows[-1][key] for rows in grpo])
+                kept = f"{(mean(finals) - base) / (top - base):.0%}" if top != base else "-"
+            cells += [f"{mean(finals):.1%} ({', '.join(f'{v:.1%}' for v in finals)})", kept]
+        cut = mean([rows[-1].get("eval/truncation_rate", float("nan")) for rows in ended])
+        stopped = f" (+{len(seeds) - len(ended)} stopped early)" if len(ended) < len(seeds) else ""
+        lines.append(f"| {LABELS.get(kind, kind)} | {len(ended)}{stopped} at step {ended[0][-1]['step']} | "
+                     + " | ".join(cells) + f" | {cut:.1%} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -45,25 +86,26 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = evaluations(args.folder)
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, (kind, seeds) in enumerate(sorted(curves(args.folder).items())):
+    for i, (kind, seeds) in enumerate(sorted(runs.items())):
         color = f"C{i}"
-        for points in seeds:
-            ax.plot(*zip(*points), color=color, alpha=0.3, lw=0.8)
-        last = max(step for points in seeds for step, _ in points)  # a seed stopped early: drawn, not averaged
-        whole = [points for points in seeds if points[-1][0] == last]
-        steps = sorted(set.intersection(*(set(s for s, _ in points) for points in whole)))
-        means = [sum(dict(points)[s] for points in whole) / len(whole) for s in steps]
-        stopped = f"; {len(seeds) - len(whole)} stopped early" if len(whole) < len(seeds) else ""
-        ax.plot(steps, means, color=color, lw=2.2, marker="o" if len(steps) < 3 else None,
-                label=f"{LABELS.get(kind, kind)} ({len(whole)} seed{'s' if len(whole) != 1 else ''}{stopped})")
+        curves = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in seeds]
+        for points in curves:
+            ax.plot(list(points), list(points.values()), color=color, alpha=0.3, lw=0.8)
+        ended = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in whole(seeds)]  # the others: drawn only
+        steps = sorted(set.intersection(*(set(points) for points in ended)))
+        stopped = f"; {len(seeds) - len(ended)} stopped early" if len(ended) < len(seeds) else ""
+        ax.plot(steps, [mean([points[s] for points in ended]) for s in steps], color=color, lw=2.2,
+                marker="o" if len(steps) < 3 else None,
+                label=f"{LABELS.get(kind, kind)} ({len(ended)} seed{'s' if len(ended) != 1 else ''}{stopped})")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (greedy; QA-GRPO: quantized)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
-    print(args.out)
+    print(f"![learning curves]({args.out.name})\n\n{table(runs)}")  # markdown: `keep` saves it as table.md
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@
 #             cannot contain one. An ARGS_ name whose kind RUNS lacks is refused. The runs' config.yaml (in `keep`)
 #             records them.
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
-#   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the three tables and the learning curves, as one
+#   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the matrices' tables, the learning curves and
+#             table.md (where each kind ends, both splits, the gain kept: from the runs' own evaluations), as one
 #             tar (unpack it into benchmarks/results/gpu/)
 #   methods_step OUT  the W4A4 activation methods' step time (issue 72): QA-GRPO W4A4 with the exact forward in each
 #             of METHODS' quant configs, 8 steps, no evaluation, all side by side on the first GPU (~4 min on an H100);
@@ -333,7 +334,7 @@ case "$stage" in
         && for f in md json png; do mv "/tmp/$keep/matrix.$f" "/tmp/$keep/$name.$f"; done
     done
     cp "$out"/*.log "/tmp/$keep/"
-    python3 benchmarks/smollm2_curves.py "/tmp/$keep" --out "/tmp/$keep/curves.png"
+    python3 benchmarks/smollm2_curves.py "/tmp/$keep" --out "/tmp/$keep/curves.png" > "/tmp/$keep/table.md"
     tar -cf "${2:?keep TAR}" -C /tmp "$keep"
     ;;
   methods_step)
