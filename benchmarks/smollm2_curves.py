@@ -30,6 +30,12 @@ LABELS = {"grpo_bf16": "GRPO (bf16)", "qa_grpo_w4a16": "QA-GRPO NVFP4 W4A16", "q
           "qad_grpo_then_qa_grpo_w4a4_methods": "GRPO, QAD, then QA-GRPO W4A4, the methods together (stage 3, exact)"}
 
 
+def label(kind: str) -> str:
+    """A kind's legend; a variant KIND+TAG (its own overrides, benchmarks/smollm2_gpu.sh) is its kind's, tagged."""
+    base, _, tag = kind.partition("+")
+    return LABELS.get(base, base) + (f" +{tag}" if tag else "")
+
+
 def evaluations(folder: Path) -> dict[str, list[list[dict]]]:
     """{run kind: [its evaluation rows, per seed]}."""
     out: dict[str, list[list[dict]]] = defaultdict(list)
@@ -71,7 +77,7 @@ def table(runs: dict[str, list[list[dict]]]) -> str:
             cells += [f"{mean(finals):.1%} ({', '.join(f'{v:.1%}' for v in finals)})", kept]
         cut = mean([rows[-1].get("eval/truncation_rate", float("nan")) for rows in ended])
         stopped = f" (+{len(seeds) - len(ended)} stopped early)" if len(ended) < len(seeds) else ""
-        lines.append(f"| {LABELS.get(kind, kind)} | {len(ended)}{stopped} at step {ended[0][-1]['step']} | "
+        lines.append(f"| {label(kind)} | {len(ended)}{stopped} at step {ended[0][-1]['step']} | "
                      + " | ".join(cells) + f" | {cut:.1%} |")
     return "\n".join(lines)
 
@@ -98,7 +104,7 @@ def main() -> None:
         stopped = f"; {len(seeds) - len(ended)} stopped early" if len(ended) < len(seeds) else ""
         ax.plot(steps, [mean([points[s] for points in ended]) for s in steps], color=color, lw=2.2,
                 marker="o" if len(steps) < 3 else None,
-                label=f"{LABELS.get(kind, kind)} ({len(ended)} seed{'s' if len(ended) != 1 else ''}{stopped})")
+                label=f"{label(kind)} ({len(ended)} seed{'s' if len(ended) != 1 else ''}{stopped})")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (greedy; QA-GRPO: quantized)")
     ax.grid(alpha=0.3)

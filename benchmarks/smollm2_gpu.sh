@@ -44,6 +44,12 @@
 #             ARGS_qad_base_w4a4="trainer.steps=80": a longer stage 1); the overrides are split at spaces, so a value
 #             cannot contain one. An ARGS_ name whose kind RUNS lacks is refused. The runs' config.yaml (in `keep`)
 #             records them.
+#             A variant KIND+TAG runs KIND with ARGS_KIND_TAG after KIND's own ARGS_ (e.g. RUNS="grpo_bf16 qad_w4a4
+#             qad_w4a4+lr3:0" ARGS_qad_w4a4_lr3="trainer.lr=3e-5": one seed of QAD at another rate, from the same
+#             GRPO teacher as qad_w4a4's seed 0; TAG letters and digits); it starts from the same variant of its
+#             start kind where RUNS has one (qad_grpo_then_qa_grpo_w4a4+lr3 from qad_w4a4+lr3), else from that
+#             kind's run. Variants join no matrix: their rows are in table.md (`keep`).
+#   plan      what `start` would run, one run a line (`qarl` and its arguments); nothing starts, no GPU needed
 #   wait S    wait up to S seconds for the pipeline to end; every run's last line
 #   keep TAR  every run's metrics.jsonl and config.yaml, the logs, the matrices' tables, the learning curves and
 #             table.md (where each kind ends, both splits, the gain kept: from the runs' own evaluations), as one
@@ -125,7 +131,7 @@ declare -A FROM=([qad_w4a4]=teacher.model_name=grpo_bf16
 
 refuse() { echo "smollm2_gpu.sh: $1" >&2; exit 2; }
 
-planned() { # the runs of RUNS, one "KIND SEED" a line, in RUNS' order (KIND, or KIND:S,S,...)
+planned() { # the runs of RUNS, one "KIND SEED" a line, in RUNS' order (KIND or KIND+TAG, each maybe :S,S,...)
   local entry seeds seed
   for entry in $RUNS; do
     seeds="$SEEDS"; [[ "$entry" == *:* ]] && seeds="${entry#*:}" && seeds="${seeds//,/ }"
@@ -133,13 +139,30 @@ planned() { # the runs of RUNS, one "KIND SEED" a line, in RUNS' order (KIND, or
   done
 }
 
+base() { echo "${1%%+*}"; }  # KIND+TAG: the kind a variant runs (its recipe, its start)
+
+args_var() { local kind="$1"; echo "ARGS_${kind//+/_}"; }  # KIND+TAG's overrides: ARGS_KIND_TAG
+
+overrides() { # KIND or KIND+TAG: its ARGS_, a variant's after its kind's (so that its own win), as words
+  local kind="$1" var
+  var="$(args_var "$(base "$kind")")"; echo "${!var:-}"
+  [[ "$kind" != *+* ]] || { var="$(args_var "$kind")"; echo "${!var:-}"; }
+}
+
 check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2 naming the first problem
   local entry seed kind first var kinds=" " names=" "
   for entry in $RUNS; do
-    [ -n "${RUN[${entry%%:*}]:-}" ] || refuse "unknown run kind $entry in RUNS (kinds: ${!RUN[*]})"
+    kind="${entry%%:*}"
+    [ -n "${RUN[$(base "$kind")]:-}" ] || refuse "unknown run kind $entry in RUNS (kinds: ${!RUN[*]})"
     [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
       || refuse "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)"
-    kinds+="${entry%%:*} "
+    if [[ "$kind" == *+* ]]; then  # a variant's overrides are ARGS_KIND_TAG: no kind's own name, one tag
+      [[ "${kind#*+}" =~ ^[A-Za-z0-9]+$ ]] \
+        || refuse "$entry: a variant is KIND+TAG, TAG letters and digits (e.g. qad_w4a4+lr3)"
+      [ -z "${RUN[${kind//+/_}]:-}" ] \
+        || refuse "$entry: its overrides would be ARGS_${kind//+/_}, kind ${kind//+/_}'s own: choose another TAG"
+    fi
+    kinds+="${kind//+/_} $(base "$kind") "  # a variant takes its kind's ARGS_ too
   done
   for seed in $SEEDS; do
     [[ "$seed" =~ ^[0-9]+$ ]] || refuse "SEEDS=\"$SEEDS\": seeds are numbers (e.g. SEEDS=\"0 1 2\")"
@@ -156,16 +179,15 @@ check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2
                 && ls matrix_smollm2*.yaml | sed 's/\.yaml$//' | xargs)"
   done
   for var in $(compgen -v ARGS_); do  # a misspelled kind would leave its runs at the recipe's settings
-    [[ "$kinds" == *" ${var#ARGS_} "* ]] \
-      || refuse "$var: ${var#ARGS_} is not a kind in RUNS (RUNS=\"$RUNS\"): spell it as RUNS does, or add it there"
+    [[ "$kinds" == *" ${var#ARGS_} "* ]] || refuse "$var: ${var#ARGS_} is not a kind in RUNS (RUNS=\"$RUNS\"; a \
+variant KIND+TAG's are ARGS_KIND_TAG): spell it as RUNS does, or add it there"
   done
 }
 
-run_one() { # NAME GPU COMMAND RECIPE OVERRIDES...: one run; a run whose engine fails to start is started again
-  local name="$1" gpu="$2" command="$3" recipe="$4" try rc=1 again=(); shift 4
+run_one() { # NAME GPU WORDS...: one run (WORDS: command_of's); a run whose engine fails to start is started again
+  local name="$1" gpu="$2" try rc=1 again=(); shift 2
   for try in 1 2 3; do
-    CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli "$command" "$recipe" "run.dir=runs/smollm2/$name" \
-      "${SHARED[@]}" "$@" "${again[@]}" >> "$out/$name.log" 2>&1 < /dev/null
+    CUDA_VISIBLE_DEVICES="$gpu" python3 -m qarl.cli "$@" "${again[@]}" >> "$out/$name.log" 2>&1 < /dev/null
     rc=$?
     [ "$rc" = 0 ] && break
     # a recipe error (exit 2), or a run that logged a step (it failed in training, not at its engine's start): no
@@ -194,8 +216,21 @@ free_gpu() { # the GPU with the fewest runs, if one has a free slot
   echo "$best"
 }
 
-before() { # KIND SEED: the run that KIND's run of SEED starts from (FROM), if any
-  [ -z "${FROM[$1]:-}" ] || echo "${FROM[$1]#*=}_s$2"
+before() { # KIND SEED: the run that KIND's run of SEED starts from (FROM), if any; a variant KIND+TAG starts from
+  local kind start  # the same variant of that kind where RUNS runs it, else from that kind's run
+  kind="$(base "$1")"; [ -n "${FROM[$kind]:-}" ] || return 0
+  start="${FROM[$kind]#*=}"
+  [[ "$1" == *+* && " $(planned | tr '\n' ' ')" == *" $start+${1#*+} $2 "* ]] && start+="+${1#*+}"
+  echo "${start}_s$2"
+}
+
+command_of() { # KIND SEED: the words after `qarl` for this run: command and recipe, its run.dir, SHARED, the kind's
+  local kind run=() start=() args=()  # own overrides, the seed, the run it starts from, then ARGS_ (last wins)
+  kind="$(base "$1")"
+  read -ra run <<< "${RUN[$kind]}"
+  [ -z "${FROM[$kind]:-}" ] || start=("${FROM[$kind]%%=*}=runs/smollm2/$(before "$1" "$2")")
+  read -ra args <<< "$(overrides "$1" | tr "\n" " ")"
+  echo "${run[*]:0:2} run.dir=runs/smollm2/${1}_s$2 ${SHARED[*]} ${run[*]:2} run.seed=$2 ${start[*]} ${args[*]}"
 }
 
 ready() { # KIND SEED: 0 when a run of KIND can start (QAD needs its teacher, a later stage its start), 1 while its
@@ -212,12 +247,10 @@ skip() { # KIND SEED: a run whose start did not succeed: its .rc reads `skipped`
 }
 
 launch() { # KIND SEED GPU: run_one in the background
-  local name="$1_s$2" extra="ARGS_$1" start=() args=()
+  local name="$1_s$2" words=()
   touch "runs/smollm2/$name.gpu$3"
-  [ -z "${FROM[$1]:-}" ] || start=("${FROM[$1]%%=*}=runs/smollm2/$(before "$1" "$2")")
-  read -ra args <<< "${!extra:-}"
-  # shellcheck disable=SC2086  # RUN holds the command and the recipe, as words
-  run_one "$name" "$3" ${RUN[$1]} "run.seed=$2" "${start[@]}" "${args[@]}" &
+  read -ra words <<< "$(command_of "$1" "$2")"
+  run_one "$name" "$3" "${words[@]}" &
   echo "started $name on GPU $3: $(date)"
   sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
@@ -268,6 +301,13 @@ PY
 
 [ "$stage" = start ] && check_runs && check_env  # before the copy: a bad RUNS leaves WORKDIR as it was
 [ "$stage" = methods_step ] && check_env
+if [ "$stage" = plan ]; then  # what `start` would run, one run a line; nothing starts, no GPU needed
+  check_runs
+  while read -r kind seed; do
+    echo "${kind}_s$seed: qarl $(command_of "$kind" "$seed" | tr -s " " | sed "s/ $//")"
+  done < <(planned)
+  exit 0
+fi
 case "$stage" in
   start) rm -rf "$WORKDIR" && mkdir -p "$WORKDIR" \
       && tar -c --exclude=./.gpu-kit --exclude=./.whl --exclude=./runs . | tar -x -C "$WORKDIR" \

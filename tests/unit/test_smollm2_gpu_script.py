@@ -1,6 +1,7 @@
 """benchmarks/smollm2_gpu.sh refuses, at once and before it copies anything, a pipeline that could not run: a bad
 RUNS, a machine without a GPU, a Python without torch, vLLM or ModelOpt. Each of those used to start runs that failed
-three times each, minutes later, in the pipeline's log (a GPU session's device time spent on nothing)."""
+three times each, minutes later, in the pipeline's log (a GPU session's device time spent on nothing). Its `plan`
+shows what each run gets: its start, its kind's overrides and a variant's after them."""
 
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ from tests.conftest import REPO
 SCRIPT = REPO / "benchmarks" / "smollm2_gpu.sh"
 
 
-def start(tmp_path: Path, runs: str, path: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RUNS": runs, "SEEDS": "0", "MATRICES": "none", "WORKDIR": str(tmp_path / "work")}
+def start(tmp_path: Path, runs: str, path: str | None = None, stage: str = "start",
+          **settings: str) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ARGS_")}, "RUNS": runs, "SEEDS": "0",
+           "MATRICES": "none", "WORKDIR": str(tmp_path / "work"), **settings}
     if path is not None:
         env["PATH"] = path
-    return subprocess.run(["bash", str(SCRIPT), "start"], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", str(SCRIPT), stage], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
+
+
+def plan(tmp_path: Path, runs: str, **settings: str) -> dict[str, str]:
+    """{run name: its `qarl` arguments}."""
+    proc = start(tmp_path, runs, stage="plan", **settings)
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split(": qarl ", 1) for line in proc.stdout.splitlines())
 
 
 def fake_gpu(tmp_path: Path, python: str) -> str:
@@ -61,3 +71,34 @@ def test_a_python_without_the_gpu_libraries_is_refused_naming_them_and_the_fix(t
     assert proc.returncode == 2, proc.stderr
     assert "cannot import torch, vllm, modelopt" in proc.stderr and "open.sh" in proc.stderr, proc.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_plan_gives_a_variant_its_kind_s_overrides_then_its_own_and_its_start(tmp_path: Path):
+    chain = "grpo_bf16 qad_w4a4 qad_w4a4+lr3:0 qad_grpo_then_qa_grpo_w4a4 qad_grpo_then_qa_grpo_w4a4+lr3:0"
+    runs = plan(tmp_path, chain, SEEDS="0 1", ARGS_qad_w4a4="trainer.micro_batch_size=32",
+                ARGS_qad_w4a4_lr3="trainer.lr=3e-5")
+    assert list(runs) == ["grpo_bf16_s0", "grpo_bf16_s1", "qad_w4a4_s0", "qad_w4a4_s1", "qad_w4a4+lr3_s0",
+                          "qad_grpo_then_qa_grpo_w4a4_s0", "qad_grpo_then_qa_grpo_w4a4_s1",
+                          "qad_grpo_then_qa_grpo_w4a4+lr3_s0"]
+    variant = runs["qad_w4a4+lr3_s0"].split()
+    assert variant[:3] == ["distill", "recipes/qa_distillation_smollm2.yaml", "run.dir=runs/smollm2/qad_w4a4+lr3_s0"]
+    assert variant[-3:] == ["teacher.model_name=runs/smollm2/grpo_bf16_s0", "trainer.micro_batch_size=32",
+                            "trainer.lr=3e-5"]  # the last of a key wins: the shared micro-batch of 8 comes before
+    assert "trainer.lr=3e-5" not in runs["qad_w4a4_s0"]
+    assert "policy.model_name=runs/smollm2/qad_w4a4+lr3_s0" in runs["qad_grpo_then_qa_grpo_w4a4+lr3_s0"]
+    assert "policy.model_name=runs/smollm2/qad_w4a4_s1" in runs["qad_grpo_then_qa_grpo_w4a4_s1"]
+
+
+def test_a_variant_of_a_later_stage_starts_from_its_kind_s_run_where_its_start_has_no_such_variant(tmp_path: Path):
+    runs = plan(tmp_path, "grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4+lr3")
+    assert "policy.model_name=runs/smollm2/qad_w4a4_s0" in runs["qad_grpo_then_qa_grpo_w4a4+lr3_s0"]
+
+
+@pytest.mark.parametrize(("runs", "settings", "problem"), [
+    ("grpo_bf16 qad_w4a4+methods", {}, "kind qad_w4a4_methods's own: choose another TAG"),
+    ("grpo_bf16 qad_w4a4+lr-3", {}, "TAG letters and digits"),
+    ("grpo_bf16 qad_w4a4+lr3", {"ARGS_qad_w4a4_lr4": "trainer.lr=3e-5"}, "qad_w4a4_lr4 is not a kind in RUNS"),
+])
+def test_a_variant_that_cannot_be_told_apart_is_refused(tmp_path: Path, runs: str, settings: dict, problem: str):
+    proc = start(tmp_path, runs, stage="plan", **settings)
+    assert proc.returncode == 2 and problem in proc.stderr and proc.stdout == "", proc.stderr
