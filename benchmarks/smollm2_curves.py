@@ -6,8 +6,8 @@ evaluations: the rows a session with no `qarl matrix` has).
     python benchmarks/smollm2_curves.py DIR --out DIR/curves.png > DIR/table.md  # DIR: NAME_sSEED.metrics.jsonl
 
 Gain kept: (kind's mean - base) / (GRPO's mean - base), base the unquantized model (GRPO's step 0), GRPO the folder's
-grpo_bf16 runs ("-" in a folder without them). A seed stopped before its kind's last evaluation is drawn
-and listed, not averaged.
+grpo_bf16 runs of the kind's seeds (its teachers or starts; all of them where some seed has none; "-" in a folder
+without them). A seed stopped before its kind's last evaluation is drawn and listed, not averaged.
 """
 
 from __future__ import annotations
@@ -36,48 +36,56 @@ def label(kind: str) -> str:
     return LABELS.get(base, base) + (f" +{tag}" if tag else "")
 
 
-def evaluations(folder: Path) -> dict[str, list[list[dict]]]:
-    """{run kind: [its evaluation rows, per seed]}."""
-    out: dict[str, list[list[dict]]] = defaultdict(list)
+def evaluations(folder: Path) -> dict[str, dict[int, list[dict]]]:
+    """{run kind: {seed: its evaluation rows}}."""
+    out: dict[str, dict[int, list[dict]]] = defaultdict(dict)
     for path in sorted(folder.glob("*_s[0-9]*.metrics.jsonl")):
-        kind = re.sub(r"_s\d+\.metrics\.jsonl$", "", path.name)
+        kind, seed = re.fullmatch(r"(.+)_s(\d+)\.metrics\.jsonl", path.name).groups()
         rows = [r for r in read_metrics(path) if r.get("eval/accuracy") is not None]
         if rows:
-            out[kind].append(rows)
+            out[kind][int(seed)] = rows
     return out
 
 
-def whole(seeds: list[list[dict]]) -> list[list[dict]]:
+def whole(seeds: dict[int, list[dict]]) -> dict[int, list[dict]]:
     """The seeds that reached their kind's last evaluation."""
-    last = max(rows[-1]["step"] for rows in seeds)
-    return [rows for rows in seeds if rows[-1]["step"] == last]
+    last = max(rows[-1]["step"] for rows in seeds.values())
+    return {seed: rows for seed, rows in seeds.items() if rows[-1]["step"] == last}
 
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def table(runs: dict[str, list[list[dict]]]) -> str:
-    """Markdown: each kind's last evaluation, test and transfer, mean and per seed, and the gain it keeps."""
+def gain_kept(finals: list[float], grpo: list[list[dict]], key: str) -> str:
+    """(mean - base) / (GRPO's mean - base), base GRPO's step-0 evaluation (the unquantized model); "-" where the
+    GRPO runs lack one."""
+    if not grpo or not all(rows[0]["step"] == 0 and key in rows[0] and key in rows[-1] for rows in grpo):
+        return "-"
+    base, top = mean([rows[0][key] for rows in grpo]), mean([rows[-1][key] for rows in grpo])
+    return f"{(mean(finals) - base) / (top - base):.0%}" if top != base else "-"
+
+
+def table(runs: dict[str, dict[int, list[dict]]]) -> str:
+    """Markdown: each kind's last evaluation, test and transfer, mean and per seed, and the gain it keeps against
+    the GRPO runs of its own seeds (its teachers or starts) where the folder has them all, else all of them."""
     splits = [("test", "eval/accuracy"), ("transfer", "eval_transfer/accuracy")]
-    grpo = whole(runs["grpo_bf16"]) if "grpo_bf16" in runs else []
+    grpo = whole(runs["grpo_bf16"]) if "grpo_bf16" in runs else {}
     lines = ["| run | seeds | " + " | ".join(f"{name}: mean (seeds) | gain kept" for name, _ in splits)
              + " | answers cut at the limit (test) |", "|---|---|" + "---|---|" * len(splits) + "---|"]
     for kind, seeds in sorted(runs.items()):
         ended, cells = whole(seeds), []
+        reference = [grpo[seed] for seed in ended] if set(ended) <= set(grpo) else list(grpo.values())
         for _, key in splits:
-            finals = [rows[-1].get(key) for rows in ended]
+            finals = [rows[-1].get(key) for rows in ended.values()]
             if None in finals:
                 cells += ["-", "-"]
                 continue
-            kept = "-"
-            if grpo and all(key in rows[0] and key in rows[-1] for rows in grpo):
-                base, top = mean([rows[0][key] for rows in grpo]), mean([rows[-1][key] for rows in grpo])
-                kept = f"{(mean(finals) - base) / (top - base):.0%}" if top != base else "-"
-            cells += [f"{mean(finals):.1%} ({', '.join(f'{v:.1%}' for v in finals)})", kept]
-        cut = mean([rows[-1].get("eval/truncation_rate", float("nan")) for rows in ended])
+            per_seed = ", ".join(f"{v:.1%}" for v in finals)
+            cells += [f"{mean(finals):.1%} ({per_seed})", gain_kept(finals, reference, key)]
+        cut = mean([rows[-1].get("eval/truncation_rate", float("nan")) for rows in ended.values()])
         stopped = f" (+{len(seeds) - len(ended)} stopped early)" if len(ended) < len(seeds) else ""
-        lines.append(f"| {label(kind)} | {len(ended)}{stopped} at step {ended[0][-1]['step']} | "
+        lines.append(f"| {label(kind)} | {len(ended)}{stopped} at step {next(iter(ended.values()))[-1]['step']} | "
                      + " | ".join(cells) + f" | {cut:.1%} |")
     return "\n".join(lines)
 
@@ -96,10 +104,10 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, (kind, seeds) in enumerate(sorted(runs.items())):
         color = f"C{i}"
-        curves = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in seeds]
+        curves = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in seeds.values()]
         for points in curves:
             ax.plot(list(points), list(points.values()), color=color, alpha=0.3, lw=0.8)
-        ended = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in whole(seeds)]  # the others: drawn only
+        ended = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in whole(seeds).values()]  # others: drawn
         steps = sorted(set.intersection(*(set(points) for points in ended)))
         stopped = f"; {len(seeds) - len(ended)} stopped early" if len(ended) < len(seeds) else ""
         ax.plot(steps, [mean([points[s] for points in ended]) for s in steps], color=color, lw=2.2,

@@ -145,15 +145,16 @@ args_var() { local kind="$1"; echo "ARGS_${kind//+/_}"; }  # KIND+TAG's override
 
 overrides() { # KIND or KIND+TAG: its ARGS_, a variant's after its kind's (so that its own win), as words
   local kind="$1" var
-  var="$(args_var "$(base "$kind")")"; echo "${!var:-}"
-  [[ "$kind" != *+* ]] || { var="$(args_var "$kind")"; echo "${!var:-}"; }
+  var="$(args_var "$(base "$kind")")"; printf '%s\n' "${!var:-}"
+  [[ "$kind" != *+* ]] || { var="$(args_var "$kind")"; printf '%s\n' "${!var:-}"; }
 }
 
 check_runs() { # RUNS, SEEDS and the ARGS_ names, before anything starts: exit 2 naming the first problem
   local entry seed kind first var kinds=" " names=" "
   for entry in $RUNS; do
     kind="${entry%%:*}"
-    [ -n "${RUN[$(base "$kind")]:-}" ] || refuse "unknown run kind $entry in RUNS (kinds: ${!RUN[*]})"
+    [ -n "$(base "$kind")" ] && [ -n "${RUN[$(base "$kind")]:-}" ] \
+      || refuse "unknown run kind $entry in RUNS (kinds: ${!RUN[*]})"
     [[ "$entry" != *:* || "${entry#*:}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
       || refuse "$entry: seeds are numbers, as KIND:S,S,... (e.g. qa_grpo_w4a16:3,4,5)"
     if [[ "$kind" == *+* ]]; then  # a variant's overrides are ARGS_KIND_TAG: no kind's own name, one tag
@@ -227,7 +228,7 @@ before() { # KIND SEED: the run that KIND's run of SEED starts from (FROM), if a
 command_of() { # KIND SEED: the words after `qarl` for this run: command and recipe, its run.dir, SHARED, the kind's
   local kind run=() start=() args=()  # own overrides, the seed, the run it starts from, then ARGS_ (last wins)
   kind="$(base "$1")"
-  read -ra run <<< "${RUN[$kind]}"
+  read -rd '' -a run <<< "${RUN[$kind]}"  # an entry may span lines
   [ -z "${FROM[$kind]:-}" ] || start=("${FROM[$kind]%%=*}=runs/smollm2/$(before "$1" "$2")")
   read -ra args <<< "$(overrides "$1" | tr "\n" " ")"
   echo "${run[*]:0:2} run.dir=runs/smollm2/${1}_s$2 ${SHARED[*]} ${run[*]:2} run.seed=$2 ${start[*]} ${args[*]}"
@@ -251,7 +252,7 @@ launch() { # KIND SEED GPU: run_one in the background
   touch "runs/smollm2/$name.gpu$3"
   read -ra words <<< "$(command_of "$1" "$2")"
   run_one "$name" "$3" "${words[@]}" &
-  echo "started $name on GPU $3: $(date)"
+  echo "started $name on GPU $3${FROM[$(base "$1")]:+ from $(before "$1" "$2")}: $(date)"
   sleep "${STAGGER:-5}"  # start-ups are CPU-heavy
 }
 

@@ -66,8 +66,8 @@ def test_a_machine_without_a_gpu_is_refused(tmp_path: Path):
 
 
 def test_a_python_without_the_gpu_libraries_is_refused_naming_them_and_the_fix(tmp_path: Path):
-    # -S: no site-packages, so none of torch, vllm, modelopt is importable
-    proc = start(tmp_path, "grpo_bf16", fake_gpu(tmp_path, f'exec "{sys.executable}" -S "$@"'))
+    # -I -S: no site-packages and no PYTHONPATH (the GPU kit's holds them), so none of torch, vllm, modelopt imports
+    proc = start(tmp_path, "grpo_bf16", fake_gpu(tmp_path, f'exec "{sys.executable}" -I -S "$@"'))
     assert proc.returncode == 2, proc.stderr
     assert "cannot import torch, vllm, modelopt" in proc.stderr and "open.sh" in proc.stderr, proc.stderr
     assert not (tmp_path / "work").exists()
@@ -87,6 +87,12 @@ def test_plan_gives_a_variant_its_kind_s_overrides_then_its_own_and_its_start(tm
     assert "trainer.lr=3e-5" not in runs["qad_w4a4_s0"]
     assert "policy.model_name=runs/smollm2/qad_w4a4+lr3_s0" in runs["qad_grpo_then_qa_grpo_w4a4+lr3_s0"]
     assert "policy.model_name=runs/smollm2/qad_w4a4_s1" in runs["qad_grpo_then_qa_grpo_w4a4_s1"]
+
+
+def test_plan_keeps_every_override_of_a_kind_written_over_two_lines(tmp_path: Path):
+    runs = plan(tmp_path, "qa_grpo_w4a16_kv_fp8_default")
+    assert runs["qa_grpo_w4a16_kv_fp8_default_s0"].split()[-3:] == [
+        "policy.exact_forward=false", "policy.generation.allow_quant_mismatch=true", "run.seed=0"]
 
 
 def test_a_variant_of_a_later_stage_starts_from_its_kind_s_run_where_its_start_has_no_such_variant(tmp_path: Path):
