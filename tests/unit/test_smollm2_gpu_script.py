@@ -108,3 +108,19 @@ def test_a_variant_of_a_later_stage_starts_from_its_kind_s_run_where_its_start_h
 def test_a_variant_that_cannot_be_told_apart_is_refused(tmp_path: Path, runs: str, settings: dict, problem: str):
     proc = start(tmp_path, runs, stage="plan", **settings)
     assert proc.returncode == 2 and problem in proc.stderr and proc.stdout == "", proc.stderr
+
+
+def test_the_w4a4_study_chains_each_method_alone_from_the_same_teachers(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARGS_")}
+    proc = subprocess.run(["bash", "benchmarks/w4a4_study.sh", "plan"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, check=True, env={**env, "SEEDS": "0 1 2", "MATRICES": "none"})
+    runs = dict(line.split(": qarl ", 1) for line in proc.stdout.splitlines())
+    assert len(runs) == 48  # 3 seeds x (GRPO, QA-GRPO W4A4, 7 chains of QAD and QA-GRPO)
+    configs = set()
+    for tag in ("pt", "fos", "fosw", "had", "down"):
+        qad, rl = runs[f"qad_w4a4+{tag}_s2"].split(), runs[f"qad_grpo_then_qa_grpo_w4a4+{tag}_s2"].split()
+        assert "teacher.model_name=runs/smollm2/grpo_bf16_s2" in qad
+        assert f"policy.model_name=runs/smollm2/qad_w4a4+{tag}_s2" in rl
+        assert qad[-1] == rl[-1] and qad[-1].startswith("policy.quant_cfg=")  # both stages in the method's format
+        configs.add(qad[-1].removeprefix("policy.quant_cfg="))
+    assert len(configs) == 5 and all((REPO / config).is_file() for config in configs)
