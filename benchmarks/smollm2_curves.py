@@ -104,10 +104,10 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, (kind, seeds) in enumerate(sorted(runs.items())):
         color = f"C{i}"
-        curves = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in seeds.values()]
-        for points in curves:
+        curves = {seed: {r["step"]: r["eval/accuracy"] for r in rows} for seed, rows in seeds.items()}
+        for points in curves.values():
             ax.plot(list(points), list(points.values()), color=color, alpha=0.3, lw=0.8)
-        ended = [{r["step"]: r["eval/accuracy"] for r in rows} for rows in whole(seeds).values()]  # others: drawn
+        ended = [curves[seed] for seed in whole(seeds)]  # a seed stopped early: drawn, not averaged
         steps = sorted(set.intersection(*(set(points) for points in ended)))
         stopped = f"; {len(seeds) - len(ended)} stopped early" if len(ended) < len(seeds) else ""
         ax.plot(steps, [mean([points[s] for points in ended]) for s in steps], color=color, lw=2.2,

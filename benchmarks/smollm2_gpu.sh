@@ -102,8 +102,8 @@ MAX_RUNS_PER_GPU="${MAX_RUNS_PER_GPU:-6}"  # 135M runs of 256 completions: ~16 G
 KV_GIB="${KV_GIB:-4}"  # 256 completions of up to 512 tokens: 3 GiB
 MATRICES="${MATRICES:-}"  # the matrices to run (recipe names, e.g. matrix_smollm2_w4a4_chain); empty: every one whose
 # kinds RUNS has (a matrix shares the GPU with the runs still training: fewer, for a short session)
-NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
-[ "$NGPU" -ge 1 ] || NGPU=1
+GPUS="$(nvidia-smi -L 2>/dev/null | wc -l)"  # none: `start` refuses (check_env)
+NGPU=$((GPUS > 0 ? GPUS : 1))
 ENGINE=(policy.generation.gpu_memory_utilization=0.06 "policy.generation.gpu_kv_cache_gib=$KV_GIB")  # runs, matrices
 SHARED=(policy.generation.sleep_between_rollouts=off trainer.micro_batch_size=8 "${ENGINE[@]}")
 # each kind of run: its command and recipe
@@ -281,7 +281,7 @@ matrix() { # GPU RECIPE KIND...: when RUNS has every KIND (with SEEDS), once the
 
 check_env() { # the GPU, libraries and model every run needs, before anything starts: a run that cannot start is
   # otherwise tried three times and its dependents skipped, minutes later, in the pipeline's log
-  [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 1 ] || refuse "nvidia-smi lists no GPU: the runs need CUDA GPUs"
+  [ "$GPUS" -ge 1 ] || refuse "nvidia-smi lists no GPU: the runs need CUDA GPUs"
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'PY' || exit 2
 import importlib.util
 import sys

@@ -20,14 +20,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A METHOD=([pt]=nvfp4_w4a4_per_token [fos]=nvfp4_w4a4_four_over_six [fosw]=nvfp4_w4a4_four_over_six_all
-                   [had]=nvfp4_w4a4_hadamard [down]=nvfp4_w4a4_down_a16)
-
 RUNS="grpo_bf16 qa_grpo_w4a4 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 qad_w4a4_methods qad_grpo_then_qa_grpo_w4a4_methods"
-for tag in pt fos fosw had down; do
+for method in pt=nvfp4_w4a4_per_token fos=nvfp4_w4a4_four_over_six fosw=nvfp4_w4a4_four_over_six_all \
+              had=nvfp4_w4a4_hadamard down=nvfp4_w4a4_down_a16; do
+  tag="${method%%=*}"
   RUNS+=" qad_w4a4+$tag qad_grpo_then_qa_grpo_w4a4+$tag"
-  export "ARGS_qad_w4a4_$tag=policy.quant_cfg=quant_configs/${METHOD[$tag]}.yaml"
-  export "ARGS_qad_grpo_then_qa_grpo_w4a4_$tag=policy.quant_cfg=quant_configs/${METHOD[$tag]}.yaml"
+  export "ARGS_qad_w4a4_$tag=policy.quant_cfg=quant_configs/${method#*=}.yaml"
+  export "ARGS_qad_grpo_then_qa_grpo_w4a4_$tag=policy.quant_cfg=quant_configs/${method#*=}.yaml"
 done
 export RUNS
 exec bash benchmarks/smollm2_gpu.sh "$@"

@@ -16,21 +16,23 @@ import pytest
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "smollm2_gpu.sh"
+STUDY = REPO / "benchmarks" / "w4a4_study.sh"
 
 
-def start(tmp_path: Path, runs: str, path: str | None = None, stage: str = "start",
+def start(tmp_path: Path, runs: str, path: str | None = None, stage: str = "start", script: Path = SCRIPT,
           **settings: str) -> subprocess.CompletedProcess:
+    """`bash SCRIPT STAGE` with these RUNS (the study script sets its own), one seed, no matrix, no ARGS_ of ours."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ARGS_")}, "RUNS": runs, "SEEDS": "0",
            "MATRICES": "none", "WORKDIR": str(tmp_path / "work"), **settings}
     if path is not None:
         env["PATH"] = path
-    return subprocess.run(["bash", str(SCRIPT), stage], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", str(script), stage], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
 
 
-def plan(tmp_path: Path, runs: str, **settings: str) -> dict[str, str]:
+def plan(tmp_path: Path, runs: str, script: Path = SCRIPT, **settings: str) -> dict[str, str]:
     """{run name: its `qarl` arguments}."""
-    proc = start(tmp_path, runs, stage="plan", **settings)
+    proc = start(tmp_path, runs, stage="plan", script=script, **settings)
     assert proc.returncode == 0, proc.stderr
     return dict(line.split(": qarl ", 1) for line in proc.stdout.splitlines())
 
@@ -111,10 +113,7 @@ def test_a_variant_that_cannot_be_told_apart_is_refused(tmp_path: Path, runs: st
 
 
 def test_the_w4a4_study_chains_each_method_alone_from_the_same_teachers(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARGS_")}
-    proc = subprocess.run(["bash", "benchmarks/w4a4_study.sh", "plan"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=True, env={**env, "SEEDS": "0 1 2", "MATRICES": "none"})
-    runs = dict(line.split(": qarl ", 1) for line in proc.stdout.splitlines())
+    runs = plan(tmp_path, "", script=STUDY, SEEDS="0 1 2")
     assert len(runs) == 48  # 3 seeds x (GRPO, QA-GRPO W4A4, 7 chains of QAD and QA-GRPO)
     configs = set()
     for tag in ("pt", "fos", "fosw", "had", "down"):
