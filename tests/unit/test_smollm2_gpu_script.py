@@ -60,6 +60,15 @@ def test_a_run_whose_start_is_not_planned_is_refused(tmp_path: Path):
     assert proc.returncode == 2 and "add grpo_bf16 with seed 0 to RUNS" in proc.stderr, proc.stderr
 
 
+def test_a_workdir_holding_a_pipeline_s_runs_is_refused_and_kept(tmp_path: Path):
+    kept = tmp_path / "work" / "runs" / "smollm2" / "grpo_bf16_s0" / "metrics.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text('{"step": 0}\n')
+    proc = start(tmp_path, "grpo_bf16")
+    assert proc.returncode == 2 and "holds a pipeline's runs" in proc.stderr and "keep TAR" in proc.stderr, proc.stderr
+    assert kept.read_text() == '{"step": 0}\n'
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine may have a GPU")
 def test_a_machine_without_a_gpu_is_refused(tmp_path: Path):
     proc = start(tmp_path, "grpo_bf16")
