@@ -74,19 +74,19 @@
 #   sharing: 12-15 s a step, with two: 3.2-3.9 s (GPU-bound); QAD at 50 steps (its cosine over 50) ends at 33.7 %
 #   against the 100-step QAD's 49.0 %, so the chain keeps QAD at 100 steps. 2026-12-07 (qad_teacher/), two
 #   pipelines of one seed side by side: GRPO 3.9-4.9 min (1.7-2.1 s a step), QAD 100 steps 7.7-9.4 min (2.8-3.6 s).
-#   GRPO, QAD, then QA-GRPO W4A4, stage 3 at 40 steps: ~5.5 + ~11 + ~6 = ~23 min with no matrix (the runs' own
-#     evaluations, both splits, give the trained rows); with MATRICES="matrix_smollm2_qad matrix_smollm2_w4a4_chain"
-#     (the QAD table beside stage 3, the chain's with its three exports after it) ~28 min. Not yet measured:
-#       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES=none \
+#   GRPO, QAD, then QA-GRPO W4A4 (2026-12-07, chain_qad_lr/, two chains of one seed): GRPO alone 5.7 min; QAD,
+#     100 steps, two side by side in micro-batches of 32: 5.6-6.0 min (1.3-1.4 s a step); stage 3, 40 steps, two
+#     side by side in micro-batches of 32: 3.5-3.8 min (3.1 s a step, its update 2.2 s). The quantized stages update
+#     in micro-batches of 32 rows, not SHARED's 8: their update of this small model waits on kernel launches, a fixed
+#     cost per micro-batch (stage 3 at 8 rows, three sharing: 8.6 s of a 9.75 s step), and they share the GPU with
+#     few runs by then (the plan gives stage 3 16.6 GiB each); QAD's loss divides by the step's tokens, so 32 rows
+#     change only a sum's order (tiny QAD, 4 steps, 32 against 128 rows: 7 digits alike). Three seeds with the
+#     chain's table (GRPO after W4A4 PTQ, stage 3 trained and its export served by vLLM; QAD's rows from the runs' own
+#     evaluations, in table.md), ~20-24 min:
+#       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES="matrix_smollm2_w4a4_chain" \
 #         ARGS_qad_w4a4="trainer.micro_batch_size=32" \
-#         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.steps=40 trainer.micro_batch_size=32" \
-#         bash benchmarks/smollm2_gpu.sh start
-#     (the methods chain: the kinds qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods in their place). The
-#     third stage updates in micro-batches of 32 rows, not SHARED's 8: the exact forward's update of this small
-#     model waits on kernel launches, a fixed cost per micro-batch (8.6 s of its 9.75 s step whatever the answers'
-#     length, with 32 micro-batches), and its three runs share the GPU alone by then; the plan gives 16.6 GiB each.
-#     QAD too (its update 2.5 s of a 2.9 s step in 16 micro-batches, 2026-12-07; its loss divides by the step's
-#     tokens, so 32 rows change only a sum's order; not yet timed).
+#         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.micro_batch_size=32" bash benchmarks/smollm2_gpu.sh start
+#     (the methods chain: the kinds qad_w4a4_methods and qad_grpo_then_qa_grpo_w4a4_methods in their place).
 #   The two-stage fixes, a longer stage 1 and the overlong punishment held back for stage 2's first 10 steps (the
 #     recipes' setting since 2026-12-06; 80 + 60 steps: ~11.5 + 12 = ~24 min, another session):
 #       RUNS="qad_base_w4a4 qad_then_qa_grpo_w4a4" ARGS_qad_base_w4a4="trainer.steps=80 eval.every=40" \
