@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from qarl.policy import build_policy, Policy
 from qarl.quant import resolve_format
 from qarl.run import (Rollout, Run, engine_in_format, initial_model_dir, mismatch_sums, run_steps, start_engine,
                       start_run)
-from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches
+from qarl.scoring import CHUNK_TOKENS, completion_logits, completion_states, in_chunks, micro_batches, token_scores
 from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, eval_splits
 from qarl.transfer import on_host
@@ -110,8 +111,11 @@ class PairScores:
 def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: list[Completion], pad_id: int,
                temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS, pack: bool = False) -> PairScores:
     """Both models score the same sequences (packed without padding if `pack`), `chunk_tokens` completion tokens at
-    a time (qarl/scoring.py); grad flows through the student only."""
+    a time (qarl/scoring.py); grad flows through the student only. A student with the exact forward picks its
+    log-prob of each sampled token with the engine's own kernel (`qarl_token_logprobs`), so that the mismatch
+    metrics compare equal bits."""
     prompts, tokens = [c.prompt_ids for c in completions], [c.token_ids for c in completions]
+    pick = getattr(student, "qarl_token_logprobs", None)
     found = teacher_found = None
     if chunk_tokens > 0:
         found = completion_states(student, prompts, tokens, pad_id, pack)
@@ -122,27 +126,26 @@ def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: 
         with torch.no_grad():
             teacher_logits = completion_logits(teacher, prompts, tokens, pad_id)[0].to(student_logits.device)
         return PairScores(*(part * mask for part in pair_terms(student_logits, teacher_logits, targets, temperature,
-                                                              top_k)), mask=mask)
+                                                              top_k, pick)), mask=mask)
 
     def chunk(states: torch.Tensor, teacher_states: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
             teacher_logits = teacher_found.head(teacher_states).to(states.device)
-        return pair_terms(found.head(states), teacher_logits, targets, temperature, top_k)
+        return pair_terms(found.head(states), teacher_logits, targets, temperature, top_k, pick)
 
     terms = in_chunks(chunk, chunk_tokens, found.states, teacher_found.states.to(found.states.device), found.targets)
     return PairScores(*(found.scatter(part) for part in terms), mask=found.mask)
 
 
 def pair_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-               top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               top_k: int, pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token: the KL that is optimized, the full-vocabulary KL (no grad), the student's log-prob of the target
-    and its entropy (no grad)."""
+    (`pick`: the student's own kernel for it) and its entropy (no grad)."""
     kl = reverse_kl(student_logits, teacher_logits, temperature, top_k)
     with torch.no_grad():
         kl_full = kl.detach() if top_k <= 0 else reverse_kl(student_logits, teacher_logits, temperature)
-        log_p = torch.log_softmax(student_logits.detach().float() / temperature, dim=-1)
-        logprobs = log_p.gather(-1, targets[..., None]).squeeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
+        logprobs, entropy = token_scores(student_logits.detach(), targets, temperature, pick)
     return kl, kl_full, logprobs, entropy
 
 
@@ -157,8 +160,9 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
                    cfg: RecipeConfig, lr: float) -> dict[str, float]:
     """One optimizer step on the masked token mean of the reverse KL over the step's samples.
 
-    One pass only: the samples are the student's own, drawn by the engine that equals it, so the
-    loss stays on-policy; the next step draws fresh ones from the updated student.
+    One pass only: the samples are the student's own, drawn by the engine that quantizes as it does, so the loss
+    stays on-policy; the next step draws fresh ones from the updated student. (Bit for bit with
+    `policy.exact_forward`; otherwise an activation format's rounding differences drift, `mismatch/*`.)
     """
     t = cfg.trainer
     comps = [c for c in batch.completions if c.token_ids]
