@@ -208,14 +208,15 @@ def test_exact_gradients_match_the_default_path(task, quant_cfg, model):
 
 
 def test_qad_with_the_exact_forward_samples_from_its_student_bit_for_bit(tmp_path):
-    """`qarl distill` with the exact forward in W4A4: at every step the student's log-prob of each sampled token
-    equals the engine's, so the distillation is on the student's own samples (in the default mode an activation
-    format drifts: SmolLM2's QAD W4A4 read mismatch/kl 0.07-0.22 a token)."""
+    """`qarl distill` with the exact forward in W4A4, evaluations included (the unquantized teacher in the exact
+    engine first): at every step the student's log-prob of each sampled token equals the engine's, so the
+    distillation is on the student's own samples (in the default mode an activation format drifts: SmolLM2's QAD
+    W4A4 read mismatch/kl 0.07-0.22 a token)."""
     run_dir = tmp_path / "qad"
     result = subprocess.run(
         [sys.executable, "-m", "qarl.cli", "distill", "recipes/qa_distillation_tiny.yaml", f"run.dir={run_dir}",
          f"policy.model_name={MODEL}", "policy.exact_forward=true", "policy.dtype=bfloat16", "teacher.dtype=bfloat16",
-         "trainer.steps=3", "warm_start.steps=5", "eval.every=0", "checkpoint.every=1000",
+         "trainer.steps=3", "warm_start.steps=5", "eval.every=3", "eval.num_prompts=16", "checkpoint.every=1000",
          "policy.generation.gpu_memory_utilization=0.06", "policy.generation.gpu_kv_cache_gib=2"],  # beside other runs
         cwd=REPO, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
@@ -225,3 +226,4 @@ def test_qad_with_the_exact_forward_samples_from_its_student_bit_for_bit(tmp_pat
     assert len(steps) == 3 and all(r["distill/kl"] > 0 for r in steps), steps
     assert [(r["mismatch/max_abs_logprob_diff"], r["mismatch/kl"]) for r in steps] == [(0.0, 0.0)] * 3
     assert "policy.exact_forward: at step" not in output
+    assert rows[0]["eval/teacher_accuracy"] >= 0 and rows[-1]["eval/accuracy"] >= 0  # the teacher evaluated too
