@@ -332,6 +332,8 @@ class PolicyConfig:
             "engine's kernels)" if self.compiles_layers else "",
             "policy.compile_scores (the exact forward scores with the engine's own log-softmax kernel)"
             if self.compiles_scores else "",
+            "policy.gradient_checkpointing=on (the exact forward runs its own loop over the layers, which keeps every "
+            "layer's activations; lower trainer.micro_batch_size instead)" if self.gradient_checkpointing == "on" else "",
         ]
         conflicts = [c for c in conflicts if c]
         if conflicts:

@@ -277,8 +277,8 @@ def plan_memory(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int,
     it), and its plan; a ConfigError naming the knob when nothing fits."""
     mode = cfg.policy.gradient_checkpointing
     candidates = {"off": [False], "on": [True], "auto": [False, True]}[mode]
-    if cfg.trainer.cuda_graphs == "on":  # a captured micro-batch is not checkpointed (qarl/graphs.py refuses "on")
-        candidates = [False]
+    if cfg.trainer.cuda_graphs == "on" or cfg.policy.exact_forward:  # a captured micro-batch is not checkpointed
+        candidates = [False]  # (qarl/graphs.py refuses "on"), nor is the exact forward's own loop over the layers
     for checkpointing in candidates:
         found = plan(cfg, shape, longest_prompt, checkpointing, frozen)
         check_kv_cache_holds_a_sequence(cfg, found)
@@ -326,6 +326,6 @@ def _refusal(cfg: RecipeConfig, shape: ModelShape, longest_prompt: int, frozen: 
                 "train adapters (policy.lora.mode=qlora)")
     if cfg.trainer.cuda_graphs == "on":
         hint += ", or set trainer.cuda_graphs=off (its pool holds a micro-batch's activations through the step)"
-    elif not failed.checkpointing:
+    elif not failed.checkpointing and not cfg.policy.exact_forward:
         hint += ", or set policy.gradient_checkpointing=on (or auto)"
     return head + hint + "."

@@ -27,6 +27,7 @@ from qarl.config import ConfigError, PolicyConfig, load_recipe
     ("policy.generation.allow_quant_mismatch=true", "allow_quant_mismatch"),
     ("policy.generation.top_p=0.9", "top_p=0.9"),
     ("policy.quant_weight_cache=false", "quant_weight_cache=false"),
+    ("policy.gradient_checkpointing=on", "gradient_checkpointing=on"),  # its own layer loop does not checkpoint
 ])
 def test_the_recipe_refuses_what_the_exact_forward_cannot_serve(override, named):
     overrides = ["policy.exact_forward=true", "policy.dtype=bfloat16", override]

@@ -47,6 +47,19 @@ def test_checkpointing_shrinks_the_activations_and_auto_takes_it_only_when_neede
         plan_memory(off_cfg, QWEN3_1P7B, 100)
 
 
+def test_the_exact_forward_is_planned_without_checkpointing(monkeypatch):
+    """Its own loop over the layers keeps every layer's activations (qarl/backends/exact_forward.py): auto never
+    turns checkpointing on for it, and a run that would need it is refused naming the micro-batch, not checkpointing."""
+    cfg = user_recipe()
+    exact = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, exact_forward=True))
+    room = plan(cfg, QWEN3_1P7B, 100, False, micro_batch_size=4).update  # room that auto fills with checkpointing
+    monkeypatch.setattr("qarl.memory.available_bytes", lambda: room)
+    monkeypatch.setattr("qarl.memory.engine_bytes", lambda cfg, shape: (0, "policy.generation.gpu_memory_utilization"))
+    assert plan_memory(cfg, QWEN3_1P7B, 100)[1].checkpointing
+    with pytest.raises(ConfigError, match=r"set trainer.micro_batch_size=\d+ \(the largest that fits\)\.$"):
+        plan_memory(exact, QWEN3_1P7B, 100)
+
+
 def test_a_run_whose_state_cannot_fit_is_refused_naming_what_to_change(monkeypatch):
     monkeypatch.setattr("qarl.memory.available_bytes", lambda: 20 * GiB)
     with pytest.raises(ConfigError, match="lower policy.generation.(gpu_memory_utilization|kv_cache_gib).*"
