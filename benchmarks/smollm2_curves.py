@@ -16,6 +16,7 @@ import argparse
 import re
 from collections import defaultdict
 from pathlib import Path
+from statistics import fmean as mean
 
 from qarl.metrics import read_metrics
 
@@ -51,10 +52,6 @@ def whole(seeds: dict[int, list[dict]]) -> dict[int, list[dict]]:
     """The seeds that reached their kind's last evaluation."""
     last = max(rows[-1]["step"] for rows in seeds.values())
     return {seed: rows for seed, rows in seeds.items() if rows[-1]["step"] == last}
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def gain_kept(finals: list[float], grpo: list[list[dict]], key: str) -> str:
