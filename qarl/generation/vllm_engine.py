@@ -44,6 +44,7 @@ from qarl.console import progress_bar, timed, verbose
 from qarl.distributed import is_main_process, world_size
 from qarl.generation import engine_quant
 from qarl.generation import exact as exact_kernels
+from qarl.generation import served_export
 from qarl.generation import vllm_compat
 from qarl.generation.adapters import EngineAdapters
 from qarl.generation.packed_base import PackedBase
@@ -274,6 +275,7 @@ class VLLMEngine:
             # (W4A4, FP8) turns into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins
             # the parity at 0)
             extra["compilation_config"] = {"custom_ops": ["none"]}
+        extra |= served_export.engine_options(self.model_dir)  # an export: vLLM's kernels for its trained format
         if experts and torch.cuda.is_available():
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         # vLLM reports nothing while it loads, profiles and (on a GPU) compiles and captures: its elapsed time is shown,
@@ -306,6 +308,12 @@ class VLLMEngine:
         if not torch.cuda.is_available():  # a rollout whose prompts outgrow one prefill step samples on CPU too
             vllm_compat.keep_seeds_of_split_prefills(runner)
         self.model: nn.Module = vllm_compat.runner_model(runner)
+        try:  # {} unless an export; a W4A4 export computed weight-only is refused
+            self.served_kernels = served_export.served_kernels(self.model_dir, self.model)
+        except ConfigError:
+            self._shut_down_vllm()
+            self.llm = self.model = None
+            raise
         if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
             self._shut_down_vllm()
             self.llm = self.model = None

@@ -143,6 +143,9 @@ def test_shares_and_paired_comparisons_in_the_report():
     assert "Share of grpo's gain" in text and "PTQ-relative share" in text and "150 %" in text
     assert "| qa_grpo, trained | grpo, nvfp4_a16 max | +25.0 |" in text
     assert "| qa_grpo, trained | grpo, full |" not in text  # other formats, not against the base: matrix.json only
+    assert "exports' kernels" not in text  # no exported column
+    report["served_kernels"] = {"exported nvfp4_w4a4_compressed_tensors": {"EmulationNvFp4LinearKernel": 630}}
+    assert "- exported nvfp4_w4a4_compressed_tensors: EmulationNvFp4LinearKernel (630)" in markdown(report)
     # two unquantized rows: no single reference, no share tables; a transfer split gets its own section
     plan.models["grpo_2"] = [ModelSource("g2", "g2", ckpt)]
     report = summarize(plan, {"test": {**test, "grpo_2": test["grpo"]}, "transfer": {**test, "grpo_2": test["grpo"]}})
