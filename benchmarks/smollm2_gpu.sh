@@ -82,7 +82,8 @@
 #     few runs by then (the plan gives stage 3 16.6 GiB each); QAD's loss divides by the step's tokens, so 32 rows
 #     change only a sum's order (tiny QAD, 4 steps, 32 against 128 rows: 7 digits alike). Three seeds with the
 #     chain's table (GRPO after W4A4 PTQ, stage 3 trained and its export served by vLLM; QAD's rows from the runs' own
-#     evaluations, in table.md), ~20-24 min:
+#     evaluations, in table.md), 22 min on one H100 (2026-12-07, chain_three_seeds/, with a fourth QAD: GRPO 5.4-5.9
+#     min, QAD 6.5-6.7, stage 3 about 4, the matrix 5.8):
 #       RUNS="grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4" MATRICES="matrix_smollm2_w4a4_chain" \
 #         ARGS_qad_w4a4="trainer.micro_batch_size=32" \
 #         ARGS_qad_grpo_then_qa_grpo_w4a4="trainer.micro_batch_size=32" bash benchmarks/smollm2_gpu.sh start
