@@ -484,9 +484,7 @@ def evaluate_matrix(plan: Plan) -> tuple[Results, Kernels]:
                 if _writes(precision.export, source):
                     by_split, served = _exported(plan, name, index, source, precision, rewards)
                     add(name, precision, by_split)
-                    column = kernels.setdefault(precision.name, {})
-                    for kernel, layers in served.items():
-                        column[kernel] = column.get(kernel, 0) + layers
+                    kernels.setdefault(precision.name, Counter()).update(served)
     return results, kernels
 
 

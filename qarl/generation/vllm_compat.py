@@ -21,6 +21,7 @@ when called.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -647,14 +648,13 @@ def linear_kernels(model: nn.Module) -> dict[str, int]:
     method gave a kernel object (`layer.quant_method.kernel`, ModelOpt checkpoints; `layer.scheme.kernel`,
     compressed-tensors); {} for an unquantized model. Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     check_version()
-    counts: dict[str, int] = {}
+    kernels = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "kernel", None)
         if method is not None and kernel is not None:
-            name = type(kernel).__name__
-            counts[name] = counts.get(name, 0) + 1
-    return counts
+            kernels.append(type(kernel).__name__)
+    return dict(collections.Counter(kernels))
 
 
 # -- vLLM's LoRA (qarl/generation/vllm_lora.py) ------------------------------------------------------------
