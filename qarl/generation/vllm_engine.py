@@ -276,7 +276,7 @@ class VLLMEngine:
             # the parity at 0)
             extra["compilation_config"] = {"custom_ops": ["none"]}
         extra |= served_export.engine_options(self.model_dir)  # an export: vLLM's kernels for its trained format
-        if experts and torch.cuda.is_available():
+        if experts and torch.cuda.is_available() and served_export.export_scheme(self.model_dir) is None:
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         # vLLM reports nothing while it loads, profiles and (on a GPU) compiles and captures: its elapsed time is shown,
         # and its own bar over the weight files only with -v
@@ -311,12 +311,10 @@ class VLLMEngine:
         try:  # {} unless an export; a W4A4 export computed weight-only is refused
             self.served_kernels = served_export.served_kernels(self.model_dir, self.model)
         except ConfigError:
-            self._shut_down_vllm()
-            self.llm = self.model = None
+            self._release()
             raise
         if experts and (changed := vllm_compat.experts_in_changed_layout(self.model)):
-            self._shut_down_vllm()
-            self.llm = self.model = None
+            self._release()
             raise NotImplementedError(
                 f"vLLM computes these MoE layers with a backend that lays their expert weights out for its kernels "
                 f"after loading, where a refit cannot reach them: {changed}; qarl refits experts computed by "
@@ -357,11 +355,18 @@ class VLLMEngine:
         if self._shared is not None:
             self._shared.unlink()  # the policy's weights get their own memory before vLLM's goes
         self.adapters.close()
-        self._shut_down_vllm()
-        self.llm = self.model = self.adapters = self.format = self._plan = self._sampled = self._shared = self._worker = None
+        self.adapters = self.format = self._plan = self._sampled = self._shared = None
         self._links.clear()
         self._kv_links.clear()
         self._held_from, self._held = None, {}
+        self._release()
+
+    def _release(self) -> None:
+        """Shut vLLM down and let go of everything it allocated (the engine's other holds on it already dropped)."""
+        vllm_compat.shutdown_engine(self.llm)
+        if not self.eager:  # a compiled model can leave a bytecode hook behind that would keep it alive
+            drop_bytecode_hooks(self.model)
+        self.llm = self.model = self._worker = None
         if not self.eager:
             reset_dynamo()  # compiled code keeps guards on the engine's modules
             vllm_compat.forget_graph_pool()  # its graphs are gone: the next engine takes a new pool
@@ -370,11 +375,6 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def _shut_down_vllm(self) -> None:
-        vllm_compat.shutdown_engine(self.llm)
-        if not self.eager:  # a compiled model can leave a bytecode hook behind that would keep it alive
-            drop_bytecode_hooks(self.model)
 
     # -- quantization -------------------------------------------------------------------------
     def set_quant_format(self, fmt: QuantFormat | None) -> None:

@@ -202,13 +202,20 @@ def test_the_scheme_and_serving_options_come_from_config_json(target, exports):
     """An export's scheme read from its config.json alone (exports of other tools have no manifest); a W4A4 export
     asks vLLM for its NVFP4 emulation only on a CUDA GPU without FP4 tensor cores (tests/integration/
     test_gpu_served_export.py serves one)."""
+    from qarl.export.targets import config_scheme
     from qarl.generation import served_export
 
     out, summary = exports[target]
     assert served_export.export_scheme(out) == _scheme(target)
     assert served_export.export_scheme(resolve_model_dir("embedded:tiny")) is None
+    int4 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "int", "group_size": 128},
+        "input_activations": {"num_bits": 8, "type": "int"}}}}
+    assert config_scheme({"quantization_config": int4}) is None  # quantized, but no scheme qarl serves or verifies
+    assert config_scheme({"quantization_config": {"quant_method": "gptq", "bits": 4}}) is None
     assert ("serving" in summary) == target.startswith("nvfp4_w4a4")  # how to keep its activations at 4 bits
-    assert served_export.engine_options(out) == ({"linear_backend": "emulation"} if target.startswith("nvfp4_w4a4")
+    assert served_export.engine_options(out) == ({"linear_backend": "emulation", "moe_backend": "emulation"}
+                                                 if target.startswith("nvfp4_w4a4")
                                                  and torch.cuda.is_available() and torch.cuda.get_device_capability()
                                                  < served_export.FP4_TENSOR_CORES else {})
 
@@ -256,7 +263,7 @@ def test_vllm_loads_modelopt_fp8_on_cpu(exports):
     vllm = report["loaders"]["vllm"]
     assert vllm["status"] == "ok", vllm
     assert vllm["kv_cache_dtype"] == "auto"  # no KV scales in this export: vLLM's cache in the model's dtype
-    assert sum(vllm["linear_kernels"].values()) == 8, vllm  # vLLM's fused qkv, o, gate_up, down in the two layers
+    assert sum(vllm["layer_kernels"].values()) == 8, vllm  # vLLM's fused qkv, o, gate_up, down in the two layers
     assert vllm["max_abs_logprob_diff"] < 0.2  # bf16 activations against the fp32 fake-quant policy
 
 

@@ -7,10 +7,12 @@ re-enabled a quantizer ModelOpt keeps hard-disabled), not yet run again."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from qarl.config import ConfigError
+from qarl.config import ConfigError, GenerationConfig
 from qarl.generation import served_export, vllm_compat
 
 from tests.conftest import tiny_policy
@@ -28,6 +30,13 @@ def w4a4(task):
                        dtype="bfloat16")
 
 
+def _w4a4_kernels(kernels: dict[str, int]) -> None:
+    """Kernels that quantize the activations: the emulation where vLLM has no W4A4 kernel of its own."""
+    assert kernels and not set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS, kernels
+    if torch.cuda.get_device_capability() < served_export.FP4_TENSOR_CORES:
+        assert set(kernels) == {"EmulationNvFp4LinearKernel"}, kernels
+
+
 @pytest.mark.parametrize("target", ["nvfp4_w4a4_compressed_tensors", "nvfp4_w4a4_modelopt"])
 def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
     """vLLM serves the export with a W4A4 kernel (the emulation on a GPU before Blackwell), and its log-probs are the
@@ -40,20 +49,34 @@ def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
     served = report["loaders"]["vllm"]
     print(f"{target}: {served}")
     assert report["ok"] and served["status"] == "ok", served
-    kernels = served["linear_kernels"]
-    assert kernels and not set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS, kernels
-    if torch.cuda.get_device_capability() < served_export.FP4_TENSOR_CORES:
-        assert set(kernels) == {"EmulationNvFp4LinearKernel"}, kernels
+    _w4a4_kernels(served["layer_kernels"])
     inputs = [m.input_quantizer for _, m in quantized_linears(w4a4.model) if m.input_quantizer.is_enabled]
     try:
         for quantizer in inputs:
             quantizer.disable()
-        weight_only = verify_export(tmp_path / "out", policy=w4a4, vllm=True)["loaders"]["vllm"]
+        against_bf16_inputs = verify_export(tmp_path / "out", policy=w4a4, vllm=True)["loaders"]["vllm"]
     finally:
         for quantizer in inputs:
             quantizer.enable()
-    print(f"{target} against the policy with bf16 activations: {weight_only['max_abs_logprob_diff']}")
-    assert served["max_abs_logprob_diff"] < 0.5 * weight_only["max_abs_logprob_diff"], (served, weight_only)
+    print(f"{target} against the policy with bf16 activations: {against_bf16_inputs['max_abs_logprob_diff']}")
+    assert served["max_abs_logprob_diff"] < 0.5 * against_bf16_inputs["max_abs_logprob_diff"], (
+        served, against_bf16_inputs)
+
+
+def test_the_matrix_engine_serves_a_w4a4_export_with_its_activations(w4a4, task, tmp_path):
+    """The engine `qarl matrix` evaluates an export in (CUDA graphs, as the matrix runs it) takes the same kernels and
+    says so (`served_kernels`, which the matrix reports)."""
+    from qarl.export import export_policy
+    from qarl.generation import VLLMEngine
+
+    export_policy(w4a4, "nvfp4_w4a4_compressed_tensors", tmp_path / "out")
+    engine = VLLMEngine(tmp_path / "out", GenerationConfig(max_new_tokens=16, enforce_eager="false"), "bfloat16", 0)
+    try:
+        _w4a4_kernels(engine.served_kernels)
+        completions = engine.generate([w4a4.tokenizer(p.prompt).input_ids for p in task.eval[:8]], greedy=True)
+        assert len(completions) == 8 and all(c.token_ids for c in completions)
+    finally:
+        engine.close()
 
 
 def test_a_w4a4_export_computed_weight_only_is_refused(w4a4, tmp_path, monkeypatch):
@@ -66,9 +89,13 @@ def test_a_w4a4_export_computed_weight_only_is_refused(w4a4, tmp_path, monkeypat
     export_policy(w4a4, "nvfp4_w4a4_compressed_tensors", tmp_path / "out")
     llm = LLM(model=str(tmp_path / "out"), dtype="bfloat16", enforce_eager=True, max_model_len=128,
               gpu_memory_utilization=0.2, linear_backend="marlin")
+    model = None
     try:
         model = vllm_compat.runner_model(vllm_compat.worker_runner(vllm_compat.in_process_worker(llm)))
         with pytest.raises(ConfigError, match="MarlinNvFp4LinearKernel, which leaves the activations unquantized"):
             served_export.served_kernels(tmp_path / "out", model)
     finally:
         vllm_compat.shutdown_engine(llm)
+        del llm, model
+        gc.collect()
+        torch.cuda.empty_cache()
