@@ -331,6 +331,11 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
     config = json.loads((export_dir / "config.json").read_text())
     disk_format = _disk_format(config)
     fmt_module = format_module(disk_format)
+    manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
+    scheme = manifest.get("scheme") or config_scheme(config)
+    if scheme is None:
+        raise ConfigError(f"{export_dir}'s config.json describes no NVFP4 W4A16 / W4A4 or FP8 W8A8 quantization: "
+                          "verify an export that `qarl export` wrote (or one in these schemes)")
     reference_name = "in-memory policy"
     if policy is None:
         policy, reference_name = _reference_policy(export_dir, checkpoint)
@@ -340,11 +345,6 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
 
         policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     tensors = _load_tensors(export_dir)
-    manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
-    scheme = manifest.get("scheme") or config_scheme(config)
-    if scheme is None:
-        raise ConfigError(f"{export_dir}'s config.json describes no NVFP4 W4A16 / W4A4 or FP8 W8A8 quantization: "
-                          "verify an export that `qarl export` wrote (or one in these schemes)")
     fp8_kernel = manifest.get("fp8_kernel") or device_kernel(policy.device)  # the kernel the export reproduces
     report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
                               "reference": reference_name, "fp8_kernel": fp8_kernel}

@@ -279,6 +279,20 @@ def test_an_export_vllm_cannot_load_is_not_ok(exports, tmp_path):
     assert report["loaders"]["vllm"]["status"] == "error" and not report["ok"], report["loaders"]["vllm"]
 
 
+def test_an_export_of_no_scheme_is_refused_before_the_policy_loads(exports, tmp_path):
+    """Without a manifest the scheme comes from config.json; one qarl does not verify (here INT4 weights) is refused
+    naming it, before the checkpoint loads (the copy names no checkpoint it could load)."""
+    out, _ = exports["nvfp4_w4a4_compressed_tensors"]
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    (other / "qarl_export.json").unlink()
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int"
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="describes no NVFP4 W4A16 / W4A4 or FP8 W8A8 quantization"):
+        verify_export(other)
+
+
 def _cli(argv: list[str], capsys) -> tuple[int, dict]:
     parser = argparse.ArgumentParser(prog="qarl")
     add_export_command(parser.add_subparsers(dest="command", required=True))
