@@ -20,16 +20,19 @@ def main(request_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    from qarl.export.targets import config_scheme
     from qarl.generation import served_export
     from qarl.generation.vllm_compat import in_process_worker, kv_cache_dtype, runner_model, worker_runner
 
     request = json.loads(Path(request_path).read_text())
     config = json.loads((Path(request["model"]) / "config.json").read_text())
     vocab = int(config["vocab_size"])
+    scheme = config_scheme(config)
     llm = LLM(model=request["model"], dtype=request["dtype"], enforce_eager=True, max_model_len=128,
               max_logprobs=vocab, seed=0, **{key: request[key] for key in ("gpu_memory_utilization", "kv_cache_dtype")
-                                             if key in request}, **served_export.engine_options(request["model"]))
-    kernels = served_export.served_kernels(request["model"], runner_model(worker_runner(in_process_worker(llm))))
+                                             if key in request}, **served_export.engine_options(scheme))
+    model = runner_model(worker_runner(in_process_worker(llm)))
+    kernels = served_export.served_kernels(scheme, model, request["model"])
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]],
                            SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
     logprobs = [[{str(t): lp.logprob for t, lp in position.items()} for position in out.prompt_logprobs[1:]]

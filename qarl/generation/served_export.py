@@ -33,26 +33,21 @@ def export_scheme(model_dir: str | Path) -> str | None:
     return config_scheme(json.loads(config.read_text())) if config.is_file() else None
 
 
-def emulates_w4a4(model_dir: str | Path) -> bool:
-    """Whether vLLM must serve the export in `model_dir` with its NVFP4 emulation to quantize its activations: a W4A4
-    export on a CUDA GPU without FP4 tensor cores."""
-    return (export_scheme(model_dir) == "nvfp4_w4a4" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() < FP4_TENSOR_CORES)
+def engine_options(scheme: str | None) -> dict[str, Any]:
+    """The options of `vllm.LLM` that serve an export of `scheme` (`export_scheme`) in its trained format: vLLM's
+    NVFP4 emulation for a W4A4 export on a CUDA GPU without FP4 tensor cores; {} for any other model, and where vLLM's
+    own choice already does."""
+    if scheme == "nvfp4_w4a4" and torch.cuda.is_available() and torch.cuda.get_device_capability() < FP4_TENSOR_CORES:
+        return {"linear_backend": "emulation", "moe_backend": "emulation"}
+    return {}
 
 
-def engine_options(model_dir: str | Path) -> dict[str, Any]:
-    """The options of `vllm.LLM` that serve the export in `model_dir` in its trained format ({} for any other model,
-    and where vLLM's own choice already does)."""
-    return {"linear_backend": "emulation", "moe_backend": "emulation"} if emulates_w4a4(model_dir) else {}
-
-
-def served_kernels(model_dir: str | Path, model: torch.nn.Module) -> dict[str, int]:
-    """{vLLM kernel: layers} of the engine `model` serving the export in `model_dir` ({} for a model that is not an
-    export); a W4A4 export that vLLM computes with a weight-only kernel is refused: its accuracy would be a W4A16
-    model's, reported as the W4A4 export's."""
+def served_kernels(scheme: str | None, model: torch.nn.Module, model_dir: str | Path) -> dict[str, int]:
+    """{vLLM kernel: layers} of the engine `model` serving the export of `scheme` in `model_dir` ({} for a model that
+    is not an export); a W4A4 export that vLLM computes with a weight-only kernel is refused: its accuracy would be a
+    W4A16 model's, reported as the W4A4 export's."""
     from qarl.generation import vllm_compat
 
-    scheme = export_scheme(model_dir)
     if scheme is None:
         return {}
     kernels = vllm_compat.layer_kernels(model)

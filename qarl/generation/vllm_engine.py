@@ -275,8 +275,9 @@ class VLLMEngine:
             # (W4A4, FP8) turns into whole steps (docs/concepts/amax-sync.md; tests/integration/test_smollm2.py pins
             # the parity at 0)
             extra["compilation_config"] = {"custom_ops": ["none"]}
-        extra |= served_export.engine_options(self.model_dir)  # an export: vLLM's kernels for its trained format
-        if experts and torch.cuda.is_available() and served_export.export_scheme(self.model_dir) is None:
+        export = served_export.export_scheme(self.model_dir)  # None unless the engine serves an export
+        extra |= served_export.engine_options(export)  # vLLM's kernels for the export's trained format
+        if experts and torch.cuda.is_available() and export is None:
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         # vLLM reports nothing while it loads, profiles and (on a GPU) compiles and captures: its elapsed time is shown,
         # and its own bar over the weight files only with -v
@@ -309,7 +310,7 @@ class VLLMEngine:
             vllm_compat.keep_seeds_of_split_prefills(runner)
         self.model: nn.Module = vllm_compat.runner_model(runner)
         try:  # {} unless an export; a W4A4 export computed weight-only is refused
-            self.served_kernels = served_export.served_kernels(self.model_dir, self.model)
+            self.served_kernels = served_export.served_kernels(export, self.model, self.model_dir)
         except ConfigError:
             self._release()
             raise

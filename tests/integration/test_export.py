@@ -214,10 +214,10 @@ def test_the_scheme_and_serving_options_come_from_config_json(target, exports):
     assert config_scheme({"quantization_config": int4}) is None  # quantized, but no scheme qarl serves or verifies
     assert config_scheme({"quantization_config": {"quant_method": "gptq", "bits": 4}}) is None
     assert ("serving" in summary) == target.startswith("nvfp4_w4a4")  # how to keep its activations at 4 bits
-    assert served_export.engine_options(out) == ({"linear_backend": "emulation", "moe_backend": "emulation"}
-                                                 if target.startswith("nvfp4_w4a4")
-                                                 and torch.cuda.is_available() and torch.cuda.get_device_capability()
-                                                 < served_export.FP4_TENSOR_CORES else {})
+    emulated = (target.startswith("nvfp4_w4a4") and torch.cuda.is_available()
+                and torch.cuda.get_device_capability() < served_export.FP4_TENSOR_CORES)
+    assert served_export.engine_options(served_export.export_scheme(out)) == (
+        {"linear_backend": "emulation", "moe_backend": "emulation"} if emulated else {})
 
 
 def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):

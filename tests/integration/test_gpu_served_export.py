@@ -93,7 +93,7 @@ def test_a_w4a4_export_computed_weight_only_is_refused(w4a4, tmp_path, monkeypat
     try:
         model = vllm_compat.runner_model(vllm_compat.worker_runner(vllm_compat.in_process_worker(llm)))
         with pytest.raises(ConfigError, match="MarlinNvFp4LinearKernel, which leaves the activations unquantized"):
-            served_export.served_kernels(tmp_path / "out", model)
+            served_export.served_kernels("nvfp4_w4a4", model, tmp_path / "out")
     finally:
         vllm_compat.shutdown_engine(llm)
         del llm, model

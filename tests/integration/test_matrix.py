@@ -272,5 +272,6 @@ def test_the_exports_of_several_seeds_each_get_an_engine_in_one_process(models, 
     accuracy = report["splits"]["test"]["accuracy"]["fp8"]
     cell = accuracy["exported fp8_w8a8_compressed_tensors"]
     assert len(cell["per_seed"]) == 2 and cell["per_seed"][0] == cell["per_seed"][1]
-    assert "exported fp8_w8a8_compressed_tensors" in report["served_kernels"]  # the kernels each export ran
+    served = report["served_kernels"]["exported fp8_w8a8_compressed_tensors"]  # the kernels each export ran:
+    assert sum(served.values()) == 16, served  # qkv, o, gate_up, down in each of the 2 layers, for each of 2 seeds
     assert cell["per_seed"][0] == pytest.approx(accuracy[TRAINED]["mean"], abs=0.1)
