@@ -304,6 +304,7 @@ def test_an_engine_started_from_a_w4a4_export_on_cpu_answers_as_the_trained_poli
             assert tokens[len(ids):] == answer
 
 
+@pytest.mark.slow  # (the compressed-tensors export's tests above hold the default suite's check)
 def test_vllm_serves_a_modelopt_w4a4_export_on_cpu(exports):
     """The ModelOpt W4A4 export too (vLLM's modelopt method computes in bf16 only, so its log-probs are compared with
     the fp32 policy's at bf16's floor)."""

@@ -251,6 +251,22 @@ def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models)
         plan_matrix(_cfg(models, exports=["fp8_w8a8_modelopt"]))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (on a GPU: tests/integration/test_gpu_served_export.py)")
+def test_a_w4a4_exported_column_scores_as_its_trained_model_on_cpu(models):
+    """On CPU the matrix serves a W4A4 export with vLLM's NVFP4 emulation (qarl/generation/served_export.py), in the
+    matrix's fp32 as the trained column computes: the exported cell scores exactly as the trained one."""
+    cfg = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml"], RecipeConfig)
+    policy = build_policy(cfg.policy, ArithmeticTask(num_train=2000, num_eval=1000, seed=0).calibration_texts(64),
+                          model_dir=models["base"])
+    checkpoint = models["root"] / "w4a4"
+    save_checkpoint(checkpoint, 1, policy, {"step": 1})
+    report, _ = run_matrix(_cfg(models, models={"w4a4": [str(checkpoint)]}, formats=[], ptq_methods=["max"],
+                                exports=["nvfp4_w4a4_compressed_tensors"]))
+    cells = report["splits"]["test"]["accuracy"]["w4a4"]
+    assert report["served_kernels"] == {"exported nvfp4_w4a4_compressed_tensors": {"EmulationNvFp4LinearKernel": 8}}
+    assert cells["exported nvfp4_w4a4_compressed_tensors"]["mean"] == cells[TRAINED]["mean"] > 0.1, cells
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM's FP8 kernels and sleep mode)")
 def test_the_exports_of_several_seeds_each_get_an_engine_in_one_process(models, tmp_path):
