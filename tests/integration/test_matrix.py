@@ -251,7 +251,7 @@ def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models)
         plan_matrix(_cfg(models, exports=["fp8_w8a8_modelopt"]))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (on a GPU: tests/integration/test_gpu_served_export.py)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (a GPU: tests/integration/test_gpu_served_export.py)")
 def test_a_w4a4_exported_column_scores_as_its_trained_model_on_cpu(models):
     """On CPU the matrix serves a W4A4 export with vLLM's NVFP4 emulation (qarl/generation/served_export.py), in the
     matrix's fp32 as the trained column computes: the exported cell scores exactly as the trained one."""
