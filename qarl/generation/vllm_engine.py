@@ -281,7 +281,8 @@ class VLLMEngine:
             extra["moe_backend"] = "triton"  # it computes the experts from the weights as loaded, which refits write
         # vLLM reports nothing while it loads, profiles and (on a GPU) compiles and captures: its elapsed time is shown,
         # and its own bar over the weight files only with -v
-        with timed(f"starting the vLLM engine ({fmt.name if fmt is not None else 'unquantized'})"):
+        label = fmt.name if fmt is not None else f"the {export} export" if export is not None else "unquantized"
+        with timed(f"starting the vLLM engine ({label})"):
             self.llm = LLM(
                 model=str(self.packed_base.model_dir) if self.packed_base else self.model_dir,
                 dtype=self.dtype,
