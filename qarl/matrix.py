@@ -9,7 +9,7 @@ transfer split where the task has one: problems unlike the training ones) at eve
              scale search), so "quantization-aware training beats PTQ" is tested against each of them;
   trained    a run trained quantized, at its own trained quantization (its checkpoint's format and amax).
   exported T the same run written by `qarl export` as target T's real low-precision checkpoint and served by vLLM
-             with its own kernels (matrix.exports; a GPU, or on CPU the W4A4 and ModelOpt FP8 targets): what a user
+             with its own kernels (matrix.exports; a GPU, or on CPU a compressed-tensors W4A4 target): what a user
              deploys. A W4A4 export on a GPU without FP4 tensor cores, or on CPU, is served by vLLM's NVFP4 emulation,
              whose activations are 4-bit as trained (vLLM's own choice on such a GPU is weight-only:
              qarl/generation/served_export.py).

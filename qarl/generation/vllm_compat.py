@@ -86,7 +86,7 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
     # vLLM's kernel registry (VLLM_DISABLED_KERNELS, serve_nvfp4_w4a4_on_cpu) and the kernels an export's layers run
     # (layer_kernels)
-    "_POSSIBLE_NVFP4_KERNELS", "vllm.model_executor.kernels", "EmulationNvFp4LinearKernel",
+    "_POSSIBLE_NVFP4_KERNELS", "vllm.model_executor.kernels", "EmulationNvFp4LinearKernel", "._enum",
     "CPUFp8PerTensorScaledMMLinearKernel", "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
     "FlashInferCuteDslNvFp4W4A16LinearKernel", "B12xNvFp4W4A16LinearKernel", "fp8_linear", "nvfp4_backend",
     # vLLM's LoRA (qarl/generation/vllm_lora.py)

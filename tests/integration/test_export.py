@@ -256,6 +256,26 @@ def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):
     assert checked > 10**6 and differing < 1e-3 * checked, (differing, checked)
 
 
+def test_the_emulation_is_listed_for_vllm_cpu_once_and_only_for_w4a4():
+    """The patch behind serving a W4A4 export on CPU (vllm_compat.serve_nvfp4_w4a4_on_cpu, applied by
+    served_export.engine_options) lists vLLM's emulation once however often an engine starts, and not for a W4A16
+    export, which it would compute with 4-bit activations."""
+    from vllm.model_executor.kernels import linear as vllm_linear_kernels
+    from vllm.platforms import current_platform
+
+    from qarl.generation import served_export
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU platform's patch")
+    listed = vllm_linear_kernels._POSSIBLE_NVFP4_KERNELS
+    before = list(listed.get(current_platform._enum, []))
+    assert served_export.engine_options("nvfp4_w4a16") == {}
+    assert listed.get(current_platform._enum, []) == before  # a W4A16 export leaves the registry as it was
+    for _ in range(2):
+        assert served_export.engine_options("nvfp4_w4a4") == {}
+    assert listed[current_platform._enum].count(vllm_linear_kernels.EmulationNvFp4LinearKernel) == 1
+
+
 def test_vllm_serves_a_w4a4_export_on_cpu_with_its_4_bit_activations(runs, exports):
     """vllm-cpu serves a W4A4 export with vLLM's NVFP4 emulation in every linear layer (listed for its platform by
     vllm_compat.serve_nvfp4_w4a4_on_cpu), in fp32 as the policy computes: its log-probs are the W4A4 policy's, far
@@ -306,15 +326,15 @@ def test_an_engine_started_from_a_w4a4_export_on_cpu_answers_as_the_trained_poli
 
 @pytest.mark.slow  # (the compressed-tensors export's tests above hold the default suite's check)
 def test_vllm_serves_a_modelopt_w4a4_export_on_cpu(exports):
-    """The ModelOpt W4A4 export too (vLLM's modelopt method computes in bf16 only, so its log-probs are compared with
-    the fp32 policy's at bf16's floor)."""
+    """The ModelOpt W4A4 export too, served by the emulation in every layer. vLLM's modelopt method computes in bf16
+    only, so the log-probs' bound is a sanity check at bf16's floor, not a check of the activations' format."""
     served = verify_export(exports["nvfp4_w4a4_modelopt"][0], vllm=True)["loaders"]["vllm"]
     assert served["status"] == "ok" and served["layer_kernels"] == {"EmulationNvFp4LinearKernel": 8}, served
     assert served["mean_kl"] < 1e-2, served
 
 
 def test_vllm_loads_modelopt_fp8_on_cpu(exports):
-    """The one loader/format pair vLLM runs on CPU here (bf16 activations: vLLM's modelopt method refuses fp32)."""
+    """vLLM's FP8 on CPU, ModelOpt's format (bf16 activations: vLLM's modelopt method refuses fp32)."""
     out, _ = exports["fp8_w8a8_modelopt"]
     report = verify_export(out, vllm=True)
     assert report["ok"] and report["weights"]["quantized"]["max_abs_diff"] == 0.0

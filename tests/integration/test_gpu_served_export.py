@@ -41,8 +41,9 @@ def _w4a4_kernels(kernels: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("target", ["nvfp4_w4a4_compressed_tensors", "nvfp4_w4a4_modelopt"])
 def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
-    """vLLM serves the export with a W4A4 kernel in every layer (the emulation on a GPU before Blackwell), its
-    log-probs the W4A4 policy's within bf16's floor for a W4A4 model (on CPU in bf16: mean KL 4.1e-3)."""
+    """vLLM serves the export with a W4A4 kernel in every layer (the emulation on a GPU before Blackwell): the kernels
+    are the check. The log-probs' bound is a sanity check at bf16's floor for a W4A4 model (on CPU in bf16: mean KL
+    4.1e-3), which a weight-only engine would pass too (4.9e-3)."""
     from qarl.export import export_policy, verify_export
 
     export_policy(w4a4, target, tmp_path / "out")

@@ -254,7 +254,8 @@ def test_export_columns_name_their_target_and_refuse_a_format_no_row_has(models)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (a GPU: tests/integration/test_gpu_served_export.py)")
 def test_a_w4a4_exported_column_scores_as_its_trained_model_on_cpu(models):
     """On CPU the matrix serves a W4A4 export with vLLM's NVFP4 emulation (qarl/generation/served_export.py), in the
-    matrix's fp32 as the trained column computes: the exported cell scores exactly as the trained one."""
+    matrix's fp32 as the trained column computes: the exported cell scores as the trained one (equal here; one prompt
+    of 48 is allowed: vLLM's decode multiplies a row at a time, whose sums another CPU's BLAS may order otherwise)."""
     cfg = load_recipe("recipes/qa_grpo_tiny.yaml", ["policy.quant_cfg=quant_configs/nvfp4_w4a4.yaml"], RecipeConfig)
     policy = build_policy(cfg.policy, ArithmeticTask(num_train=2000, num_eval=1000, seed=0).calibration_texts(64),
                           model_dir=models["base"])
@@ -264,7 +265,8 @@ def test_a_w4a4_exported_column_scores_as_its_trained_model_on_cpu(models):
                                 exports=["nvfp4_w4a4_compressed_tensors"]))
     cells = report["splits"]["test"]["accuracy"]["w4a4"]
     assert report["served_kernels"] == {"exported nvfp4_w4a4_compressed_tensors": {"EmulationNvFp4LinearKernel": 8}}
-    assert cells["exported nvfp4_w4a4_compressed_tensors"]["mean"] == cells[TRAINED]["mean"] > 0.1, cells
+    assert cells[TRAINED]["mean"] > 0.1, cells
+    assert abs(cells["exported nvfp4_w4a4_compressed_tensors"]["mean"] - cells[TRAINED]["mean"]) <= 1 / 48, cells
 
 
 @pytest.mark.gpu

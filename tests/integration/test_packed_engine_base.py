@@ -36,7 +36,7 @@ def engine_weight(engine: VLLMEngine, name: str) -> torch.Tensor:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answers")
 def test_auto_keeps_the_folded_base_where_it_cannot_pack_and_on_refuses_naming_why(tmp_path):
     assert decided("auto") is False and decided("off") is False
-    with pytest.raises(ConfigError, match="CPU platform has no NVFP4 kernel"):
+    with pytest.raises(ConfigError, match="CPU platform has no weight-only NVFP4 kernel"):
         decided("on")
     with pytest.raises(ConfigError, match="not NVFP4 W4A16"):
         decided("on", "fp8_w8a8")
