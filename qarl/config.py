@@ -596,7 +596,7 @@ class MatrixConfig:
     num_transfer_prompts: int = knob(1000, ge=0)
     # Export targets (names or paths of export/*.yaml): each trained run whose format a target writes is also exported
     # to it and evaluated as that real low-precision checkpoint, served by vLLM with its own kernels (a GPU with
-    # NVFP4 / FP8 kernels): the column "exported TARGET".
+    # NVFP4 / FP8 kernels; on CPU a compressed-tensors W4A4 target, by vLLM's emulation): the column "exported TARGET".
     exports: list[str] = field(default_factory=list)
     out: str = "${run.dir}/matrix"  # where matrix.json, matrix.md and matrix.png go (and exports/)
 
