@@ -22,6 +22,7 @@ from qarl.metrics import read_metrics
 
 LABELS = {"grpo_bf16": "GRPO (bf16)", "qa_grpo_w4a16": "QA-GRPO NVFP4 W4A16", "qa_grpo_w4a4": "QA-GRPO NVFP4 W4A4 (exact)",
           "qa_grpo_fp8": "QA-GRPO FP8", "qad_w4a4": "QAD NVFP4 W4A4",
+          "qad_w4a4_down_bf16": "QAD NVFP4 W4A4, down_proj unquantized",
           "qad_base_w4a4": "QAD NVFP4 W4A4 from the base (stage 1)",
           "qad_then_qa_grpo_w4a4": "QAD, then QA-GRPO NVFP4 W4A4 (stage 2, exact)",
           "qad_base_w4a16": "QAD NVFP4 W4A16 from the base (stage 1)",

@@ -22,7 +22,8 @@
 #             free slot and the run it starts from has succeeded (FROM below); each `qarl matrix` whose runs are all in
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
 #             W4A16 and FP8 and their exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
-#             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
+#             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_qad_down_bf16.yaml (QAD W4A4 with down_proj left
+#             unquantized, qad_w4a4_down_bf16), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
 #             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO and the third stage after QAD
 #             W4A4, trained and exported: the W4A4 study's table; its QAD students in matrix_smollm2_qad.yaml),
@@ -33,8 +34,8 @@
 #             failed run. MATRICES="NAME ..." runs only these matrices (each still when its runs are done);
 #             MATRICES=none runs none (the runs' own evaluations only: a session too short for a matrix).
 #             A kind that starts from another kind's run of the same seed (FROM) needs that kind in RUNS with that
-#             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4) learns from GRPO's run
-#             (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
+#             seed (else `start` refuses RUNS, naming it): QAD W4A4 (qad_w4a4, and qad_w4a4_down_bf16 with down_proj
+#             unquantized) learns from GRPO's run (grpo_bf16) of its seed; the second stages (qad_then_qa_grpo_w4a16, qad_then_qa_grpo_w4a4) start from
 #             the QAD from the base of their seed (qad_base_w4a16, qad_base_w4a4); the third stage of GRPO, QAD, then
 #             QA-GRPO W4A4 (qad_grpo_then_qa_grpo_w4a4) from qad_w4a4's; the methods chain likewise (qad_w4a4_methods
 #             from grpo_bf16, qad_grpo_then_qa_grpo_w4a4_methods from qad_w4a4_methods).
@@ -114,6 +115,7 @@ declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a1
                 [qa_grpo_w4a16_kv_fp8_default]="train recipes/qa_grpo_smollm2_kv_fp8.yaml policy.exact_forward=false
                                                 policy.generation.allow_quant_mismatch=true"
                 [qad_w4a4]="distill recipes/qa_distillation_smollm2.yaml"
+                [qad_w4a4_down_bf16]="distill recipes/qa_distillation_smollm2_down_bf16.yaml trainer.micro_batch_size=32"
                 [qad_base_w4a16]="distill recipes/qad_smollm2_w4a16_from_base.yaml"
                 [qad_then_qa_grpo_w4a16]="train recipes/qad_then_qa_grpo_smollm2.yaml"
                 [qad_base_w4a4]="distill recipes/qad_smollm2_w4a4_from_base.yaml"
@@ -124,6 +126,7 @@ declare -A RUN=([grpo_bf16]="train recipes/grpo_smollm2_bf16.yaml" [qa_grpo_w4a1
 # the kinds that start from another kind's run of the same seed, as KEY=KIND: the recipe key that names that run
 # (QAD's teacher, a later stage's start) and the kind; the run waits until that one is done
 declare -A FROM=([qad_w4a4]=teacher.model_name=grpo_bf16
+                 [qad_w4a4_down_bf16]=teacher.model_name=grpo_bf16
                  [qad_then_qa_grpo_w4a16]=policy.model_name=qad_base_w4a16
                  [qad_then_qa_grpo_w4a4]=policy.model_name=qad_base_w4a4
                  [qad_grpo_then_qa_grpo_w4a4]=policy.model_name=qad_w4a4
@@ -343,6 +346,7 @@ case "$stage" in
     matrix 0 matrix_smollm2 grpo_bf16 qa_grpo_w4a16 qa_grpo_fp8 &
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
+    matrix "$last" matrix_smollm2_qad_down_bf16 grpo_bf16 qad_w4a4_down_bf16 &
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
     matrix "$last" matrix_smollm2_kv_cache_default qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8_default &
     matrix "$last" matrix_smollm2_w4a4_chain grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 &

@@ -2,8 +2,10 @@
 # The W4A4 study (issue 72) in one sitting, on SmolLM2-135M-Instruct: three seeds of GRPO bf16 (the teachers and the
 # PTQ rows), QA-GRPO W4A4 with the exact forward from the base, and the chain GRPO -> QAD W4A4 -> QA-GRPO W4A4 in plain
 # NVFP4 W4A4, with each activation-error method alone and with the methods together, every chain from the same GRPO
-# teachers; then the pipeline's tables (QAD W4A4; the plain chain with GRPO after W4A4 PTQ and its exports served by
-# vLLM; the methods together, trained rows: no engine serves their formats) and `keep`'s table.md with every row.
+# teachers, and QAD W4A4 with down_proj left unquantized (the mixed format that exports); then the pipeline's tables
+# (QAD W4A4; QAD with down_proj unquantized and its exports; the plain chain with GRPO after W4A4 PTQ and its exports
+# served by vLLM; the methods together, trained rows: no engine serves their formats) and `keep`'s table.md with every
+# row.
 #   bash benchmarks/w4a4_study.sh plan          # every run's `qarl` arguments, nothing started
 #   bash benchmarks/w4a4_study.sh start         # then `wait S` and `keep TAR`, as benchmarks/smollm2_gpu.sh's
 # The stages are benchmarks/smollm2_gpu.sh's (its header: WORKDIR, SEEDS, MAX_RUNS_PER_GPU, ...); this script only
@@ -15,12 +17,13 @@
 #   had   inputs rotated by a Hadamard of 16, online quant_configs/nvfp4_w4a4_hadamard.yaml
 #   down  down_proj's input at 16 bits (75 % of the linear multiply-adds left in W4A4)
 #                                                    quant_configs/nvfp4_w4a4_down_a16.yaml
-# Size: 3 seeds x 16 runs (GRPO, QA-GRPO W4A4, and seven chains of two stages); by the stage times in
+# Size: 3 seeds x 17 runs (GRPO, QA-GRPO W4A4, seven chains of two stages, QAD with down_proj unquantized); by the stage times in
 # benchmarks/smollm2_gpu.sh's header, hours on one GPU, shared by several GPUs of one machine. Not yet run whole.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-RUNS="grpo_bf16 qa_grpo_w4a4 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 qad_w4a4_methods qad_grpo_then_qa_grpo_w4a4_methods"
+RUNS="grpo_bf16 qa_grpo_w4a4 qad_w4a4 qad_w4a4_down_bf16 qad_grpo_then_qa_grpo_w4a4 qad_w4a4_methods
+      qad_grpo_then_qa_grpo_w4a4_methods"
 for method in pt=nvfp4_w4a4_per_token fos=nvfp4_w4a4_four_over_six fosw=nvfp4_w4a4_four_over_six_all \
               had=nvfp4_w4a4_hadamard down=nvfp4_w4a4_down_a16; do
   tag="${method%%=*}"

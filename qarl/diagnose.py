@@ -8,7 +8,8 @@ layer, on the rows routed to that expert), on the recipe's calibration data:
                and in FP8 (ModelOpt's own quantizers, max-calibrated), and of the layer's output when both
                are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most;
                with `--also QUANT_CFG ...`, the weight, input and output errors of more formats beside them (W4A4
-               with per-token or 4-over-6 scales, mixed formats: what a method does to each layer).
+               with per-token or 4-over-6 scales, mixed formats: what a method does to each layer; a layer a
+               mixed format leaves unquantized has errors 0 there, and counts in the layer means).
 Several models (e.g. the base, then runs trained from it) are compared layer by layer: before vs after.
 Writes diagnose.json, diagnose.md and diagnose.png to --out.
 """
@@ -139,7 +140,7 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str],
     quantized = {key: build_policy(settings, calibration, model_dir=model_dir, fmt=resolve_format(spec))
                  for key, spec in formats.items()}
     layers = {key: {w.name: w for w in quantized_weights(p.model)} for key, p in quantized.items()}
-    names = set.intersection(*(set(v) for v in layers.values()))
+    names = set.union(*(set(v) for v in layers.values()))  # a layer a mixed format leaves unquantized: exact there
     plain_modules = dict(plain.model.named_modules())
     inputs = {**layer_inputs(plain.model, batches, names & set(plain_modules)), **expert_inputs(plain.model, batches)}
     weights = split_expert_weights(plain.model, dict(plain.model.named_parameters()))
@@ -152,7 +153,10 @@ def diagnose_model(cfg: RecipeConfig, model_dir: str, calibration: list[str],
                    **{f"input_{k}": v for k, v in moments(x).items()}}
             exact = x @ weight.T
             for key in formats:
-                layer = layers[key][name]
+                layer = layers[key].get(name)
+                if layer is None:  # unquantized in this format (nvfp4_w4a4_down_bf16's down_proj): no error
+                    row.update({f"{kind}_error_{key}": 0.0 for kind in ("weight", "input", "output")})
+                    continue
                 qw, qx = layer.quantized(), layer.input_quantizer(x)
                 row[f"weight_error_{key}"] = relative_error(qw, weight)
                 row[f"input_error_{key}"] = relative_error(qx, x)

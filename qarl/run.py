@@ -509,8 +509,8 @@ def _start_run(cfg: RecipeConfig, frozen: Callable[[RecipeConfig, Policy, Task],
     policy = resumed_policy(checkpoint, cfg, task, resolved) if checkpoint else initial_policy(cfg, task, True, resolved)
     share = w4a4_share(policy.model)
     if share is not None and share < 1:  # mixed formats: the share is what a W4A4 result covers
-        print(f"NVFP4 W4A4 on {share:.0%} of the quantized linear layers' multiply-adds ({policy.format.source}; the "
-              "rest keep their inputs unquantized)")
+        print(f"NVFP4 W4A4 on {share:.0%} of the linear layers' multiply-adds ({policy.format.source}; the "
+              "rest at higher precision)")
     companion = frozen(cfg, policy, task)
     policy.start_noise(t.steps, cfg.run.seed)
     attach_rollout_view(policy, cfg.policy, task.calibration_texts(cfg.policy.quant_calib_size, resolved.prompts),

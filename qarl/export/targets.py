@@ -146,13 +146,16 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
             "per layer and max-mapped block scales), so this model is a training-time result: evaluate it as trained "
             "(`qarl eval`, the fake-quantized policy and qarl's engine), or train with nvfp4_w4a4 to export")
     if MIXED in have:
+        have = _uniform_but_unquantized(have[MIXED])
+    if MIXED in have:
         kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
                  for layer, s in have[MIXED].items()}
         raise ConfigError(
             f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
             f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); export targets write one format for every "
-            "layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the fake-quantized "
-            "policy and qarl's engine), or train with a uniform format to export")
+            "quantized layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the "
+            "fake-quantized policy and qarl's engine), or train with a uniform format, or one that leaves the other "
+            "layers wholly unquantized (e.g. quant_configs/nvfp4_w4a4_down_bf16.yaml), to export")
     if have != want:
         fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]
         raise ConfigError(
@@ -161,6 +164,19 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
             f"{json.dumps(have)}. Exporting would change the numbers the policy was trained with. Targets that fit "
             f"this checkpoint: {fitting or 'none shipped; write one (see export/README.md)'}."
         )
+
+
+def _uniform_but_unquantized(by_layer: dict[str, dict]) -> dict[str, Any]:
+    """The one format of a mixed format's quantized layers where every other layer is wholly unquantized (weights and
+    inputs: exported in the model's dtype, like lm_head, and listed as such in the export's config); else the mixed
+    settings as they are."""
+    from qarl.quant.formats import MIXED
+
+    unquantized = {"weight": None, "input": None}
+    quantized = [s for s in by_layer.values() if s != unquantized]
+    if quantized and all(s == quantized[0] for s in quantized):
+        return quantized[0]
+    return {MIXED: by_layer}
 
 
 def config_scheme(config: dict) -> str | None:

@@ -18,8 +18,8 @@ from qarl.console import progress_bar
 from qarl.quant import kernels
 from qarl.quant.fastpath.lean_forward import enable_fast_inputs, enable_lean_attention, enable_lean_forward
 from qarl.quant.fastpath.weight_cache import cache_kept, enable_weight_cache, invalidate
-from qarl.quant.formats import (NVFP4, SMOOTHING_ALGORITHMS, QuantFormat, bits_format, block_size, insert_quantizers,
-                                quantized_meta_model)
+from qarl.quant.formats import (DECODER_LINEARS, NVFP4, SMOOTHING_ALGORITHMS, QuantFormat, bits_format, block_size,
+                                insert_quantizers, quantized_meta_model)
 from qarl.models.experts import FUSED as FUSED_EXPERTS
 from qarl.models.experts import expert_layers, expert_weights, is_fused_experts
 from qarl.quant.modelopt_compat import (expert_weight_quantizers, is_static_block_quantizer, pass_through_bwd,
@@ -291,18 +291,20 @@ def share_fused_smoothing(model: nn.Module) -> int:
 
 
 def w4a4_share(model: nn.Module) -> float | None:
-    """The share of the quantized linear layers' multiply-adds (each layer's in x out a token) whose weights and
-    inputs are both NVFP4: how much of a mixed-format model (`quant_configs/nvfp4_w4a4_down_a16.yaml`) runs W4A4, 1.0
-    in plain W4A4; None where no layer's inputs are NVFP4."""
+    """The share of the linear layers' multiply-adds (each layer's in x out a token) whose weights and inputs are
+    both NVFP4, over the quantized layers and the decoder's linear layers a mixed format leaves unquantized
+    (`quant_configs/nvfp4_w4a4_down_bf16.yaml`): how much of a mixed-format model runs W4A4, 1.0 in plain W4A4; None
+    where no layer's inputs are NVFP4."""
     total = four_bit = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         weight_quantizer = module._modules.get("weight_quantizer")
         input_quantizer = module._modules.get("input_quantizer")
         weight = module._parameters.get("weight")
-        if weight_quantizer is None or not weight_quantizer.is_enabled or weight is None or weight.dim() != 2:
+        quantized = weight_quantizer is not None and weight_quantizer.is_enabled
+        if weight is None or weight.dim() != 2 or not (quantized or name.endswith(DECODER_LINEARS)):
             continue
         total += weight.numel()
-        if bits_format(weight_quantizer.num_bits) == NVFP4 and input_quantizer is not None \
+        if quantized and bits_format(weight_quantizer.num_bits) == NVFP4 and input_quantizer is not None \
                 and input_quantizer.is_enabled and bits_format(input_quantizer.num_bits) == NVFP4:
             four_bit += weight.numel()
     return four_bit / total if four_bit else None

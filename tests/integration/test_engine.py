@@ -47,12 +47,13 @@ def test_parity_synced_at_floor_unsynced_far_above(engine, make_policy, task, fl
     assert unsynced.mean_abs >= 10 * synced.mean_abs and unsynced.mean_abs > 1e-4, (unsynced, synced)
 
 
-def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy, task):
-    """W4A4 with down_proj kept at W4A16 (quant_configs/nvfp4_w4a4_down_a16.yaml): the engine quantizes every layer's
-    input but down_proj's, as the policy does, and their log-probs are equal (fp32 on CPU)."""
+@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_w4a4_down_a16.yaml", "quant_configs/nvfp4_w4a4_down_bf16.yaml"])
+def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt):
+    """W4A4 with down_proj kept at W4A16 or left unquantized: the engine quantizes every layer's input but
+    down_proj's, as the policy does, and their log-probs are equal (fp32 on CPU)."""
     from qarl.quant.ops import input_quant_plan
 
-    policy = make_policy("quant_configs/nvfp4_w4a4_down_a16.yaml")
+    policy = make_policy(fmt)
     plan = input_quant_plan(policy.model_dir, policy.format)
     assert plan and not any("down_proj" in key for key in plan)
     engine.set_quant_format(policy.format)

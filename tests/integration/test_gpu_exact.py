@@ -98,7 +98,8 @@ def test_log_probs_are_equal_with_an_fp8_kv_cache(task, model, eager):
 VARIANT_FORMATS = ["quant_configs/nvfp4_w4a4_per_token.yaml", "quant_configs/nvfp4_w4a4_four_over_six.yaml",
                    "quant_configs/nvfp4_w4a4_hadamard.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml",
                    "quant_configs/nvfp4_w4a4_four_over_six_all.yaml",
-                   "quant_configs/nvfp4_w4a4_four_over_six_all_down_a16.yaml"]  # issue 72
+                   "quant_configs/nvfp4_w4a4_four_over_six_all_down_a16.yaml",
+                   "quant_configs/nvfp4_w4a4_down_bf16.yaml"]  # issue 72
 
 
 @pytest.mark.parametrize("eager", ["true", "false"])

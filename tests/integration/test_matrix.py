@@ -215,7 +215,7 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     assert gaussian["outlier_fraction"] == pytest.approx(0.0027, abs=0.0005)
     cfg = load_recipe("recipes/matrix_tiny.yaml", [], RecipeConfig)
     also = ["quant_configs/nvfp4_w4a4_four_over_six.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml",
-            "quant_configs/nvfp4_w4a4_four_over_six_all.yaml"]
+            "quant_configs/nvfp4_w4a4_four_over_six_all.yaml", "quant_configs/nvfp4_w4a4_down_bf16.yaml"]
     report = run_diagnose(cfg, [models["base"], models["noisy"]], tmp_path, also)
     layers = report[models["base"]]
     assert len(layers) == 2 * 7
@@ -225,6 +225,7 @@ def test_diagnose_statistics_and_report(models, tmp_path):
     for name, row in layers.items():  # 4-over-6 never errs more on an input; down_proj's input is not quantized
         assert 0 < row["input_error_nvfp4_w4a4_four_over_six"] < row["input_error_nvfp4"]
         assert (row["input_error_nvfp4_w4a4_down_a16"] == 0) == name.endswith("down_proj")
+        assert (row["output_error_nvfp4_w4a4_down_bf16"] == 0) == name.endswith("down_proj")  # a layer left unquantized
         assert row["weight_error_nvfp4_w4a4_four_over_six"] == row["weight_error_nvfp4"]  # the same weight quantizer
     mean = lambda key: sum(row[key] for row in layers.values()) / len(layers)  # noqa: E731
     # ModelOpt's MSE search of static 4-over-6 weight scales starts at max's scale: it can only err less

@@ -123,7 +123,10 @@ def test_a_variant_that_cannot_be_told_apart_is_refused(tmp_path: Path, runs: st
 
 def test_the_w4a4_study_chains_each_method_alone_from_the_same_teachers(tmp_path: Path):
     runs = plan(tmp_path, "", script=STUDY, SEEDS="0 1 2")
-    assert len(runs) == 48  # 3 seeds x (GRPO, QA-GRPO W4A4, 7 chains of QAD and QA-GRPO)
+    assert len(runs) == 51  # 3 seeds x (GRPO, QA-GRPO W4A4, 7 chains of QAD and QA-GRPO, QAD down_proj unquantized)
+    mixed = runs["qad_w4a4_down_bf16_s1"].split()
+    assert "teacher.model_name=runs/smollm2/grpo_bf16_s1" in mixed
+    assert "recipes/qa_distillation_smollm2_down_bf16.yaml" in mixed
     configs = set()
     for tag in ("pt", "fos", "fosw", "had", "down"):
         qad, rl = runs[f"qad_w4a4+{tag}_s2"].split(), runs[f"qad_grpo_then_qa_grpo_w4a4+{tag}_s2"].split()
