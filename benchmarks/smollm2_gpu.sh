@@ -392,7 +392,8 @@ case "$stage" in
     dir="${2:?methods_step OUT}"; mkdir -p "$dir"
     # shellcheck disable=SC2086  # the names, split at spaces
     mapfile -t methods < <(printf '%s\n' ${METHODS:-nvfp4_w4a4 nvfp4_w4a4_per_token nvfp4_w4a4_four_over_six \
-                                     nvfp4_w4a4_hadamard nvfp4_w4a4_four_over_six_all nvfp4_w4a4_down_a16})
+                                     nvfp4_w4a4_hadamard nvfp4_w4a4_four_over_six_all nvfp4_w4a4_down_a16 \
+                                     nvfp4_w4a4_down_bf16})
     for q in "${methods[@]}"; do  # every name before any run starts
       [ -f "quant_configs/$q.yaml" ] || refuse "METHODS: quant_configs/$q.yaml does not exist"
     done

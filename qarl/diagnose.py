@@ -9,7 +9,8 @@ layer, on the rows routed to that expert), on the recipe's calibration data:
                are quantized: ||Q(x) Q(W)^T - x W^T|| / ||x W^T||, the ranking of which layers hurt most;
                with `--also QUANT_CFG ...`, the weight, input and output errors of more formats beside them (W4A4
                with per-token or 4-over-6 scales, mixed formats: what a method does to each layer; a layer a
-               mixed format leaves unquantized has errors 0 there, and counts in the layer means).
+               mixed format leaves unquantized has errors 0 there, and counts in the layer means; so does a layer
+               only an `--also` format quantizes, in the others).
 Several models (e.g. the base, then runs trained from it) are compared layer by layer: before vs after.
 Writes diagnose.json, diagnose.md and diagnose.png to --out.
 """
