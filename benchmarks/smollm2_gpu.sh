@@ -23,7 +23,8 @@
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
 #             W4A16 and FP8 and their exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_qad_down_bf16.yaml (QAD W4A4 with down_proj left
-#             unquantized, qad_w4a4_down_bf16), matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
+#             unquantized, qad_w4a4_down_bf16; matrix_smollm2_qad_paired.yaml has both QADs in one table, paired),
+#             matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
 #             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO and the third stage after QAD
 #             W4A4, trained and exported: the W4A4 study's table; its QAD students in matrix_smollm2_qad.yaml),
@@ -347,6 +348,7 @@ case "$stage" in
     matrix "$last" matrix_smollm2_formats grpo_bf16 qa_grpo_fp8 qa_grpo_w4a4 &
     matrix "$last" matrix_smollm2_qad grpo_bf16 qad_w4a4 &
     matrix "$last" matrix_smollm2_qad_down_bf16 grpo_bf16 qad_w4a4_down_bf16 &
+    matrix "$last" matrix_smollm2_qad_paired grpo_bf16 qad_w4a4 qad_w4a4_down_bf16 &
     matrix "$last" matrix_smollm2_kv_cache qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8 &
     matrix "$last" matrix_smollm2_kv_cache_default qa_grpo_w4a16 qa_grpo_w4a16_kv_fp8_default &
     matrix "$last" matrix_smollm2_w4a4_chain grpo_bf16 qad_w4a4 qad_grpo_then_qa_grpo_w4a4 &
