@@ -2,10 +2,10 @@
 # The W4A4 study (issue 72) in one sitting, on SmolLM2-135M-Instruct: three seeds of GRPO bf16 (the teachers and the
 # PTQ rows), QA-GRPO W4A4 with the exact forward from the base, and the chain GRPO -> QAD W4A4 -> QA-GRPO W4A4 in plain
 # NVFP4 W4A4, with each activation-error method alone and with the methods together, every chain from the same GRPO
-# teachers, and QAD W4A4 with down_proj left unquantized (the mixed format that exports); then the pipeline's tables
-# (QAD W4A4; QAD with down_proj unquantized and its exports; the plain chain with GRPO after W4A4 PTQ and its exports
-# served by vLLM; the methods together, trained rows: no engine serves their formats) and `keep`'s table.md with every
-# row.
+# teachers, and QAD W4A4 with down_proj left unquantized (the mixed format that exports); then three of the pipeline's
+# tables (MATRICES: QAD W4A4 plain and with down_proj unquantized, paired, with their exports; the plain chain with
+# GRPO after W4A4 PTQ and its exports served by vLLM; the methods together, trained rows: no engine serves their
+# formats) and `keep`'s table.md with every row.
 #   bash benchmarks/w4a4_study.sh plan          # every run's `qarl` arguments, nothing started
 #   bash benchmarks/w4a4_study.sh start         # then `wait S` and `keep TAR`, as benchmarks/smollm2_gpu.sh's
 # The stages are benchmarks/smollm2_gpu.sh's (its header: WORKDIR, SEEDS, MAX_RUNS_PER_GPU, ...); this script only
@@ -31,5 +31,5 @@ for method in pt=nvfp4_w4a4_per_token fos=nvfp4_w4a4_four_over_six fosw=nvfp4_w4
   export "ARGS_qad_w4a4_$tag=policy.quant_cfg=quant_configs/${method#*=}.yaml"
   export "ARGS_qad_grpo_then_qa_grpo_w4a4_$tag=policy.quant_cfg=quant_configs/${method#*=}.yaml"
 done
-export RUNS
+export RUNS MATRICES="${MATRICES:-matrix_smollm2_qad_paired matrix_smollm2_w4a4_chain matrix_smollm2_w4a4_chain_methods}"
 exec bash benchmarks/smollm2_gpu.sh "$@"
