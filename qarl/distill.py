@@ -6,15 +6,16 @@
     -> vLLM engine: the teacher's held-out accuracy once (engine unquantized), then the student's
        format and a refit (weights + amax) -> for each step:
          rollout (the quantized student samples) -> student and teacher score the same sequences
-         -> per-token reverse KL(student || teacher) over the vocabulary (qarl/distill_loss.py)
+         -> per-token reverse KL(student || teacher) over the vocabulary, optionally mixed with the forward KL
+            (qarl/distill_loss.py)
          -> update of the fake-quantized student (straight-through to the master weights)
          -> refit -> metrics row -> checkpoint
     -> final evaluation, plot, summary.
 
 Evaluation (step 0 = plain post-training quantization of the teacher, every `eval.every` steps, and
 at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy (and `eval_transfer/accuracy` on a
-task's transfer split), and `eval/teacher_kl`, the same reverse KL as the loss on the student's samples for held-out
-prompts.
+task's transfer split), and `eval/teacher_kl`, the reverse KL (the loss unless it mixes in the forward KL) on the
+student's samples for held-out prompts.
 
 What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, the step skeleton,
 checkpoints, metrics) lives in qarl/run.py; this file holds what distillation adds.
@@ -34,7 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from qarl.config import WARM_START, ConfigError, LoraConfig, RecipeConfig, check_qad_recipe
-from qarl.distill_loss import reverse_kl
+from qarl.distill_loss import divergence, reverse_kl
 from qarl.evaluate import SPLIT_PREFIX, evaluate_splits, split_metrics
 from qarl.generation import Completion, VLLMEngine
 from qarl.lora import ADAPTER_PARAMS
@@ -51,7 +52,7 @@ from qarl.seeds import derived_seed
 from qarl.tasks import Problem, PromptFormat, Task, eval_splits
 from qarl.transfer import on_host
 
-DISTILL_PANELS = [("distill/kl", "KL(student || teacher), training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
+DISTILL_PANELS = [("distill/kl", "the KL loss, training samples"), ("eval/teacher_kl", "KL to teacher, held-out"),
                   ("eval/accuracy", "held-out accuracy (quantized student)"), ("mismatch/kl", "train/rollout mismatch KL")]
 EVAL_SEED_OFFSET = 2**30  # the held-out samples' seed position: apart from every rollout's
 
@@ -97,9 +98,10 @@ def same_architecture(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 # -- the loss on a step's samples ------------------------------------------------------------------
 @dataclass
 class PairScores:
-    """Per completion token, [batch, longest completion]: the KL that is optimized (top-k estimate
-    when top_k > 0), the full-vocabulary KL (no grad), the student's log-prob of the sampled token
-    and its entropy (no grad), and the 0/1 mask. Padding positions are 0 everywhere."""
+    """Per completion token, [batch, longest completion]: the divergence that is optimized (top-k estimate
+    when top_k > 0, mixed with the forward KL when forward_weight > 0), the full-vocabulary reverse KL (no grad), the
+    student's log-prob of the sampled token and its entropy (no grad), and the 0/1 mask. Padding positions are 0
+    everywhere."""
 
     kl: torch.Tensor
     kl_full: torch.Tensor
@@ -109,7 +111,8 @@ class PairScores:
 
 
 def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: list[Completion], pad_id: int,
-               temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS, pack: bool = False) -> PairScores:
+               temperature: float, top_k: int = 0, chunk_tokens: int = CHUNK_TOKENS, pack: bool = False,
+               forward_weight: float = 0.0) -> PairScores:
     """Both models score the same sequences (packed without padding if `pack`), `chunk_tokens` completion tokens at
     a time (qarl/scoring.py); grad flows through the student only. A student with the exact forward picks its
     log-prob of each sampled token with the engine's own kernel (`qarl_token_logprobs`), so that the mismatch
@@ -126,25 +129,26 @@ def score_pair(student: PreTrainedModel, teacher: PreTrainedModel, completions: 
         with torch.no_grad():
             teacher_logits = completion_logits(teacher, prompts, tokens, pad_id)[0].to(student_logits.device)
         return PairScores(*(part * mask for part in pair_terms(student_logits, teacher_logits, targets, temperature,
-                                                              top_k, pick)), mask=mask)
+                                                              top_k, pick, forward_weight)), mask=mask)
 
     def chunk(states: torch.Tensor, teacher_states: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
             teacher_logits = teacher_found.head(teacher_states).to(states.device)
-        return pair_terms(found.head(states), teacher_logits, targets, temperature, top_k, pick)
+        return pair_terms(found.head(states), teacher_logits, targets, temperature, top_k, pick, forward_weight)
 
     terms = in_chunks(chunk, chunk_tokens, found.states, teacher_found.states.to(found.states.device), found.targets)
     return PairScores(*(found.scatter(part) for part in terms), mask=found.mask)
 
 
 def pair_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-               top_k: int, pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token: the KL that is optimized, the full-vocabulary KL (no grad), the student's log-prob of the target
-    (`pick`: the student's own kernel for it) and its entropy (no grad)."""
-    kl = reverse_kl(student_logits, teacher_logits, temperature, top_k)
+               top_k: int, pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+               forward_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token: the divergence that is optimized, the full-vocabulary reverse KL (no grad), the student's log-prob
+    of the target (`pick`: the student's own kernel for it) and its entropy (no grad)."""
+    kl = divergence(student_logits, teacher_logits, temperature, top_k, forward_weight)
     with torch.no_grad():
-        kl_full = kl.detach() if top_k <= 0 else reverse_kl(student_logits, teacher_logits, temperature)
+        exact = top_k <= 0 and forward_weight <= 0
+        kl_full = kl.detach() if exact else reverse_kl(student_logits, teacher_logits, temperature)
         logprobs, entropy = token_scores(student_logits.detach(), targets, temperature, pick)
     return kl, kl_full, logprobs, entropy
 
@@ -158,7 +162,8 @@ def learning_rate(cfg: RecipeConfig, step: int) -> float:
 
 def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer, batch: Rollout,
                    cfg: RecipeConfig, lr: float) -> dict[str, float]:
-    """One optimizer step on the masked token mean of the reverse KL over the step's samples.
+    """One optimizer step on the masked token mean of the divergence (`distill_loss.divergence`: the reverse KL
+    unless distill.forward_kl_weight mixes in the forward KL) over the step's samples.
 
     One pass only: the samples are the student's own, drawn by the engine that quantizes as it does, so the loss
     stays on-policy; the next step draws fresh ones from the updated student. (Bit for bit with
@@ -179,7 +184,7 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
     for mb in student.local_share(every):
         scores = score_pair(student.model, teacher.model, mb.completions, student.tokenizer.pad_token_id,
                             cfg.policy.generation.temperature, cfg.distill.top_k, cfg.policy.logprob_chunk_tokens,
-                            pack=t.token_budget > 0)
+                            pack=t.token_budget > 0, forward_weight=cfg.distill.forward_kl_weight)
         optimizer.backward(scores.kl.sum() / total_tokens)
         engine_lp = mb.engine_logprobs(scores.mask.device)
         stats.append([*mismatch_sums(scores.logprobs, engine_lp, scores.mask), scores.kl.sum(),
@@ -194,7 +199,7 @@ def distill_update(student: Policy, teacher: Policy, optimizer: PolicyOptimizer,
            "mismatch/max_abs_logprob_diff": max_diff,
            "train/policy_tokens": float(sum(len(c.prompt_ids) + len(c.token_ids) for c in comps)),
            **step_metrics([result])}
-    if cfg.distill.top_k > 0:
+    if cfg.distill.top_k > 0 or cfg.distill.forward_kl_weight > 0:  # what is optimized is not the full reverse KL
         out["distill/kl_full"] = sums["kl_full"] / total_tokens
     return out
 

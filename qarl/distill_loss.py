@@ -1,4 +1,5 @@
-"""The on-policy distillation loss, free of models and engines: per-token reverse KL(student || teacher).
+"""The on-policy distillation loss, free of models and engines: per-token reverse KL(student || teacher), optionally
+mixed with the forward KL(teacher || student).
 
 At each completion position, with p = softmax(logits / temperature) (the distribution the engine
 samples from at that temperature, for both models):
@@ -10,6 +11,11 @@ it puts mass the teacher does not (mode-seeking), exactly on the prefixes it act
 The gradient flows through p_s at every position but not through the choice of prefix (the standard
 on-policy distillation estimator, as in GKD): the prefixes are fresh samples at every step.
 
+Why mix in the forward KL (`distill.forward_kl_weight` w: the loss is (1 - w) KL(p_s || p_t) + w KL(p_t || p_s)):
+the reverse KL lets the student drop what the teacher would also have said (one mode is enough), and W4A4 students
+of SmolLM2 answer shorter than their teachers; the forward KL charges the student for every token the teacher
+gives mass to (mass-covering), on the same student-sampled prefixes.
+
 Top-k option (large vocabularies): the sum runs over the student's k most likely tokens plus one
 "rest" bucket holding the remaining mass of each model,
 
@@ -19,7 +25,8 @@ By the chain rule of KL this is the KL of the two distributions coarse-grained o
 
     KL_full - KL_k = m_s * KL(p_s(. | rest) || p_t(. | rest))  >=  0:
 
-the top-k loss never overestimates, is exact when the student's tail mass m_s is 0, and its error is
+the top-k loss never overestimates (nor does the forward KL on the same K + {rest}: a KL of coarse-grained
+distributions is never above the full one), is exact when the student's tail mass m_s is 0, and its error is
 the student's tail mass times how differently the two models spread that mass over the tail; per
 position it is at most m_s * max_{v in tail} log(p_s(v | tail) / p_t(v | tail)) (`topk_error`).
 Measured on the embedded model's on-policy positions (W4A4 student vs its teacher, 128 tokens): the
@@ -46,9 +53,16 @@ _TINY = 1e-30
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
                top_k: int = 0) -> torch.Tensor:
-    """[..., vocab] logits of each model -> [...] KL(p_s || p_t) per position, in fp32.
+    """[..., vocab] logits of each model -> [...] KL(p_s || p_t) per position, in fp32 (`divergence` at w = 0)."""
+    return divergence(student_logits, teacher_logits, temperature, top_k)
 
-    `top_k` <= 0 (or >= vocab) sums over the full vocabulary; otherwise the student's top-k tokens
+
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+               top_k: int = 0, forward_weight: float = 0.0) -> torch.Tensor:
+    """[..., vocab] logits of each model -> [...] (1 - w) KL(p_s || p_t) + w KL(p_t || p_s) per position, in fp32,
+    w = `forward_weight`.
+
+    `top_k` <= 0 (or >= vocab) sums over the full vocabulary; otherwise over the student's top-k tokens
     plus a rest bucket (see the module docstring for its error). Carries grad through the student's
     logits; the teacher's are expected without grad.
     """
@@ -58,14 +72,24 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
     if top_k <= 0 or top_k >= log_s.shape[-1]:
-        return (log_s.exp() * (log_s - log_t)).sum(-1)
-    top = log_s.detach().topk(top_k, dim=-1).indices
-    head_s, head_t = log_s.gather(-1, top), log_t.gather(-1, top)
-    head = (head_s.exp() * (head_s - head_t)).sum(-1)
-    rest_s = (1.0 - head_s.exp().sum(-1)).clamp_min(0.0)
-    with torch.no_grad():  # the teacher's rest mass, exactly (a sum of small numbers, not 1 - a sum)
-        log_rest_t = log_t.scatter(-1, top, float("-inf")).logsumexp(-1)
-    return head + rest_s * (torch.log(rest_s.clamp_min(_TINY)) - log_rest_t.clamp_min(math.log(_TINY)))
+        reverse = (log_s.exp() * (log_s - log_t)).sum(-1) if forward_weight < 1 else 0.0
+        forward = (log_t.exp() * (log_t - log_s)).sum(-1) if forward_weight > 0 else 0.0
+    else:
+        top = log_s.detach().topk(top_k, dim=-1).indices
+        head_s, head_t = log_s.gather(-1, top), log_t.gather(-1, top)
+        with torch.no_grad():  # the teacher's rest mass, exactly (a sum of small numbers, not 1 - a sum)
+            log_rest_t = log_t.scatter(-1, top, float("-inf")).logsumexp(-1).clamp_min(math.log(_TINY))
+        reverse = forward = 0.0
+        if forward_weight < 1:
+            rest_s = (1.0 - head_s.exp().sum(-1)).clamp_min(0.0)
+            reverse = (head_s.exp() * (head_s - head_t)).sum(-1) + rest_s * (torch.log(rest_s.clamp_min(_TINY))
+                                                                              - log_rest_t)
+        if forward_weight > 0:  # the student's rest in log space: the teacher's rest mass weighs its log
+            log_rest_s = log_s.scatter(-1, top, float("-inf")).logsumexp(-1).clamp_min(math.log(_TINY))
+            forward = (head_t.exp() * (head_t - head_s)).sum(-1) + log_rest_t.exp() * (log_rest_t - log_rest_s)
+    if forward_weight <= 0:
+        return reverse
+    return forward if forward_weight >= 1 else (1 - forward_weight) * reverse + forward_weight * forward
 
 
 def topk_error(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,

@@ -1,5 +1,5 @@
-"""QAD's loss (qarl/distill_loss.py): the reverse KL against a direct computation, full vocabulary and top-k, its
-gradient, and the top-k error against its bound. The teacher checks: tests/unit/test_loop_checks.py; the loop:
+"""QAD's loss (qarl/distill_loss.py): the reverse KL and its mix with the forward KL against a direct computation, full
+vocabulary and top-k, their gradients, and the top-k error against its bound. The teacher checks: tests/unit/test_loop_checks.py; the loop:
 tests/e2e/test_loops.py, tests/e2e/test_distill.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from qarl.distill_loss import reverse_kl, topk_error
+from qarl.distill_loss import divergence, reverse_kl, topk_error
 
 
 def _softmax(row: list[float], temperature: float) -> list[float]:
@@ -19,15 +19,16 @@ def _softmax(row: list[float], temperature: float) -> list[float]:
     return [x / sum(e) for x in e]
 
 
-def _direct_kl(s_row: list[float], t_row: list[float], temperature: float, top_k: int = 0) -> float:
-    """The definition, one position at a time in float64 Python arithmetic."""
+def _direct_kl(s_row: list[float], t_row: list[float], temperature: float, top_k: int = 0,
+               forward: bool = False) -> float:
+    """The definition, one position at a time in float64 Python arithmetic: KL(p_s || p_t), or KL(p_t || p_s) if
+    `forward`; with top_k, over the student's top-k tokens and one bucket for the rest."""
     p, q = _softmax(s_row, temperature), _softmax(t_row, temperature)
-    if top_k <= 0:
-        return sum(pv * (math.log(pv) - math.log(qv)) for pv, qv in zip(p, q))
-    keep = sorted(range(len(p)), key=lambda v: -p[v])[:top_k]
-    head = sum(p[v] * (math.log(p[v]) - math.log(q[v])) for v in keep)
-    rest_p, rest_q = 1 - sum(p[v] for v in keep), 1 - sum(q[v] for v in keep)
-    return head + (rest_p * math.log(rest_p / rest_q) if rest_p > 0 else 0.0)
+    keep = sorted(range(len(p)), key=lambda v: -p[v])[:top_k] if top_k > 0 else range(len(p))
+    a, b = (q, p) if forward else (p, q)
+    head = sum(a[v] * (math.log(a[v]) - math.log(b[v])) for v in keep)
+    rest_a, rest_b = 1 - sum(a[v] for v in keep), 1 - sum(b[v] for v in keep)
+    return head + (rest_a * math.log(rest_a / rest_b) if top_k > 0 and rest_a > 0 else 0.0)
 
 
 @pytest.mark.parametrize("top_k", [0, 1, 5, 31])
@@ -40,6 +41,32 @@ def test_reverse_kl_matches_a_direct_computation(top_k, temperature):
                          for ss, tt in zip(student, teacher)], dtype=torch.float64)
     assert got.shape == (3, 4)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+@pytest.mark.parametrize("weight", [0.5, 1.0])
+def test_the_mix_with_the_forward_kl_matches_a_direct_computation(top_k, weight):
+    torch.manual_seed(7)
+    student, teacher = torch.randn(3, 4, 32) * 2, torch.randn(3, 4, 32) * 2
+    got = divergence(student, teacher, 0.7, top_k, forward_weight=weight)
+    want = torch.tensor([[(1 - weight) * _direct_kl(s.tolist(), t.tolist(), 0.7, top_k)
+                          + weight * _direct_kl(s.tolist(), t.tolist(), 0.7, top_k, forward=True)
+                          for s, t in zip(ss, tt)] for ss, tt in zip(student, teacher)], dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(divergence(student, teacher, 0.7, top_k), reverse_kl(student, teacher, 0.7, top_k))
+    full = divergence(student, teacher, 0.7, 0, forward_weight=weight)
+    assert (got <= full + 1e-6).all()  # top-k never overestimates, the forward part included
+
+
+def test_forward_kl_gradient_is_the_analytic_one():
+    """d KL(p_t || p_s) / d z_s = (p_s - p_t) / T: the student is pulled toward every token the teacher gives mass."""
+    torch.manual_seed(1)
+    temperature = 0.8
+    student = (torch.randn(5, 50) * 3).requires_grad_()
+    teacher = torch.randn(5, 50) * 3
+    divergence(student, teacher, temperature, forward_weight=1.0).sum().backward()
+    p_s, p_t = (torch.softmax(x.detach().double() / temperature, -1) for x in (student, teacher))
+    torch.testing.assert_close(student.grad.double(), (p_s - p_t) / temperature, atol=1e-6, rtol=1e-4)
 
 
 def test_full_vocabulary_gradient_is_the_analytic_one():

@@ -215,15 +215,21 @@ def test_activation_checkpointing_leaves_the_gradients_unchanged(task, tiny_dir)
     assert all(torch.equal(grads["on"][n], grads["off"][n]) for n in grads["off"])
 
 
-@pytest.mark.parametrize("top_k", [0, 5])
-def test_chunked_distillation_terms_equal_the_full_vocabulary_path(task, tiny_dir, top_k):
+@pytest.mark.parametrize("top_k,forward_weight", [(0, 0.0), (5, 0.0), (5, 0.5)])
+def test_chunked_distillation_terms_equal_the_full_vocabulary_path(task, tiny_dir, top_k, forward_weight):
     student = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_w4a4.yaml", calib_size=16, trainable=True)
     teacher = tiny_policy(task, tiny_dir)
     prompts, completions = _batch(student, task)
     batch = [Completion(p, c, [0.0] * len(c), "stop") for p, c in zip(prompts, completions)]
     pad = student.tokenizer.pad_token_id
-    one = score_pair(student.model, teacher.model, batch, pad, 0.7, top_k, chunk_tokens=4096)
-    split = score_pair(student.model, teacher.model, batch, pad, 0.7, top_k, chunk_tokens=3)
+    one = score_pair(student.model, teacher.model, batch, pad, 0.7, top_k, chunk_tokens=4096,
+                     forward_weight=forward_weight)
+    split = score_pair(student.model, teacher.model, batch, pad, 0.7, top_k, chunk_tokens=3,
+                       forward_weight=forward_weight)
+    if forward_weight:  # the loss is the mix; kl_full stays the reverse KL of the full vocabulary
+        reverse = score_pair(student.model, teacher.model, batch, pad, 0.7, chunk_tokens=3)
+        torch.testing.assert_close(split.kl_full, reverse.kl_full, rtol=0, atol=0)
+        assert (split.kl - reverse.kl).abs().max() > 1e-3
     for field in ("kl", "kl_full", "logprobs", "entropy"):
         torch.testing.assert_close(getattr(split, field), getattr(one, field), rtol=0, atol=5e-6, msg=field)
     one.kl.sum().backward()
