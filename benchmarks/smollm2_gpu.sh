@@ -23,7 +23,8 @@
 #             RUNS with SEEDS as soon as they have all succeeded: matrix_smollm2.yaml (base and GRPO after PTQ, QA-GRPO
 #             W4A16 and FP8 and their exports), matrix_smollm2_formats.yaml (QA-GRPO FP8 and W4A4 and their exports),
 #             matrix_smollm2_qad.yaml (QAD W4A4), matrix_smollm2_qad_down_bf16.yaml (QAD W4A4 with down_proj left
-#             unquantized, qad_w4a4_down_bf16; matrix_smollm2_qad_paired.yaml has both QADs in one table, paired),
+#             unquantized, qad_w4a4_down_bf16; matrix_smollm2_qad_paired.yaml has both QADs in one table, paired:
+#             with both kinds in RUNS name it in MATRICES, or the two single tables run too),
 #             matrix_smollm2_kv_cache.yaml (QA-GRPO W4A16 with and without an
 #             FP8 KV cache, qa_grpo_w4a16_kv_fp8: with the exact forward; qa_grpo_w4a16_kv_fp8_default without it,
 #             matrix_smollm2_kv_cache_default.yaml), matrix_smollm2_w4a4_chain.yaml (GRPO and the third stage after QAD

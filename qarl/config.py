@@ -557,7 +557,7 @@ class DistillConfig:
     (its GRPO-only keys are unused)."""
 
     top_k: int = knob(0, ge=0)  # 0: the full vocabulary; k > 0: the student's top-k + a rest bucket (a lower bound)
-    # The loss per token is (1 - w) KL(student || teacher) + w KL(teacher || student): 0, the reverse KL (mode-seeking:
+    # The loss per token is (1 - w) KL(student ‖ teacher) + w KL(teacher ‖ student): 0, the reverse KL (mode-seeking:
     # the student may drop what the teacher would also say); 1, the forward KL (mass-covering). distill/kl_full and
     # eval/teacher_kl stay the reverse KL, comparable across settings.
     forward_kl_weight: float = knob(0.0, ge=0, le=1)

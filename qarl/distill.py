@@ -14,7 +14,7 @@
 
 Evaluation (step 0 = plain post-training quantization of the teacher, every `eval.every` steps, and
 at the end): `eval/accuracy`, the quantized student's greedy held-out accuracy (and `eval_transfer/accuracy` on a
-task's transfer split), and `eval/teacher_kl`, the reverse KL (the loss unless it mixes in the forward KL) on the
+task's transfer split), and `eval/teacher_kl`, the full-vocabulary reverse KL (the loss by default) on the
 student's samples for held-out prompts.
 
 What QA-GRPO and QAD share (the step-0 policy, the step's prompts, the rollout, the step skeleton,
@@ -147,8 +147,8 @@ def pair_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targe
     of the target (`pick`: the student's own kernel for it) and its entropy (no grad)."""
     kl = divergence(student_logits, teacher_logits, temperature, top_k, forward_weight)
     with torch.no_grad():
-        exact = top_k <= 0 and forward_weight <= 0
-        kl_full = kl.detach() if exact else reverse_kl(student_logits, teacher_logits, temperature)
+        loss_is_full_reverse = top_k <= 0 and forward_weight <= 0
+        kl_full = kl.detach() if loss_is_full_reverse else reverse_kl(student_logits, teacher_logits, temperature)
         logprobs, entropy = token_scores(student_logits.detach(), targets, temperature, pick)
     return kl, kl_full, logprobs, entropy
 

@@ -119,7 +119,7 @@ def assert_exact_parity(task, model: str, dtype: str, eager: str, max_new_tokens
     from qarl.quant import resolve_format
 
     policies = [exact_policy(task, f, dtype, model=model) for f in formats]
-    settings = GenerationConfig(max_new_tokens=max_new_tokens, gpu_memory_utilization=0.2, gpu_kv_cache_gib=1,
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, gpu_memory_utilization=0.06, gpu_kv_cache_gib=1,
                                 sleep_between_rollouts="off", enforce_eager=eager)  # a fixed cache: runs beside others
     engine = VLLMEngine(policies[0].model_dir, settings, dtype, 0, exact=True)
     prompts = [policies[0].tokenizer(p.prompt).input_ids for p in task.eval[:16]]

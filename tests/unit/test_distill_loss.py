@@ -69,6 +69,22 @@ def test_forward_kl_gradient_is_the_analytic_one():
     torch.testing.assert_close(student.grad.double(), (p_s - p_t) / temperature, atol=1e-6, rtol=1e-4)
 
 
+def test_top_k_forward_kl_gradient_is_the_analytic_one():
+    """Over the student's top-k K and one rest bucket: d / d z_s(v) = (p_s(v) - p_t(v)) / T for v in K and
+    (p_s(v) - m_t p_s(v) / m_s) / T in the rest (m: each model's rest mass), which pulls the student's tail up
+    where the teacher's rest outweighs it."""
+    torch.manual_seed(2)
+    temperature, top_k = 0.9, 5
+    student = (torch.randn(6, 40) * 3).requires_grad_()
+    teacher = torch.randn(6, 40) * 3
+    divergence(student, teacher, temperature, top_k, forward_weight=1.0).sum().backward()
+    p_s, p_t = (torch.softmax(x.detach().double() / temperature, -1) for x in (student, teacher))
+    in_top = torch.zeros_like(p_s, dtype=torch.bool).scatter(-1, p_s.topk(top_k, -1).indices, True)
+    m_s, m_t = ((p * ~in_top).sum(-1, keepdim=True) for p in (p_s, p_t))
+    want = torch.where(in_top, p_s - p_t, p_s - m_t * p_s / m_s) / temperature
+    torch.testing.assert_close(student.grad.double(), want, atol=1e-6, rtol=1e-4)
+
+
 def test_full_vocabulary_gradient_is_the_analytic_one():
     """d KL / d z_s(v) = p_s(v) (log p_s(v) - log p_t(v) - KL) / T; the teacher gets no gradient."""
     torch.manual_seed(0)
