@@ -170,9 +170,9 @@ def _uniform_but_unquantized(by_layer: dict[str, dict]) -> dict[str, Any]:
     """The one format of a mixed format's quantized layers where every other layer is wholly unquantized (weights and
     inputs: exported in the model's dtype, like lm_head, and listed as such in the export's config); else the mixed
     settings as they are."""
-    from qarl.quant.formats import MIXED
+    from qarl.quant.formats import MIXED, quantizer_settings
 
-    unquantized = {"weight": None, "input": None}
+    unquantized = quantizer_settings(None)  # a layer's settings with neither quantizer on
     quantized = [s for s in by_layer.values() if s != unquantized]
     if quantized and all(s == quantized[0] for s in quantized):
         return quantized[0]
