@@ -204,6 +204,16 @@ def tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.nn.functional.linear(padded, weight, bias)[:rows]
 
 
+def short_matmuls_round_as_tall() -> bool:
+    """Whether this process's CPU BLAS gives the rows of a short fp32 product (a decode step's, through `tall_linear`)
+    the bits of a tall one's (the policy's scoring), at a shape where MKL without its strict reproducibility does not
+    (1024 x 256 on two threads; qarl sets MKL_CBWR, which MKL reads at its first call: qarl/__init__.py)."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(256, 1024, generator=generator), torch.randn(512, 1024, generator=generator)
+    tall = torch.nn.functional.linear(x, weight)
+    return all(torch.equal(tall_linear(x[:rows], weight), tall[:rows]) for rows in (8, 16, 100))
+
+
 def keep_cpu_weights_plain() -> None:
     """Patch: on CPU, vLLM repacks linear and embedding weights into oneDNN handles after loading and frees
     `layer.weight` (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`); a later in-place refit would

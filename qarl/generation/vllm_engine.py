@@ -30,6 +30,7 @@ import itertools
 import os
 import shutil
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -222,6 +223,11 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
+            if not vllm_compat.short_matmuls_round_as_tall():
+                warnings.warn("qarl: this process's CPU matmuls round a few rows otherwise than many (MKL without strict "
+                              "reproducibility: something multiplied before qarl was imported), so the engine's log-probs "
+                              "will sit at fp32's floor of the policy's, not on them: start Python with "
+                              "MKL_CBWR=AUTO,STRICT in the environment", RuntimeWarning, stacklevel=2)
             from qarl.models.cpu_moe import route, shared_expert_gate  # (it imports this package: not at the top)
 
             vllm_compat.route_cpu_experts(route)  # its MoE routes and gates as the policy's (cpu_moe.py)
