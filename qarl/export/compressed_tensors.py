@@ -64,10 +64,14 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
     out as its ModelCompressor.update_config writes it. Every linear layer that is not exported quantized
     (e.g. lm_head, a MoE router, which transformers holds as its own module with a 2-D weight) is listed in
     `ignore`, where vLLM looks before it builds a layer quantized. An FP8 KV cache adds `kv_cache_scheme` (FP8,
-    per-tensor, symmetric, static)."""
+    per-tensor, symmetric, static). A mixed export (`scheme` nvfp4_w4a4+fp8_w8a8) has a config group per scheme, each
+    naming its layers (a class target beside names would leave compressed-tensors warning that the names it matched
+    through the class matched nothing) with its own format, under the config's "mixed-precision"."""
     import compressed_tensors
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
                                                  preset_name_to_scheme)
+
+    from qarl.export.targets import scheme_parts
 
     def linear(module: torch.nn.Module) -> bool:
         weight = module._parameters.get("weight")
@@ -75,12 +79,18 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
             weight is not None and weight.dim() == 2 and not isinstance(module, torch.nn.Embedding))
 
     ignore = sorted(name for name, module in model.named_modules() if linear(module) and name not in layers)
-    group = preset_name_to_scheme(PRESET[scheme], ["Linear"])
-    group.format = FORMAT[scheme]
+    parts = scheme_parts(scheme)
+    groups = {}
+    for i, part in enumerate(parts):
+        targets = ["Linear"] if len(parts) == 1 else sorted(n for n, layer in layers.items() if layer.scheme == part)
+        groups[f"group_{i}"] = preset_name_to_scheme(PRESET[part], targets)
+        groups[f"group_{i}"].format = FORMAT[part]
+    formats = {FORMAT[part] for part in parts}
     kv_cache_scheme = (QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
                        if kv_cache else None)  # (the scheme vLLM's compressed-tensors loader takes)
-    quant = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT[scheme], kv_cache_scheme=kv_cache_scheme,
-                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+    quant = QuantizationConfig(config_groups=groups, format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                               kv_cache_scheme=kv_cache_scheme, quantization_status=QuantizationStatus.COMPRESSED,
+                               ignore=ignore)
     return {
         "version": compressed_tensors.__version__,
         "quant_method": "compressed-tensors",

@@ -28,18 +28,20 @@ from safetensors.torch import save_file
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
 from qarl.dir_lock import check_out_dir
-from qarl.export.targets import ExportTarget, check_target_matches, load_target
+from qarl.export.targets import MIXED_SCHEME, ExportTarget, check_target_matches, load_target, scheme_parts
 from qarl.files import give_umask_modes
 from qarl.models.experts import split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import (FP8Weight, NVFP4Weight, device_kernel, encode_fp8, encode_nvfp4, fp8_fake_quant,
                               fp8_kernel_scale)
-from qarl.quant.formats import FP8, NVFP4, bits_format, is_quantizer_key, quantizer_settings
+from qarl.quant.formats import (FP8, MIXED, NVFP4, QuantFormat, bits_format, is_quantizer_key, layer_settings,
+                                quantizer_settings)
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 from qarl.run_dir import is_run_or_checkpoint
 
 # (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
 SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
+MIXABLE_SCHEMES = ("nvfp4_w4a4", "fp8_w8a8")  # the schemes one export may mix, layer by layer
 MANIFEST = "qarl_export.json"
 W4A4_SERVING = ("vLLM computes NVFP4 W4A4 with 4-bit activations on GPUs with FP4 tensor cores (compute capability "
                 "10.0+); elsewhere its default kernel, FP4 Marlin, is weight-only: serve with `--linear-backend "
@@ -83,14 +85,41 @@ def quantizer_kind(quantizer: Any, where: str) -> str | None:
 
 
 def target_scheme(target: ExportTarget) -> str:
-    """The scheme a target's quant format gives linear layers (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8)."""
+    """The scheme a target's quant format gives linear layers (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8); a mixed format's
+    schemes in the decoder's layer order, joined (nvfp4_w4a4+fp8_w8a8: W4A4 with down_proj in FP8), which only
+    compressed-tensors writes (one config group a scheme). Layers a format leaves wholly unquantized are no scheme's."""
     settings = quantizer_settings(target.resolved_format())
-    weight, inputs = (bits_format(s["num_bits"]) if s else None for s in (settings["weight"], settings["input"]))
-    scheme = SCHEMES.get((weight, inputs))
-    if scheme is None:
-        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear layers "
-                          f"as {settings}; exportable schemes are {sorted(SCHEMES.values())}")
-    return scheme
+    schemes = []
+    for layer in settings[MIXED].values() if MIXED in settings else [settings]:
+        if layer == quantizer_settings(None) and MIXED in settings:
+            continue
+        weight, inputs = (bits_format(s["num_bits"]) if s else None for s in (layer["weight"], layer["input"]))
+        scheme = SCHEMES.get((weight, inputs))
+        if scheme is None:
+            raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear "
+                              f"layers as {layer}; exportable schemes are {sorted(SCHEMES.values())}")
+        if scheme not in schemes:
+            schemes.append(scheme)
+    if len(schemes) > 1 and target.disk_format != "compressed_tensors":
+        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} mixes {schemes} across "
+                          "layers, which only disk_format compressed_tensors writes (a config group per scheme)")
+    if len(schemes) > 1 and not set(schemes) <= set(MIXABLE_SCHEMES):
+        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} mixes {schemes}; a mixed "
+                          f"export's layers all quantize their inputs ({' and '.join(MIXABLE_SCHEMES)}): vLLM serves "
+                          "W4A4 layers without FP4 tensor cores by its emulation, which has no weight-only form. Keep "
+                          "the other layers wholly unquantized (quant_configs/nvfp4_w4a4_down_bf16.yaml) or in FP8 "
+                          "(quant_configs/nvfp4_w4a4_down_fp8.yaml)")
+    return MIXED_SCHEME.join(schemes)
+
+
+def expected_scheme(fmt: QuantFormat, scheme: str, layer: str) -> str | None:
+    """The scheme the export writes `layer` in: the target's one scheme, or in a mixed one the scheme its format gives
+    that layer by name (None: a layer the format leaves unquantized)."""
+    if MIXED_SCHEME not in scheme:
+        return scheme
+    settings = layer_settings(fmt, layer)
+    kinds = tuple(bits_format(s["num_bits"]) if s else None for s in (settings["weight"], settings["input"]))
+    return SCHEMES.get(kinds)
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -246,7 +275,7 @@ def fused_groups(layers: dict[str, QuantizedLayer]) -> Iterator[tuple[str, str, 
 
 
 def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
-    """Fused siblings (q/k/v, gate/up) must carry one weight global scale and one input scale.
+    """Fused siblings (q/k/v, gate/up) must carry one scheme, one weight global scale and one input scale.
 
     Serving engines fuse them into one matrix with one per-tensor scale; qarl's policy shares the amax
     across siblings (`share_fused_amax`), so they come out equal. A checkpoint where they differ cannot
@@ -256,6 +285,10 @@ def check_fused_scales(layers: dict[str, QuantizedLayer]) -> int:
     for prefix, fused, members in fused_groups(layers):
         groups += 1
         parts = FUSED_SIBLINGS[fused]
+        if len({m.scheme for m in members}) != 1:
+            raise ConfigError(f"{prefix}{{{','.join(parts)}}} fuse into {prefix}{fused} in serving engines but are "
+                              f"quantized as {[m.scheme for m in members]}; an engine's fused layer has one scheme: "
+                              "give them one format in the quant config")
         for what, values in (
             ("weight global scale", [m.weight.scale if isinstance(m.weight, FP8Weight) else m.weight.global_scale
                                      for m in members]),
@@ -384,9 +417,10 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     layer_stats: dict[str, dict[str, Any]] = {}
     count = sum(1 for _ in quantized_weights(model))
     for layer in progress_bar(encoded_layers(model, fp8_kernel), desc=f"encoding {scheme} layers", total=count, unit="layer"):
-        if layer.scheme != scheme:
-            raise ConfigError(f"{layer.name} is quantized as {layer.scheme}, target {target.name} writes {scheme}: "
-                              "the model's quantizers are not uniform")
+        expected = expected_scheme(policy.format, scheme, layer.name)
+        if layer.scheme != expected:
+            raise ConfigError(f"{layer.name} is quantized as {layer.scheme}, target {target.name} writes it as "
+                              f"{expected or 'unquantized'}: the model's quantizers are not its format's")
         key = f"{layer.name}.weight"
         if key not in tensors:
             raise ConfigError(f"{key} is quantized but shares its storage with another tensor (tied weights); "
@@ -438,6 +472,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "source": source,
         "out_dir": str(out_dir),
         "quantized_layers": len(layers),
+        "layers_by_scheme": {part: sum(layer.scheme == part for layer in layers.values()) for part in scheme_parts(scheme)},
         "kv_cache": {"dtype": "fp8", "attention_layers": len(kv_cache)} if kv_cache else None,
         "fp8_kernel": fp8_kernel,
         "fused_groups_sharing_scales": groups,
@@ -452,7 +487,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "unquantized_tensors": {k: str(v.dtype)[6:] for k, v in sorted(tensors.items()) if k not in quantized_keys},
     }
     summary["export_vs_bf16"] = summary["export_bytes"] / summary["bf16_bytes"]
-    if scheme == "nvfp4_w4a4":  # vLLM's default kernel on a GPU without FP4 tensor cores drops the activation format
+    if "nvfp4_w4a4" in scheme_parts(scheme):  # vLLM's default kernel without FP4 tensor cores drops the activation format
         summary["serving"] = W4A4_SERVING
     if lora_policy is not None:
         summary["lora"] = {"mode": lora_policy.lora.mode, "adapter_dir": ADAPTER_DIR if adapter_bytes else None,

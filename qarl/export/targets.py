@@ -145,25 +145,35 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
             "(qarl's backend qarl_nvfp4); no engine's real W4A4 kernel computes them (vLLM's takes one input scale "
             "per layer and max-mapped block scales), so this model is a training-time result: evaluate it as trained "
             "(`qarl eval`, the fake-quantized policy and qarl's engine), or train with nvfp4_w4a4 to export")
-    if MIXED in have:
-        have = _uniform_but_unquantized(have[MIXED])
-    if MIXED in have:
-        kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
-                 for layer, s in have[MIXED].items()}
-        raise ConfigError(
-            f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
-            f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); export targets write one format for every "
-            "quantized layer, so this model is a training-time result: evaluate it as trained (`qarl eval`, the "
-            "fake-quantized policy and qarl's engine), or train with a uniform format, or one that leaves the other "
-            "layers wholly unquantized (e.g. quant_configs/nvfp4_w4a4_down_bf16.yaml), to export")
+    if MIXED in have and have != want:
+        fitting = _fitting_targets(have)
+        mixed, have = have, _uniform_but_unquantized(have[MIXED])
+        if MIXED in have:
+            kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
+                     for layer, s in mixed[MIXED].items()}
+            raise ConfigError(
+                f"the checkpoint was trained with {trained.source}, which quantizes its linear layers in mixed formats "
+                f"({'; '.join(f'{k}: {v}' for k, v in kinds.items())}); target {target.name} writes "
+                f"{expected.source}. " + (f"Targets that fit this checkpoint: {fitting}." if fitting else
+                "No shipped target writes this mix, so this model is a training-time result: evaluate it as trained "
+                "(`qarl eval`, the fake-quantized policy and qarl's engine), or train with a format a target writes "
+                "to export (a uniform one; W4A4 with down_proj wholly unquantized, "
+                "quant_configs/nvfp4_w4a4_down_bf16.yaml, or in FP8, quant_configs/nvfp4_w4a4_down_fp8.yaml)"))
     if have != want:
-        fitting = [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == have]
+        fitting = _fitting_targets(have)
         raise ConfigError(
             f"export target {target.name} ({target.source}) expects a model trained with {expected.source}: "
             f"linear layers {json.dumps(want)}; the checkpoint was trained with {trained.source}: "
             f"{json.dumps(have)}. Exporting would change the numbers the policy was trained with. Targets that fit "
             f"this checkpoint: {fitting or 'none shipped; write one (see export/README.md)'}."
         )
+
+
+def _fitting_targets(settings: dict[str, Any]) -> list[str]:
+    """The shipped targets whose format quantizes the linear layers with these settings (`quantizer_settings`)."""
+    from qarl.quant.formats import quantizer_settings
+
+    return [n for n in shipped_targets() if quantizer_settings(load_target(n).resolved_format()) == settings]
 
 
 def _uniform_but_unquantized(by_layer: dict[str, dict]) -> dict[str, Any]:
@@ -179,21 +189,35 @@ def _uniform_but_unquantized(by_layer: dict[str, dict]) -> dict[str, Any]:
     return {MIXED: by_layer}
 
 
+MIXED_SCHEME = "+"  # joins the schemes of a mixed export, its main scheme first: nvfp4_w4a4+fp8_w8a8
+
+
+def scheme_parts(scheme: str | None) -> list[str]:
+    """The schemes of an export's layers: [scheme] for a uniform export, each of a mixed one's; [] for None."""
+    return scheme.split(MIXED_SCHEME) if scheme else []
+
+
 def config_scheme(config: dict) -> str | None:
-    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 from a checkpoint's config.json alone (exports without a manifest, exports
-    written by other tools); None for a model without a quantization_config or quantized otherwise (INT4, GPTQ, ...)."""
+    """nvfp4_w4a16 / nvfp4_w4a4 / fp8_w8a8 (or a mixed compressed-tensors export's schemes, group by group, joined:
+    nvfp4_w4a4+fp8_w8a8) from a checkpoint's config.json alone (exports without a manifest, exports written by other
+    tools); None for a model without a quantization_config or quantized otherwise (INT4, GPTQ, ...)."""
     q = config.get("quantization_config") or {}
     if q.get("quant_method") == "modelopt":
         return {"W4A16_NVFP4": "nvfp4_w4a16", "NVFP4": "nvfp4_w4a4", "FP8": "fp8_w8a8"}.get(q.get("quant_algo"))
     if q.get("quant_method") != "compressed-tensors":
         return None
-    group = next(iter(q.get("config_groups", {}).values()), {})
-    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
 
     def kind(args: dict) -> str | None:  # NVFP4: E2M1 in blocks of 16; FP8: E4M3
         if args.get("type") == "float" and args.get("num_bits") == 4 and args.get("group_size") == 16:
             return "nvfp4"
         return "fp8" if args.get("type") == "float" and args.get("num_bits") == 8 else None
 
-    return {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4",
-            ("fp8", "fp8"): "fp8_w8a8"}.get((kind(weights), kind(inputs) if inputs else None))
+    schemes = []
+    for group in q.get("config_groups", {}).values():
+        weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+        scheme = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4",
+                  ("fp8", "fp8"): "fp8_w8a8"}.get((kind(weights), kind(inputs) if inputs else None))
+        if scheme is None:
+            return None
+        schemes.append(scheme)
+    return MIXED_SCHEME.join(dict.fromkeys(schemes)) or None

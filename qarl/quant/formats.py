@@ -280,11 +280,15 @@ def quantizer_settings(fmt: QuantFormat | None) -> dict[str, Any]:
     its settings}}, which equals no uniform format's."""
     if fmt is None:
         return {"weight": None, "input": None}
-    by_layer = {layer: {"weight": _probe(fmt, "weight_quantizer", f"model.layers.0.{layer}"),
-                        "input": _probe(fmt, "input_quantizer", f"model.layers.0.{layer}")}
-                for layer in DECODER_LINEARS}
+    by_layer = {layer: layer_settings(fmt, f"model.layers.0.{layer}") for layer in DECODER_LINEARS}
     first = by_layer[DECODER_LINEARS[0]]
     return first if all(settings == first for settings in by_layer.values()) else {MIXED: by_layer}
+
+
+def layer_settings(fmt: QuantFormat, module: str) -> dict[str, Any]:
+    """{'weight': settings or None, 'input': settings or None} that `fmt` gives the linear layer named `module` (a
+    checkpoint name, e.g. model.layers.3.mlp.down_proj), by ModelOpt's list semantics."""
+    return {"weight": _probe(fmt, "weight_quantizer", module), "input": _probe(fmt, "input_quantizer", module)}
 
 
 def quantizes_kv_cache(fmt: QuantFormat | None) -> bool:

