@@ -64,8 +64,8 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
     out as its ModelCompressor.update_config writes it. Every linear layer that is not exported quantized
     (e.g. lm_head, a MoE router, which transformers holds as its own module with a 2-D weight) is listed in
     `ignore`, where vLLM looks before it builds a layer quantized. An FP8 KV cache adds `kv_cache_scheme` (FP8,
-    per-tensor, symmetric, static). A mixed export (`scheme` nvfp4_w4a4+fp8_w8a8) has a config group per scheme, each
-    naming its layers (a class target beside names would leave compressed-tensors warning that the names it matched
+    per-tensor, symmetric, static). A mixed export (`scheme` nvfp4_w4a4+fp8_w8a8) has a config group per scheme its
+    layers have, each naming its layers (a class target beside names would leave compressed-tensors warning that the names it matched
     through the class matched nothing) with its own format, under the config's "mixed-precision"."""
     import compressed_tensors
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
@@ -79,7 +79,7 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
             weight is not None and weight.dim() == 2 and not isinstance(module, torch.nn.Embedding))
 
     ignore = sorted(name for name, module in model.named_modules() if linear(module) and name not in layers)
-    parts = scheme_parts(scheme)
+    parts = [part for part in scheme_parts(scheme) if any(layer.scheme == part for layer in layers.values())]
     groups = {}
     for i, part in enumerate(parts):
         targets = ["Linear"] if len(parts) == 1 else sorted(n for n, layer in layers.items() if layer.scheme == part)

@@ -28,9 +28,10 @@ from safetensors.torch import save_file
 from qarl.config import ConfigError, PolicyConfig
 from qarl.console import progress_bar, timed
 from qarl.dir_lock import check_out_dir
-from qarl.export.targets import MIXED_SCHEME, ExportTarget, check_target_matches, load_target, scheme_parts
+from qarl.export.targets import (MIXED_SCHEME, SCHEMES, ExportTarget, check_target_matches, layer_scheme, load_target,
+                                 scheme_parts)
 from qarl.files import give_umask_modes
-from qarl.models.experts import split_expert_weights
+from qarl.models.experts import has_experts, split_expert_weights
 from qarl.quant import FUSED_SIBLINGS
 from qarl.quant.codes import (FP8Weight, NVFP4Weight, device_kernel, encode_fp8, encode_nvfp4, fp8_fake_quant,
                               fp8_kernel_scale)
@@ -39,8 +40,6 @@ from qarl.quant.formats import (FP8, MIXED, NVFP4, QuantFormat, bits_format, is_
 from qarl.quant.packed import is_placeholder, placeholder, stored_codes
 from qarl.run_dir import is_run_or_checkpoint
 
-# (weight kind, input kind) of a quantized linear layer -> scheme name used by the format modules.
-SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
 MIXABLE_SCHEMES = ("nvfp4_w4a4", "fp8_w8a8")  # the schemes one export may mix, layer by layer
 MANIFEST = "qarl_export.json"
 W4A4_SERVING = ("vLLM computes NVFP4 W4A4 with 4-bit activations on GPUs with FP4 tensor cores (compute capability "
@@ -93,33 +92,28 @@ def target_scheme(target: ExportTarget) -> str:
     for layer in settings[MIXED].values() if MIXED in settings else [settings]:
         if layer == quantizer_settings(None) and MIXED in settings:
             continue
-        weight, inputs = (bits_format(s["num_bits"]) if s else None for s in (layer["weight"], layer["input"]))
-        scheme = SCHEMES.get((weight, inputs))
+        scheme = layer_scheme(layer)
         if scheme is None:
             raise ConfigError(f"export target {target.source}: quant format {target.quant_format} quantizes linear "
                               f"layers as {layer}; exportable schemes are {sorted(SCHEMES.values())}")
         if scheme not in schemes:
             schemes.append(scheme)
-    if len(schemes) > 1 and target.disk_format != "compressed_tensors":
-        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} mixes {schemes} across "
-                          "layers, which only disk_format compressed_tensors writes (a config group per scheme)")
     if len(schemes) > 1 and not set(schemes) <= set(MIXABLE_SCHEMES):
         raise ConfigError(f"export target {target.source}: quant format {target.quant_format} mixes {schemes}; a mixed "
                           f"export's layers all quantize their inputs ({' and '.join(MIXABLE_SCHEMES)}): vLLM serves "
                           "W4A4 layers without FP4 tensor cores by its emulation, which has no weight-only form. Keep "
                           "the other layers wholly unquantized (quant_configs/nvfp4_w4a4_down_bf16.yaml) or in FP8 "
                           "(quant_configs/nvfp4_w4a4_down_fp8.yaml)")
+    if len(schemes) > 1 and target.disk_format != "compressed_tensors":
+        raise ConfigError(f"export target {target.source}: quant format {target.quant_format} mixes {schemes} across "
+                          "layers, which only disk_format compressed_tensors writes (a config group per scheme)")
     return MIXED_SCHEME.join(schemes)
 
 
 def expected_scheme(fmt: QuantFormat, scheme: str, layer: str) -> str | None:
     """The scheme the export writes `layer` in: the target's one scheme, or in a mixed one the scheme its format gives
     that layer by name (None: a layer the format leaves unquantized)."""
-    if MIXED_SCHEME not in scheme:
-        return scheme
-    settings = layer_settings(fmt, layer)
-    kinds = tuple(bits_format(s["num_bits"]) if s else None for s in (settings["weight"], settings["input"]))
-    return SCHEMES.get(kinds)
+    return layer_scheme(layer_settings(fmt, layer)) if MIXED_SCHEME in scheme else scheme
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -138,6 +132,7 @@ def load_source(source: str | Path, target: ExportTarget, calibrate: bool = Fals
     from qarl.policy import build_policy
     from qarl.quant.state_file import trained_fp8_kernel
 
+    target_scheme(target)  # a target that writes no format is refused before anything loads
     path = Path(str(source)).expanduser()
     is_checkpoint = is_run_or_checkpoint(path)
     if not is_checkpoint and not calibrate:
@@ -410,6 +405,11 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
     fmt_module = format_module(target.disk_format)
 
     model = policy.model
+    if MIXED_SCHEME in scheme and has_experts(model):
+        raise ConfigError(f"target {target.name} mixes {scheme_parts(scheme)} by layer name, and a Mixture-of-Experts "
+                          "layer's fused experts name their quantizers otherwise (down_proj_weight_quantizers): which "
+                          "scheme each expert trained in is not what the format's names say, so a mixed export of this "
+                          "model is not written; export a dense model, or train the MoE model in a uniform format")
     fp8_kernel = fp8_kernel or device_kernel(policy.device)
     master = master_tensors(model)
     tensors = dict(master)
@@ -472,7 +472,8 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "source": source,
         "out_dir": str(out_dir),
         "quantized_layers": len(layers),
-        "layers_by_scheme": {part: sum(layer.scheme == part for layer in layers.values()) for part in scheme_parts(scheme)},
+        "layers_by_scheme": {part: sum(layer.scheme == part for layer in layers.values())
+                             for part in scheme_parts(scheme)},
         "kv_cache": {"dtype": "fp8", "attention_layers": len(kv_cache)} if kv_cache else None,
         "fp8_kernel": fp8_kernel,
         "fused_groups_sharing_scales": groups,
@@ -487,7 +488,7 @@ def export_policy(policy, target: ExportTarget | str | Path, out_dir: str | Path
         "unquantized_tensors": {k: str(v.dtype)[6:] for k, v in sorted(tensors.items()) if k not in quantized_keys},
     }
     summary["export_vs_bf16"] = summary["export_bytes"] / summary["bf16_bytes"]
-    if "nvfp4_w4a4" in scheme_parts(scheme):  # vLLM's default kernel without FP4 tensor cores drops the activation format
+    if "nvfp4_w4a4" in scheme_parts(scheme):  # vLLM's default kernel without FP4 tensor cores drops 4-bit inputs
         summary["serving"] = W4A4_SERVING
     if lora_policy is not None:
         summary["lora"] = {"mode": lora_policy.lora.mode, "adapter_dir": ADAPTER_DIR if adapter_bytes else None,

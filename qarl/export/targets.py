@@ -146,9 +146,9 @@ def check_target_matches(trained: QuantFormat, target: ExportTarget) -> None:
             "per layer and max-mapped block scales), so this model is a training-time result: evaluate it as trained "
             "(`qarl eval`, the fake-quantized policy and qarl's engine), or train with nvfp4_w4a4 to export")
     if MIXED in have and have != want:
-        fitting = _fitting_targets(have)
         mixed, have = have, _uniform_but_unquantized(have[MIXED])
         if MIXED in have:
+            fitting = _fitting_targets(mixed)
             kinds = {layer.split(".")[-1]: f"weights {_bits(s['weight'])}, inputs {_bits(s['input'])}"
                      for layer, s in mixed[MIXED].items()}
             raise ConfigError(
@@ -189,7 +189,17 @@ def _uniform_but_unquantized(by_layer: dict[str, dict]) -> dict[str, Any]:
     return {MIXED: by_layer}
 
 
-MIXED_SCHEME = "+"  # joins the schemes of a mixed export, its main scheme first: nvfp4_w4a4+fp8_w8a8
+# (weight kind, input kind) of a quantized linear layer -> its scheme, the name the format modules write it under
+SCHEMES = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4", ("fp8", "fp8"): "fp8_w8a8"}
+MIXED_SCHEME = "+"  # joins a mixed export's schemes, in the decoder's layer order: nvfp4_w4a4+fp8_w8a8
+
+
+def layer_scheme(settings: dict[str, Any]) -> str | None:
+    """The scheme of a linear layer whose quantizers have these settings (`layer_settings`); None: no scheme's."""
+    from qarl.quant.formats import bits_format
+
+    kinds = tuple(bits_format(s["num_bits"]) if s else None for s in (settings["weight"], settings["input"]))
+    return SCHEMES.get(kinds)
 
 
 def scheme_parts(scheme: str | None) -> list[str]:
@@ -215,8 +225,7 @@ def config_scheme(config: dict) -> str | None:
     schemes = []
     for group in q.get("config_groups", {}).values():
         weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
-        scheme = {("nvfp4", None): "nvfp4_w4a16", ("nvfp4", "nvfp4"): "nvfp4_w4a4",
-                  ("fp8", "fp8"): "fp8_w8a8"}.get((kind(weights), kind(inputs) if inputs else None))
+        scheme = SCHEMES.get((kind(weights), kind(inputs) if inputs else None))
         if scheme is None:
             return None
         schemes.append(scheme)

@@ -400,7 +400,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         with timed("transformers+compressed-tensors: loading the export"):
             loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference,
                                                                        None, fp8_kernel)
-        if scheme.startswith("nvfp4"):
+        if any(part.startswith("nvfp4") for part in scheme_parts(scheme)):
             dtype = next(policy.model.parameters()).dtype
             with timed(f"transformers+compressed-tensors: loading the export, {str(dtype)[6:]} decompression"):
                 loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
@@ -417,7 +417,8 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders
     if lora_policy is not None and (export_dir / ADAPTER_DIR).is_dir():
-        dtype = next(policy.model.parameters()).dtype if scheme.startswith("nvfp4") else None
+        nvfp4 = any(part.startswith("nvfp4") for part in scheme_parts(scheme))
+        dtype = next(policy.model.parameters()).dtype if nvfp4 else None
         report["adapter_loaders"] = _adapter_loaders(export_dir, lora_policy, tensors, config, fmt_module, ids, mask,
                                                      dtype)
     w = report["weights"]

@@ -20,7 +20,7 @@ import torch
 
 from qarl.config import ConfigError
 from qarl.distributed import is_main_process
-from qarl.export.targets import scheme_parts
+from qarl.export.targets import config_scheme, scheme_parts
 
 FP4_TENSOR_CORES = (10, 0)  # the compute capability from which vLLM has W4A4 kernels of its own (Blackwell)
 
@@ -28,8 +28,6 @@ FP4_TENSOR_CORES = (10, 0)  # the compute capability from which vLLM has W4A4 ke
 def export_scheme(model_dir: str | Path) -> str | None:
     """The scheme of the export in `model_dir` (nvfp4_w4a16, nvfp4_w4a4, fp8_w8a8, or a mixed export's, e.g.
     nvfp4_w4a4+fp8_w8a8) from its config.json; None for a model that is not quantized or not in these schemes."""
-    from qarl.export.targets import config_scheme
-
     config = Path(model_dir) / "config.json"
     return config_scheme(json.loads(config.read_text())) if config.is_file() else None
 

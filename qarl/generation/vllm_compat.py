@@ -206,8 +206,10 @@ def tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def short_matmuls_round_as_tall() -> bool:
     """Whether this process's CPU BLAS gives the rows of a short fp32 product (a decode step's, through `tall_linear`)
-    the bits of a tall one's (the policy's scoring), at a shape where MKL without its strict reproducibility does not
-    (1024 x 256 on two threads; qarl sets MKL_CBWR, which MKL reads at its first call: qarl/__init__.py)."""
+    the bits of a tall one's (the policy's scoring), at the shape where MKL without its strict reproducibility was seen
+    not to (1024 x 256, 8-175 rows, 2-16 threads; qarl sets MKL_CBWR, which MKL reads at its first call:
+    qarl/__init__.py). A symptom check at this process's thread count: where it passes, another shape may still
+    differ on another CPU."""
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(256, 1024, generator=generator), torch.randn(512, 1024, generator=generator)
     tall = torch.nn.functional.linear(x, weight)

@@ -224,10 +224,12 @@ class VLLMEngine:
             vllm_compat.keep_cpu_weights_plain()  # vLLM's CPU linears keep plain weights a refit can write into
             vllm_compat.keep_cpu_experts_plain()  # and so do its MoE layers' experts
             if not vllm_compat.short_matmuls_round_as_tall():
-                warnings.warn("qarl: this process's CPU matmuls round a few rows otherwise than many (MKL without strict "
-                              "reproducibility: something multiplied before qarl was imported), so the engine's log-probs "
-                              "will sit at fp32's floor of the policy's, not on them: start Python with "
-                              "MKL_CBWR=AUTO,STRICT in the environment", RuntimeWarning, stacklevel=2)
+                blas = (f"MKL with MKL_CBWR={os.environ.get('MKL_CBWR')!r}: it takes effect only when set before "
+                        "MKL's first call; start Python with MKL_CBWR=AUTO,STRICT in the environment"
+                        if torch.backends.mkl.is_available() else "a BLAS other than MKL: qarl knows no setting for it")
+                warnings.warn("qarl: this process's CPU matmuls round a few rows otherwise than many, so the engine's "
+                              f"log-probs will sit at fp32's floor of the policy's, not on them ({blas})",
+                              RuntimeWarning, stacklevel=2)
             from qarl.models.cpu_moe import route, shared_expert_gate  # (it imports this package: not at the top)
 
             vllm_compat.route_cpu_experts(route)  # its MoE routes and gates as the policy's (cpu_moe.py)

@@ -378,12 +378,13 @@ def test_a_w4a4_model_with_down_proj_in_fp8_exports_as_two_schemes(tmp_path):
     assert groups["float-quantized"] == downs, groups
     assert len(groups["nvfp4-pack-quantized"]) == 12 and not set(downs) & set(groups["nvfp4-pack-quantized"])
     stored = tensors(out)
-    quantized = [(name, module) for name, module in quantized_linears(policy.model) if module.weight_quantizer.is_enabled]
+    quantized = [(n, m) for n, m in quantized_linears(policy.model) if m.weight_quantizer.is_enabled]
     assert len(quantized) == 14
     for name, module in quantized:
         fp8 = name.endswith("down_proj")
-        assert (stored.get(f"{name}.weight") is not None and stored[f"{name}.weight"].dtype == torch.float8_e4m3fn) \
-            == fp8 and (f"{name}.weight_packed" in stored) != fp8, name
+        weight = stored.get(f"{name}.weight")
+        assert (weight is not None and weight.dtype == torch.float8_e4m3fn) == fp8, name
+        assert (f"{name}.weight_packed" in stored) != fp8, name
         trained = module.weight_quantizer(module.weight).detach()
         assert (dequantize(stored, name, "compressed_tensors") - trained).abs().max() <= 1e-6 * trained.abs().max()
     report = verify_export(out, policy=policy, vllm=True)
@@ -392,7 +393,19 @@ def test_a_w4a4_model_with_down_proj_in_fp8_exports_as_two_schemes(tmp_path):
     assert loaders["qarl-decode"]["max_abs_logit_diff"] <= 1e-5, loaders
     decompressed = loaders["transformers+compressed-tensors (float32 decompression)"]
     assert decompressed["status"] == "ok" and decompressed["max_abs_logit_diff"] <= 1e-5, decompressed
-    assert loaders["vllm"]["status"] == "needs GPU", loaders["vllm"]
+    assert loaders["vllm"]["status"] == ("ok" if torch.cuda.is_available() else "needs GPU"), loaders["vllm"]
+
+
+def test_a_mixed_export_of_a_mixture_of_experts_model_is_refused(tmp_path):
+    """A MoE layer's fused experts name their quantizers otherwise than the mix's layer names (down_proj_weight_quantizers
+    against *down_proj.weight_quantizer): their down projection trained NVFP4 while the names say FP8. Refused by name,
+    nothing written."""
+    torch.manual_seed(0)
+    policy = build_policy(PolicyConfig(quant_calib_size=16), CALIB, model_dir=resolve_model_dir("embedded:tiny-qwen3moe"),
+                          fmt=resolve_format("quant_configs/nvfp4_w4a4_down_fp8.yaml"))
+    with pytest.raises(ConfigError, match="Mixture-of-Experts layer's fused experts"):
+        export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # (the compressed-tensors export's test above holds the default suite's check)
@@ -515,6 +528,7 @@ def test_target_files_are_valid():
     from qarl.export import load_target, shipped_targets
 
     assert sorted(shipped_targets()) == sorted([*TARGETS, "nvfp4_w4a4_down_fp8_compressed_tensors"])  # (+ a mix)
+    assert load_target("nvfp4_w4a4_down_fp8_compressed_tensors").disk_format == "compressed_tensors"
     for name in TARGETS:
         target = load_target(name)
         assert target.disk_format == ("modelopt_hf" if name.endswith("modelopt") else "compressed_tensors")

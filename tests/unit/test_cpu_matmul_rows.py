@@ -31,7 +31,6 @@ def test_short_cpu_matmuls_are_computed_as_the_rows_of_a_tall_one():
         torch.set_num_threads(threads)
 
 
-
 def test_the_engines_start_up_probe_finds_the_rows_agree():
     """`short_matmuls_round_as_tall`, which an engine on CPU checks at its start (and warns, naming MKL_CBWR, where it
     fails: a program that multiplied before importing qarl), holds in a qarl process on two threads."""

@@ -69,7 +69,7 @@ def test_the_w4a4_share_counts_the_layers_whose_weights_and_inputs_are_nvfp4(tas
 def test_w4a4_with_down_proj_in_fp8_exports_to_its_own_target_only(tmp_path):
     """nvfp4_w4a4_down_fp8: down_proj in FP8 W8A8, the rest NVFP4 W4A4. Its compressed-tensors target writes both
     schemes; a uniform target names the one that fits; a ModelOpt target of the mix, and a mix with a weight-only layer,
-    are refused when the target loads, each naming why."""
+    are refused from the target alone (before a checkpoint loads), each naming why."""
     down_fp8 = resolve_format(DOWN_FP8)
     layers = quantizer_settings(down_fp8)[MIXED]
     assert layers["mlp.down_proj"] == quantizer_settings(resolve_format("fp8_w8a8"))
