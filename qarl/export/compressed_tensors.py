@@ -65,8 +65,8 @@ def write_config(out_dir: Path, model: torch.nn.Module, layers: dict, scheme: st
     (e.g. lm_head, a MoE router, which transformers holds as its own module with a 2-D weight) is listed in
     `ignore`, where vLLM looks before it builds a layer quantized. An FP8 KV cache adds `kv_cache_scheme` (FP8,
     per-tensor, symmetric, static). A mixed export (`scheme` nvfp4_w4a4+fp8_w8a8) has a config group per scheme its
-    layers have, each naming its layers (a class target beside names would leave compressed-tensors warning that the names it matched
-    through the class matched nothing) with its own format, under the config's "mixed-precision"."""
+    layers have, each naming its layers (a class target beside names would leave compressed-tensors warning that the
+    names it matched through the class matched nothing) with its own format, under the config's "mixed-precision"."""
     import compressed_tensors
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
                                                  preset_name_to_scheme)
