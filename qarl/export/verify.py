@@ -374,6 +374,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         policy = dataclasses.replace(policy, model=deployable_model(policy.model), lora=None)
     tensors = _load_tensors(export_dir)
     fp8_kernel = manifest.get("fp8_kernel") or device_kernel(policy.device)  # the kernel the export reproduces
+    nvfp4 = any(part.startswith("nvfp4") for part in scheme_parts(scheme))  # transformers decompresses it in bf16
     report: dict[str, Any] = {"export_dir": str(export_dir), "disk_format": disk_format, "scheme": scheme,
                               "reference": reference_name, "fp8_kernel": fp8_kernel}
     report["weights"] = check_weights(tensors, config, policy, fmt_module, fp8_kernel)
@@ -400,7 +401,7 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         with timed("transformers+compressed-tensors: loading the export"):
             loaders["transformers+compressed-tensors"] = _transformers(export_dir, policy, ids, mask, reference,
                                                                        None, fp8_kernel)
-        if any(part.startswith("nvfp4") for part in scheme_parts(scheme)):
+        if nvfp4:
             dtype = next(policy.model.parameters()).dtype
             with timed(f"transformers+compressed-tensors: loading the export, {str(dtype)[6:]} decompression"):
                 loaders[f"transformers+compressed-tensors ({str(dtype)[6:]} decompression)"] = _transformers(
@@ -417,7 +418,6 @@ def verify_export(export_dir: str | Path, checkpoint: str | Path | None = None, 
         loaders["vllm"] = {"status": "not run", "why": "pass vllm=True (--vllm) to start a vLLM engine"}
     report["loaders"] = loaders
     if lora_policy is not None and (export_dir / ADAPTER_DIR).is_dir():
-        nvfp4 = any(part.startswith("nvfp4") for part in scheme_parts(scheme))
         dtype = next(policy.model.parameters()).dtype if nvfp4 else None
         report["adapter_loaders"] = _adapter_loaders(export_dir, lora_policy, tensors, config, fmt_module, ids, mask,
                                                      dtype)
