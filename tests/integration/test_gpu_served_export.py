@@ -77,6 +77,43 @@ def test_a_w4a4_export_with_down_proj_in_fp8_is_served_in_both_schemes(task, tmp
     assert served["mean_kl"] < 2e-2, served
 
 
+USER_SERVES_MIXED = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM
+from qarl.generation import vllm_compat
+llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.2)
+print(json.dumps(vllm_compat.layer_kernels(vllm_compat.runner_model(vllm_compat.worker_runner(
+    vllm_compat.in_process_worker(llm))))))
+"""
+
+
+def test_a_user_serves_the_mixed_export_as_the_docs_say(task, tmp_path):
+    """docs/guides/export.md's way to serve a mixed W4A4 + FP8 export with 4-bit activations on a GPU without FP4
+    tensor cores, in a process of its own without qarl's engine options: VLLM_DISABLED_KERNELS=MarlinNvFp4LinearKernel
+    leaves vLLM its NVFP4 emulation for the W4A4 layers and its FP8 kernel for down_proj."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from qarl.export import export_policy
+    from qarl.models.resolve import resolve_model_dir
+
+    if torch.cuda.get_device_capability() >= served_export.FP4_TENSOR_CORES:
+        pytest.skip("vLLM picks W4A4 kernels of its own here")
+    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_w4a4_down_fp8.yaml", model_name=MODEL,
+                         dtype="bfloat16")
+    export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", tmp_path / "out")
+    env = {**os.environ, "VLLM_DISABLED_KERNELS": "MarlinNvFp4LinearKernel"}
+    done = subprocess.run([sys.executable, "-c", USER_SERVES_MIXED, str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"served as the docs say: {kernels}")
+    assert kernels.get("EmulationNvFp4LinearKernel") == 18 and sum(kernels.values()) == 24, kernels  # 6 layers
+
+
 def test_the_matrix_engine_serves_a_w4a4_export_with_its_activations(w4a4, task, tmp_path):
     """The engine `qarl matrix` evaluates an export in (CUDA graphs, as the matrix runs it) takes the same kernels and
     says so (`served_kernels`, which the matrix reports)."""
