@@ -2,6 +2,7 @@
 
     python benchmarks/w4a4_methods_cpu.py [--prompts 32] [--out benchmarks/results/w4a4_methods_cpu.md]
     python benchmarks/w4a4_methods_cpu.py --config QUANT_CFG ... [--out benchmarks/results/w4a4_configs_cpu.md]
+    ... [--splits test transfer]   (the held-out prompts of each split: the transfer split's templates training never saw)
 
 Each method is simulated on the real model in fp32 on the CPU (every decoder linear layer's weight and input fake-
 quantized by qarl's NVFP4 CPU kernel, which is bit-identical to ModelOpt's GPU one; inputs with the per-tensor amax
@@ -238,6 +239,8 @@ def main() -> None:
                         "--config w4a4_configs_cpu.md)")
     parser.add_argument("--only", nargs="*", help="run only the methods whose names contain one of these (printed, "
                         "not written to --out)")
+    parser.add_argument("--splits", nargs="+", default=["test"], choices=["test", "transfer"],
+                        help="the splits whose held-out problems are scored, each its own columns")
     parser.add_argument("--config", nargs="+", metavar="QUANT_CFG", help="score these quant configs as training runs "
                         "them, instead of the simulated methods")
     args = parser.parse_args()
@@ -258,12 +261,14 @@ def main() -> None:
                  for r in rows]
         return tokenizer(texts, return_tensors="pt", padding=True)
 
-    held_out, calibration = batch("test", args.prompts), batch("train", 32)
+    calibration = batch("train", 32)
+    held_out = {split: batch(split, args.prompts) for split in args.splits}
     load = lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # noqa: E731
     with torch.no_grad():
-        reference = load()(**held_out).logits.float().log_softmax(-1)
-    mask = held_out["attention_mask"].bool()
-    config = load().config
+        unquantized = load()
+        reference = {split: unquantized(**inputs).logits.float().log_softmax(-1) for split, inputs in held_out.items()}
+    config = unquantized.config
+    del unquantized
     if configs:
         candidates = [(f"`{spec}`", lambda fmt=fmt: quantize_policy(load(), fmt, lambda: [calibration]))
                       for spec, fmt in configs]
@@ -277,18 +282,28 @@ def main() -> None:
     for name, build in candidates:
         start = time.perf_counter()
         model = build()
-        with torch.no_grad():
-            logp = model(**held_out).logits.float().log_softmax(-1)
-        kl = (reference.exp() * (reference - logp)).sum(-1)[mask].mean().item()
-        agree = (reference.argmax(-1) == logp.argmax(-1))[mask].float().mean().item()
-        rows.append(f"| {name} | {kl:.3f} | {agree:.3f} |")
-        print(f"{name:60s} KL {kl:.4f} top-1 {agree:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+        cells = []
+        for split, inputs in held_out.items():
+            mask = inputs["attention_mask"].bool()
+            with torch.no_grad():
+                logp = model(**inputs).logits.float().log_softmax(-1)
+            kl = (reference[split].exp() * (reference[split] - logp)).sum(-1)[mask].mean().item()
+            agree = (reference[split].argmax(-1) == logp.argmax(-1))[mask].float().mean().item()
+            cells.append(f"{kl:.3f} | {agree:.3f}")
+            print(f"{name:60s} {split}: KL {kl:.4f} top-1 {agree:.3f}", flush=True)
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+        print(f"({time.perf_counter() - start:.0f} s)", flush=True)
     if args.only:
         return
     command = " ".join(["python benchmarks/w4a4_methods_cpu.py", f"--prompts {args.prompts}",
+                        *(["--splits", *args.splits] if args.splits != ["test"] else []),
                         *(["--config", *args.config] if configs else [])])
-    table = "\n".join(["| method | KL to the unquantized model | top-1 agreement |", "|---|---|---|", *rows])
-    Path(out).write_text(f"`{command}` (SmolLM2-135M-Instruct, CPU, fp32; {int(mask.sum())} tokens)\n\n{table}\n")
+    named = len(args.splits) > 1
+    header = "".join(f" | KL to the unquantized model{f' ({s})' if named else ''} | top-1 agreement"
+                     f"{f' ({s})' if named else ''}" for s in args.splits)
+    table = "\n".join([f"| method{header} |", "|---" * (1 + 2 * len(args.splits)) + "|", *rows])
+    tokens = ", ".join(f"{int(inputs['attention_mask'].sum())} tokens ({split})" for split, inputs in held_out.items())
+    Path(out).write_text(f"`{command}` (SmolLM2-135M-Instruct, CPU, fp32; {tokens})\n\n{table}\n")
 
 
 if __name__ == "__main__":
