@@ -662,7 +662,7 @@ def serve_nvfp4_w4a4_by_emulation() -> None:
     a checkpoint with NVFP4 layers alone; vLLM 0.26 refuses it for one that mixes in FP8 layers (no FP8 kernel is an
     "emulation" one), which keep their own kernel here. The emulation serves W4A4 only (vLLM forces Marlin for a
     weight-only checkpoint, whatever the list). Before the engine loads; idempotent; in this process (qarl's engines
-    run in-process). Checked: 0.32.0 (CPU), 0.26.0 (GPU)."""
+    run in-process). Checked: 0.32.0 (CPU); read in 0.26.0's source (GPU), not yet run there."""
     check_version()
     from vllm.model_executor.kernels import linear as vllm_linear_kernels
     from vllm.platforms import current_platform
