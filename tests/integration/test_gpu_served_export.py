@@ -32,6 +32,19 @@ def w4a4(task):
                        dtype="bfloat16")
 
 
+@pytest.fixture(scope="module")
+def down_proj_in_fp8(task, tmp_path_factory):
+    """(the policy, its mixed export): quant_configs/nvfp4_w4a4_down_fp8.yaml, two compressed-tensors schemes."""
+    from qarl.export import export_policy
+    from qarl.models.resolve import resolve_model_dir
+
+    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_w4a4_down_fp8.yaml", model_name=MODEL,
+                         dtype="bfloat16")
+    out = tmp_path_factory.mktemp("down_proj_in_fp8") / "out"
+    export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", out)
+    return policy, out
+
+
 def _w4a4_kernels(kernels: dict[str, int]) -> None:
     """Kernels that quantize the activations: the emulation where vLLM has no W4A4 kernel of its own."""
     assert kernels and not set(kernels) & vllm_compat.WEIGHT_ONLY_NVFP4_KERNELS, kernels
@@ -56,17 +69,14 @@ def test_a_w4a4_export_is_served_with_4_bit_activations(w4a4, tmp_path, target):
     assert served["mean_kl"] < 2e-2, served
 
 
-def test_a_w4a4_export_with_down_proj_in_fp8_is_served_in_both_schemes(task, tmp_path):
-    """The mixed export (quant_configs/nvfp4_w4a4_down_fp8.yaml, two compressed-tensors schemes): vLLM serves q/k/v/o
-    and gate/up with a W4A4 kernel (the emulation before Blackwell) and down_proj with an FP8 one, in one engine.
-    (Its files, groups and decoding are pinned on CPU: tests/integration/test_export.py.)"""
-    from qarl.export import export_policy, verify_export
-    from qarl.models.resolve import resolve_model_dir
+def test_a_w4a4_export_with_down_proj_in_fp8_is_served_in_both_schemes(down_proj_in_fp8):
+    """The mixed export: vLLM serves q/k/v/o and gate/up with a W4A4 kernel (the emulation before Blackwell) and
+    down_proj with an FP8 one, in one engine. (Its files, groups and decoding are pinned on CPU:
+    tests/integration/test_export.py.)"""
+    from qarl.export import verify_export
 
-    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_w4a4_down_fp8.yaml", model_name=MODEL,
-                         dtype="bfloat16")
-    export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", tmp_path / "out")
-    report = verify_export(tmp_path / "out", policy=policy, vllm=True)
+    policy, out = down_proj_in_fp8
+    report = verify_export(out, policy=policy, vllm=True)
     served = report["loaders"]["vllm"]
     print(f"nvfp4_w4a4_down_fp8: {served}")
     assert report["ok"] and served["status"] == "ok", served
@@ -88,7 +98,7 @@ print(json.dumps(vllm_compat.layer_kernels(vllm_compat.runner_model(vllm_compat.
 """
 
 
-def test_a_user_serves_the_mixed_export_as_the_docs_say(task, tmp_path):
+def test_a_user_serves_the_mixed_export_as_the_docs_say(down_proj_in_fp8):
     """docs/guides/export.md's way to serve a mixed W4A4 + FP8 export with 4-bit activations on a GPU without FP4
     tensor cores, in a process of its own without qarl's engine options: VLLM_DISABLED_KERNELS=MarlinNvFp4LinearKernel
     leaves vLLM its NVFP4 emulation for the W4A4 layers and its FP8 kernel for down_proj."""
@@ -97,16 +107,11 @@ def test_a_user_serves_the_mixed_export_as_the_docs_say(task, tmp_path):
     import subprocess
     import sys
 
-    from qarl.export import export_policy
-    from qarl.models.resolve import resolve_model_dir
-
     if torch.cuda.get_device_capability() >= served_export.FP4_TENSOR_CORES:
         pytest.skip("vLLM picks W4A4 kernels of its own here")
-    policy = tiny_policy(task, resolve_model_dir(MODEL), "quant_configs/nvfp4_w4a4_down_fp8.yaml", model_name=MODEL,
-                         dtype="bfloat16")
-    export_policy(policy, "nvfp4_w4a4_down_fp8_compressed_tensors", tmp_path / "out")
+    _, out = down_proj_in_fp8
     env = {**os.environ, "VLLM_DISABLED_KERNELS": "MarlinNvFp4LinearKernel"}
-    done = subprocess.run([sys.executable, "-c", USER_SERVES_MIXED, str(tmp_path / "out")], env=env,
+    done = subprocess.run([sys.executable, "-c", USER_SERVES_MIXED, str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))  # vLLM logs
