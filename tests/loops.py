@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,29 +111,55 @@ class Runs:
         """The run; what it printed is kept beside its directory (`console`)."""
         def make(run_dir: Path) -> None:
             done = subprocess.run(loop.command(run_dir), timeout=600, capture_output=True, text=True)
-            (run_dir.parent / "stdout.txt").write_text(done.stdout)
-            (run_dir.parent / "stderr.txt").write_text(done.stderr)
+            keep_console(run_dir, done)
             assert done.returncode == 0, done.stderr[-3000:]
 
         return self._once(loop, "uninterrupted", make)
 
     def console(self, loop: Loop) -> tuple[str, str]:
         """(stdout, stderr) of the uninterrupted run: a log's, not a terminal's."""
-        root = self.uninterrupted(loop).parent
-        return (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
+        run_dir = self.uninterrupted(loop)
+        return tuple(console_file(run_dir, stream).read_text() for stream in ("stdout", "stderr"))
 
     def resumed(self, loop: Loop) -> Path:
+        """The killed run resumed; the killed run's directory is kept beside it (`killed`) for `resume_again`."""
         def make(run_dir: Path) -> None:
             kill_after_first_checkpoint(loop.command(run_dir), run_dir)
             assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
             assert not (run_dir / "checkpoints" / "step_3").exists()
-            resumed = subprocess.run(loop.command(run_dir, "trainer.resume=true"), check=True, timeout=600,
-                                     capture_output=True, text=True)
-            # kept for a failure's message: a resumed run has twice (rarely, with other vLLM tests beside it) read an
-            # engine-side mismatch at its first step that the same checkpoint resumed again did not
-            (run_dir.parent / "stdout.txt").write_text(resumed.stdout)
-            (run_dir.parent / "stderr.txt").write_text(resumed.stderr)
+            shutil.copytree(run_dir, run_dir.parent / "killed")  # ~10 MB
+            resumed = resume(loop, run_dir)
             assert "resuming from step 2" in resumed.stdout, resumed.stdout[-2000:]
             assert "taking over the lock left by pid" in resumed.stdout  # the killed run's (qarl/dir_lock.py)
 
         return self._once(loop, "resumed", make)
+
+    def resume_again(self, loop: Loop) -> Path:
+        """The killed run resumed once more, in a new process from a copy of its directory: for a failure's message.
+        A resumed run has twice (in about a hundred) read an engine-side mismatch at its first step and a final
+        evaluation apart from the uninterrupted run's, with checkpoints equal to the byte; this tells whether the
+        same files resumed again do too (then the state is at fault) or not (the process)."""
+        killed = self.resumed(loop).parent / "killed"
+        again = killed.parent / "again"
+        shutil.rmtree(again, ignore_errors=True)
+        shutil.copytree(killed, again)
+        resume(loop, again)
+        return again
+
+
+def resume(loop: Loop, run_dir: Path) -> subprocess.CompletedProcess:
+    """`loop`'s command with trainer.resume=true in `run_dir`; its console kept beside the directory."""
+    resumed = subprocess.run(loop.command(run_dir, "trainer.resume=true"), check=True, timeout=600,
+                             capture_output=True, text=True)
+    keep_console(run_dir, resumed)
+    return resumed
+
+
+def console_file(run_dir: Path, stream: str) -> Path:
+    """Where a run's stdout or stderr is kept: beside its directory."""
+    return run_dir.parent / f"{run_dir.name}.{stream}.txt"
+
+
+def keep_console(run_dir: Path, done: subprocess.CompletedProcess) -> None:
+    console_file(run_dir, "stdout").write_text(done.stdout)
+    console_file(run_dir, "stderr").write_text(done.stderr)

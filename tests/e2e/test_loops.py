@@ -7,13 +7,14 @@ tests/e2e/test_distill.py (QAD)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from qarl.checkpoint import complete_checkpoints, load_policy_checkpoint
 from qarl.config import PolicyConfig
 from qarl.metrics import read_metrics
-from tests.loops import EVAL_EVERY, GRPO, LOOPS, QAD, deterministic
+from tests.loops import EVAL_EVERY, GRPO, LOOPS, QAD, console_file, deterministic
 
 each_loop = pytest.mark.parametrize("loop", LOOPS, ids=[loop.name for loop in LOOPS])
 
@@ -63,12 +64,21 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(loop_runs, loop):
     written, no later checkpoint), then resumed with trainer.resume=true: every metric but the timings of the
     uninterrupted run."""
     resumed, uninterrupted = loop_runs.resumed(loop), loop_runs.uninterrupted(loop)
-    rows = deterministic(read_metrics(resumed / "metrics.jsonl"))
     expected = deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+    apart = metrics_apart(resumed, expected)
+    if apart:  # said with the resumed run's warnings and whether the same files resumed again agree
+        again = metrics_apart(loop_runs.resume_again(loop), expected)
+        pytest.fail(f"the resumed run's metrics differ from the uninterrupted run's: {apart}; resumed again from a "
+                    f"copy of the killed run: {again or 'equal'}; the resumed run's stderr:\n"
+                    + console_file(resumed, "stderr").read_text()[-3000:])
+
+
+def metrics_apart(run_dir: Path, expected: list[dict]) -> list[tuple]:
+    """(step, key, this run's value, expected value) of every deterministic metric that differs."""
+    rows = deterministic(read_metrics(run_dir / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [r["step"] for r in expected]
-    apart = [(a["step"], k, a.get(k), b.get(k)) for a, b in zip(rows, expected)
-             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    assert not apart, (apart, (resumed.parent / "stderr.txt").read_text()[-3000:])  # the resumed run's warnings
+    return [(a["step"], k, a.get(k), b.get(k)) for a, b in zip(rows, expected)
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 @each_loop
