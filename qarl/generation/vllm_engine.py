@@ -540,7 +540,7 @@ class VLLMEngine:
         the engine already holds from this policy model are skipped, and so are weights the policy shares
         with the engine (shared_weights.py); after the copy, the policy's weights that can share do. The
         weights stream into vLLM one at a time (a sharded policy gathers each from its shards as vLLM asks
-        for it)."""
+        for it). vLLM's prefix cache is cleared (its keys and values are the old weights'), or the refit raises."""
         from qarl.lora import served_adapters
 
         self.wake()
@@ -580,7 +580,10 @@ class VLLMEngine:
         moved += self.adapters.load(adapters, modules)
         if shared is not None:
             shared.link()
-        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        if not self.llm.reset_prefix_cache():  # cached KV was computed by the old weights
+            raise RuntimeError("the refit could not clear vLLM's prefix cache: requests still hold KV blocks (an "
+                               "unfinished generate), and later requests would reuse keys and values of the old "
+                               "weights; refit between generate calls")
         loaded = time.perf_counter()
         for layer, policy_quantizer in self._input_amax_links(policy_model):
             layer.input_amax.copy_(policy_quantizer.amax.reshape(()))

@@ -152,6 +152,25 @@ def test_a_training_step_changes_generation_after_refit(engine, make_policy, tas
     assert check.mean_abs < 1e-4
 
 
+def test_a_refit_that_cannot_clear_the_prefix_cache_stops(engine, make_policy, task):
+    """A request still holding KV blocks (an unfinished generate) keeps vLLM's prefix cache from resetting, which it
+    says only at a log level qarl hides: the refit refuses rather than let later requests reuse old keys."""
+    from vllm import SamplingParams
+
+    policy = make_policy("nvfp4_w4a4")
+    engine.set_quant_format(policy.format)
+    engine.refit(policy.model)
+    core = engine.llm.llm_engine
+    core.add_request("left-running", {"prompt_token_ids": _prompts(policy, task, 1)[0]}, SamplingParams(max_tokens=8))
+    core.step()  # prefilled: it holds its blocks
+    try:
+        with pytest.raises(RuntimeError, match="could not clear vLLM's prefix cache"):
+            engine.refit(policy.model)
+    finally:
+        core.abort_request(["left-running"])
+    engine.refit(policy.model)  # its blocks freed: the refit goes through
+
+
 def _rss() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
