@@ -121,7 +121,7 @@ def test_qa_grpo_steps_and_parity_on_the_real_model(smol_dir, tmp_path):
     run = tmp_path / "run"
     train = [sys.executable, "-m", "qarl", "train", "recipes/qa_grpo_smollm2.yaml", f"run.dir={run}",
              "policy.dtype=float32", "trainer.steps=2", "trainer.batch_size=4", "trainer.num_generations=2",
-             "eval.every=0", "policy.generation.max_new_tokens=16", "policy.quant_calib_size=8",
+             "eval.every=0", "policy.generation.max_new_tokens=80", "policy.quant_calib_size=8",
              "trainer.mask_truncated_completions=false", "trainer.soft_overlong_start_step=0"]
     subprocess.run(train, check=True)
     steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
